@@ -1,0 +1,147 @@
+"""The JSON-RPC 2.0 envelope: classify an incoming frame body, encode outgoing messages.
+
+Incoming bodies are decoded loosely first and then checked by hand, so that
+each way a message can be wrong gets its own precise error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from protocol.errors import ErrorKind, ErrorObject, RpcError
+
+RequestId = int | str
+
+_decoder = msgspec.json.Decoder()
+_encoder = msgspec.json.Encoder()
+
+
+class Request(msgspec.Struct, frozen=True):
+    id: RequestId
+    method: str
+    params: dict[str, Any] | None
+
+
+class Notification(msgspec.Struct, frozen=True):
+    method: str
+    params: dict[str, Any] | None
+
+
+class Response(msgspec.Struct, frozen=True):
+    """A response from the host. The worker sends no requests, so it is dropped."""
+
+    id: RequestId | None
+
+
+class Rejected(msgspec.Struct, frozen=True):
+    """A frame that is not a valid message; ``id`` is what the reply must carry."""
+
+    id: RequestId | None
+    error: RpcError
+
+
+Incoming = Request | Notification | Response | Rejected
+
+
+class OutgoingResult(msgspec.Struct, kw_only=True):
+    jsonrpc: str = "2.0"
+    id: RequestId
+    result: Any
+
+
+class OutgoingError(msgspec.Struct, kw_only=True):
+    jsonrpc: str = "2.0"
+    id: RequestId | None
+    error: ErrorObject
+
+
+class OutgoingNotification(msgspec.Struct, kw_only=True):
+    jsonrpc: str = "2.0"
+    method: str
+    params: Any
+
+
+def parse_incoming(body: bytes) -> Incoming:
+    try:
+        obj = _decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        return Rejected(None, RpcError(ErrorKind.PARSE_ERROR, f"Parse error: {exc}; send one valid JSON object."))
+    if isinstance(obj, list):
+        return Rejected(
+            None,
+            RpcError(
+                ErrorKind.BATCH_NOT_SUPPORTED,
+                "Batch requests are not supported; send each request as its own message.",
+            ),
+        )
+    if not isinstance(obj, dict):
+        return Rejected(None, _invalid(f"a message must be a JSON object, got {_json_type(obj)}"))
+    has_id = "id" in obj  # 0 and "" are valid ids: test the key, not the value
+    msg_id = obj.get("id")
+    if has_id and not _is_valid_id(msg_id):
+        return Rejected(None, _invalid(f"'id' must be an integer or a string, got {_json_type(msg_id)}", "id"))
+    reply_id = msg_id if has_id else None
+    if obj.get("jsonrpc") != "2.0":
+        got = "it is missing" if "jsonrpc" not in obj else f"got {obj['jsonrpc']!r}"
+        return Rejected(reply_id, _invalid(f"'jsonrpc' must be \"2.0\" ({got})", "jsonrpc"))
+    if "method" not in obj:
+        if has_id and ("result" in obj or "error" in obj):
+            return Response(msg_id)
+        return Rejected(reply_id, _invalid("'method' is missing", "method"))
+    method = obj["method"]
+    if not isinstance(method, str):
+        return Rejected(reply_id, _invalid(f"'method' must be a string, got {_json_type(method)}", "method"))
+    params = obj.get("params")
+    if params is not None and not isinstance(params, dict):
+        error = RpcError(
+            ErrorKind.INVALID_PARAMS,
+            f"Invalid params for '{method}': params must be an object of named fields, "
+            f"got {_json_type(params)}.",
+            field="params",
+            method=method,
+        )
+        return Rejected(reply_id, error)
+    return Request(msg_id, method, params) if has_id else Notification(method, params)
+
+
+def encode_result(msg_id: RequestId, result: Any) -> bytes:
+    return _encoder.encode(OutgoingResult(id=msg_id, result=result))
+
+
+def encode_error(msg_id: RequestId | None, error: RpcError) -> bytes:
+    return _encoder.encode(OutgoingError(id=msg_id, error=error.to_object()))
+
+
+def encode_notification(method: str, params: Any) -> bytes:
+    return _encoder.encode(OutgoingNotification(method=method, params=params))
+
+
+def _is_valid_id(value: object) -> bool:
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _invalid(what: str, field: str | None = None) -> RpcError:
+    return RpcError(
+        ErrorKind.INVALID_REQUEST,
+        f"Invalid request: {what}. A request looks like "
+        '{"jsonrpc":"2.0","id":1,"method":"capabilities","params":{}}.',
+        field=field,
+    )
+
+
+def _json_type(value: object) -> str:
+    match value:
+        case None:
+            return "null"
+        case bool():
+            return "a boolean"
+        case int() | float():
+            return "a number"
+        case str():
+            return "a string"
+        case list():
+            return "an array"
+        case _:
+            return "an object"

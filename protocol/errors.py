@@ -1,0 +1,92 @@
+"""Error codes, stable error kinds, and the exception that carries them.
+
+Every error the worker sends has a JSON-RPC ``code`` (coarse, for generic
+clients) and an ``error.data.kind`` (fine-grained and stable, for hosts that
+branch on it). Worker-defined codes live in -32000..-32019; -32096..-32099 are
+left to vscode-jsonrpc.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class ErrorKind(enum.StrEnum):
+    PARSE_ERROR = "parse_error"
+    MESSAGE_TOO_LARGE = "message_too_large"
+    INVALID_REQUEST = "invalid_request"
+    BATCH_NOT_SUPPORTED = "batch_not_supported"
+    DUPLICATE_ID = "duplicate_id"
+    METHOD_NOT_FOUND = "method_not_found"
+    INVALID_PARAMS = "invalid_params"
+    INTERNAL_ERROR = "internal_error"
+    REQUEST_CANCELLED = "request_cancelled"
+    SHUTTING_DOWN = "shutting_down"
+    MODEL_NOT_LOADED = "model_not_loaded"
+    MODEL_LOAD_FAILED = "model_load_failed"
+    BACKEND_NOT_FOUND = "backend_not_found"
+    BACKEND_UNAVAILABLE = "backend_unavailable"
+    CONTEXT_OVERFLOW = "context_overflow"
+    UNSUPPORTED = "unsupported"
+
+
+CODES: dict[ErrorKind, int] = {
+    ErrorKind.PARSE_ERROR: -32700,
+    ErrorKind.MESSAGE_TOO_LARGE: -32700,
+    ErrorKind.INVALID_REQUEST: -32600,
+    ErrorKind.BATCH_NOT_SUPPORTED: -32600,
+    ErrorKind.DUPLICATE_ID: -32600,
+    ErrorKind.METHOD_NOT_FOUND: -32601,
+    ErrorKind.INVALID_PARAMS: -32602,
+    ErrorKind.INTERNAL_ERROR: -32603,
+    ErrorKind.REQUEST_CANCELLED: -32800,
+    ErrorKind.SHUTTING_DOWN: -32000,
+    ErrorKind.MODEL_NOT_LOADED: -32001,
+    ErrorKind.MODEL_LOAD_FAILED: -32002,
+    ErrorKind.BACKEND_NOT_FOUND: -32003,
+    ErrorKind.BACKEND_UNAVAILABLE: -32004,
+    ErrorKind.CONTEXT_OVERFLOW: -32005,
+    ErrorKind.UNSUPPORTED: -32006,
+}
+
+
+class ErrorData(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``error.data``: ``kind`` always; the rest only where it helps."""
+
+    kind: str
+    field: str | None = None
+    method: str | None = None
+    limit: int | None = None
+
+
+class ErrorObject(msgspec.Struct, kw_only=True):
+    code: int
+    message: str
+    data: ErrorData
+
+
+class RpcError(Exception):
+    """Raised anywhere below the dispatcher; becomes one error response."""
+
+    def __init__(
+        self,
+        kind: ErrorKind,
+        message: str,
+        *,
+        field: str | None = None,
+        method: str | None = None,
+        limit: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.data = ErrorData(kind=kind.value, field=field, method=method, limit=limit)
+
+    @property
+    def code(self) -> int:
+        return CODES[self.kind]
+
+    def to_object(self) -> ErrorObject:
+        return ErrorObject(code=self.code, message=self.message, data=self.data)

@@ -1,0 +1,65 @@
+"""The typed boundary between the worker and a backend.
+
+A backend is registered by name and turns ``load`` params into a
+:class:`Model`. The worker does everything else (prompt resolution, streaming,
+incremental detokenization, stop strings, counts) on top of these few calls,
+so a new backend only has to tokenize and produce token ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo
+
+
+class Model(Protocol):
+    """A loaded model. Only the model thread calls ``generate``; ``tokenize``,
+    ``detokenize`` and ``render`` may be called from the dispatcher at the same
+    time and must be safe for that."""
+
+    info: ModelInfo
+    eos_token_ids: frozenset[int]
+
+    def tokenize(self, text: str, *, add_special_tokens: bool) -> list[int]: ...
+
+    def detokenize(self, tokens: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """Raises ``ValueError`` naming the first id outside the vocabulary."""
+        ...
+
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+    ) -> tuple[str, list[int]]:
+        """The chat template applied: prompt text and its tokens (BOS exactly once).
+        Raises ``RpcError`` (unsupported) when the model has no chat template."""
+        ...
+
+    def generate(
+        self, prompt: Sequence[int], params: GenerateParams, should_stop: Callable[[], bool]
+    ) -> Iterator[int]:
+        """Yield generated token ids, one per decode step, until closed.
+
+        ``should_stop`` turns true when the request is cancelled; a backend with
+        a long prompt phase checks it between chunks of work and then returns."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    name: str
+    description: str
+
+    def unavailable_reason(self) -> str | None:
+        """None when the backend can load models here; else why not and how to fix it.
+        Must be cheap: capabilities calls it, before any heavy import."""
+        ...
+
+    def load(self, params: LoadParams) -> Model:
+        """Raises ``RpcError`` with a precise kind when the model cannot be loaded."""
+        ...

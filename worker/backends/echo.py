@@ -1,0 +1,101 @@
+"""The echo backend: deterministic, torch-free, for tests and for debugging a host.
+
+Tokens are the UTF-8 bytes of the text (ids 0-255) plus two special tokens,
+BOS (256) and EOS (257). The continuation of a prompt is the prompt's own
+bytes, echoed back one token per step, then EOS. Multi-byte characters span
+several tokens, so streaming exercises incremental detokenization;
+``token_delay_ms`` makes a generation slow enough to cancel.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from protocol.errors import ErrorKind, RpcError
+from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo, SpecialToken
+
+BOS, EOS = 256, 257
+_SPECIAL_TEXT = {BOS: "<s>", EOS: "</s>"}
+CONTEXT_LENGTH = 1 << 20
+
+
+class EchoModel:
+    def __init__(self, params: LoadParams, load_time_ms: float) -> None:
+        self._delay_s = params.token_delay_ms / 1000.0
+        self.eos_token_ids = frozenset({EOS})
+        self.info = ModelInfo(
+            model=params.model,
+            backend="echo",
+            path=None,
+            vocab_size=258,
+            context_length=CONTEXT_LENGTH,
+            special_tokens=[
+                SpecialToken(role="bos", id=BOS, text=_SPECIAL_TEXT[BOS]),
+                SpecialToken(role="eos", id=EOS, text=_SPECIAL_TEXT[EOS]),
+            ],
+            has_chat_template=True,
+            device="cpu",
+            dtype="none",
+            load_time_ms=load_time_ms,
+        )
+
+    def tokenize(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [BOS, *ids] if add_special_tokens else ids
+
+    def detokenize(self, tokens: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        parts: list[str] = []
+        run = bytearray()
+        for token in tokens:
+            if 0 <= token < 256:
+                run.append(token)
+                continue
+            if token not in _SPECIAL_TEXT:
+                raise ValueError(f"token id {token} is outside the echo vocabulary (0-257)")
+            parts.append(run.decode("utf-8", "replace"))
+            run.clear()
+            if not skip_special_tokens:
+                parts.append(_SPECIAL_TEXT[token])
+        parts.append(run.decode("utf-8", "replace"))
+        return "".join(parts)
+
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+    ) -> tuple[str, list[int]]:
+        if tools:
+            raise RpcError(ErrorKind.UNSUPPORTED, "The echo backend's chat template has no tools; omit 'tools'.")
+        text = "".join(f"<|im_start|>{m.role}\n{m.content}<|im_end|>\n" for m in messages)
+        if add_generation_prompt:
+            text += "<|im_start|>assistant\n"
+        return text, self.tokenize(text, add_special_tokens=True)
+
+    def generate(
+        self, prompt: Sequence[int], params: GenerateParams, should_stop: Callable[[], bool]
+    ) -> Iterator[int]:
+        for token in [t for t in prompt if t < 256] + [EOS]:
+            if self._delay_s:
+                time.sleep(self._delay_s)
+            if should_stop():
+                return
+            yield token
+
+    def close(self) -> None:
+        pass
+
+
+class EchoBackend:
+    name = "echo"
+    description = "Deterministic torch-free backend: echoes the prompt's UTF-8 bytes back, one token each."
+
+    def unavailable_reason(self) -> str | None:
+        return None
+
+    def load(self, params: LoadParams) -> EchoModel:
+        started = time.perf_counter()
+        return EchoModel(params, (time.perf_counter() - started) * 1000.0)

@@ -1,0 +1,148 @@
+"""``python -m worker`` / ``lm-worker``: wire stdin, stdout, signals and threads together."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from protocol.framing import DEFAULT_MAX_MESSAGE_BYTES, Framing
+from worker import __version__
+from worker.backends import Registry
+from worker.handlers import Handlers, WireInfo
+from worker.server import Server
+from worker.stdio import claim_stdout
+from worker.transcript import Recorder
+from worker.writer import DEFAULT_OUTBOX_MESSAGES, Writer
+
+EXAMPLE = '{"jsonrpc":"2.0","id":1,"method":"capabilities"}'
+HELP_EPILOG = f"""\
+The worker reads JSON-RPC 2.0 requests on stdin and answers on stdout; logs go
+to stderr. Type one request per line, for example:
+
+  {EXAMPLE}
+  {{"jsonrpc":"2.0","id":2,"method":"load","params":{{"backend":"echo"}}}}
+  {{"jsonrpc":"2.0","id":3,"method":"generate","params":{{"prompt":"héllo","max_tokens":8}}}}
+
+Messages framed with a Content-Length header (as LSP and vscode-jsonrpc send
+them) work too; replies use the framing of the first message. At end of input
+the worker cancels what is still running and exits (--drain finishes it first).
+docs/PROTOCOL.md describes every method.
+"""
+
+# How long a cancelled model request may take to stop before the worker exits anyway.
+STOP_GRACE_S = 5.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lm-worker",
+        description="Run language models for a host process over JSON-RPC 2.0 on stdio.",
+        epilog=HELP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"lm-worker {__version__}")
+    parser.add_argument(
+        "--framing",
+        choices=["auto", *(f.value for f in Framing)],
+        default="auto",
+        help="framing of replies: 'auto' (default) uses the framing of the first message received",
+    )
+    parser.add_argument(
+        "--max-message-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        metavar="N",
+        help=f"refuse incoming messages larger than N bytes (default {DEFAULT_MAX_MESSAGE_BYTES})",
+    )
+    parser.add_argument(
+        "--outbox",
+        type=_positive_int,
+        default=DEFAULT_OUTBOX_MESSAGES,
+        metavar="N",
+        help=f"messages buffered for stdout before generation waits for the host (default {DEFAULT_OUTBOX_MESSAGES})",
+    )
+    parser.add_argument("--record", metavar="FILE", help="write every message in and out to FILE as a transcript")
+    parser.add_argument(
+        "--drain",
+        action="store_true",
+        help="at end of input, finish the requests already received instead of cancelling them "
+        "(for piping a file of requests)",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="stderr log level"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        stream=sys.stderr, level=args.log_level.upper(), format="lm-worker %(levelname)s %(name)s: %(message)s"
+    )
+    out_fd = claim_stdout()
+    recorder = None
+    if args.record:
+        replay_args = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in (args.record, "--record")]
+        recorder = Recorder(args.record, worker_version=__version__, args=replay_args)
+    writer = Writer(
+        out_fd,
+        capacity=args.outbox,
+        framing=None if args.framing == "auto" else Framing(args.framing),
+        recorder=recorder,
+        on_broken=lambda: server.end("stdout closed: the host stopped reading", cancel=True),
+    )
+    handlers = Handlers(
+        Registry(),
+        WireInfo(
+            methods=Server.method_names(),
+            notifications=Server.notification_names(),
+            framing=lambda: writer.framing,
+            max_message_bytes=args.max_message_bytes,
+            outbox_messages=args.outbox,
+        ),
+    )
+    server = Server(
+        writer, handlers, max_message_bytes=args.max_message_bytes, recorder=recorder, drain_on_eof=args.drain
+    )
+    _on_signals(lambda: server.end("signal", cancel=True))
+    threading.Thread(target=_read_stdin, args=(server,), name="lm-worker-reader", daemon=True).start()
+    if sys.stdin.isatty():
+        print(f"lm-worker {__version__} ready: type one JSON-RPC request per line, e.g. {EXAMPLE}", file=sys.stderr)
+    while not server.ended.wait(0.5):
+        pass  # a timed wait keeps signal handlers running promptly
+    if not server.wait_stopped(STOP_GRACE_S):
+        logging.getLogger(__name__).warning("a model request did not stop within %.0f s; exiting", STOP_GRACE_S)
+    handlers.close()
+    writer.close(STOP_GRACE_S)
+    if recorder is not None:
+        recorder.close()
+    return server.exit_code
+
+
+def _read_stdin(server: Server) -> None:
+    while True:
+        try:
+            data = os.read(0, 1 << 16)
+        except OSError:
+            data = b""
+        if not data:
+            server.feed_eof()
+            return
+        if not server.feed(data):
+            return
+
+
+def _on_signals(stop) -> None:
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, lambda *_: stop())
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value

@@ -1,0 +1,146 @@
+"""What each model-facing method does. The server decides when and on which thread."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+import msgspec
+
+from protocol.envelope import RequestId
+from protocol.errors import ErrorKind, RpcError
+from protocol.methods import (
+    PROTOCOL_VERSION,
+    CapabilitiesResult,
+    DetokenizeParams,
+    DetokenizeResult,
+    FramingInfo,
+    GenerateChunk,
+    GenerateParams,
+    GenerateResult,
+    Limits,
+    LoadParams,
+    ModelInfo,
+    NoParams,
+    RenderParams,
+    RenderResult,
+    TokenizeParams,
+    TokenizeResult,
+    UnloadResult,
+)
+from protocol.framing import Framing
+from worker import __version__
+from worker.backends import Registry
+from worker.backends.base import Model
+from worker.generation import check_vocabulary, generate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a handler may know about the request it serves."""
+
+    id: RequestId
+    cancelled: threading.Event
+    queued_ms: float
+    send_notification: Callable[[str, msgspec.Struct], None]
+
+
+@dataclass(frozen=True)
+class WireInfo:
+    """Facts about the connection that ``capabilities`` reports."""
+
+    methods: list[str]
+    notifications: list[str]
+    framing: Callable[[], Framing | None]
+    max_message_bytes: int
+    outbox_messages: int
+
+
+class Handlers:
+    def __init__(self, registry: Registry, wire: WireInfo) -> None:
+        self._registry = registry
+        self._wire = wire
+        self._model: Model | None = None
+
+    def capabilities(self, ctx: Context, params: NoParams) -> CapabilitiesResult:
+        framing = self._wire.framing()
+        return CapabilitiesResult(
+            protocol_version=PROTOCOL_VERSION,
+            worker_version=__version__,
+            pid=os.getpid(),
+            backends=self._registry.describe(),
+            methods=self._wire.methods,
+            notifications=self._wire.notifications,
+            framing=FramingInfo(supported=[f.value for f in Framing], replies=framing and framing.value),
+            limits=Limits(
+                max_message_bytes=self._wire.max_message_bytes, outbox_messages=self._wire.outbox_messages
+            ),
+            model=self._model.info if self._model else None,
+        )
+
+    def load(self, ctx: Context, params: LoadParams) -> ModelInfo:
+        backend = self._registry.get(params.backend)
+        self.unload(ctx, NoParams())
+        started = time.perf_counter()
+        model = backend.load(params)
+        self._model = model
+        log.info(
+            "loaded %s with backend %s in %.0f ms", params.model, params.backend, (time.perf_counter() - started) * 1e3
+        )
+        return model.info
+
+    def unload(self, ctx: Context, params: NoParams) -> UnloadResult:
+        model, self._model = self._model, None
+        if model is None:
+            return UnloadResult(unloaded=False, model=None)
+        model.close()
+        return UnloadResult(unloaded=True, model=model.info.model)
+
+    def tokenize(self, ctx: Context, params: TokenizeParams) -> TokenizeResult:
+        tokens = self._loaded().tokenize(params.text, add_special_tokens=params.add_special_tokens)
+        return TokenizeResult(tokens=tokens, count=len(tokens))
+
+    def detokenize(self, ctx: Context, params: DetokenizeParams) -> DetokenizeResult:
+        model = self._loaded()
+        check_vocabulary(model, params.tokens, "params.tokens")
+        return DetokenizeResult(text=model.detokenize(params.tokens, skip_special_tokens=params.skip_special_tokens))
+
+    def render(self, ctx: Context, params: RenderParams) -> RenderResult:
+        text, tokens = self._loaded().render(
+            params.messages, tools=params.tools, add_generation_prompt=params.add_generation_prompt
+        )
+        return RenderResult(text=text, tokens=tokens, count=len(tokens))
+
+    def generate(self, ctx: Context, params: GenerateParams) -> GenerateResult:
+        def send_chunk(chunk: GenerateChunk) -> None:
+            ctx.send_notification("generate/chunk", chunk)
+
+        return generate(
+            self._loaded(),
+            params,
+            request_id=ctx.id,
+            is_cancelled=ctx.cancelled.is_set,
+            send_chunk=send_chunk,
+            queued_ms=ctx.queued_ms,
+        )
+
+    def close(self) -> None:
+        if self._model is not None:
+            self._model.close()
+            self._model = None
+
+    def _loaded(self) -> Model:
+        model = self._model
+        if model is None:
+            raise RpcError(
+                ErrorKind.MODEL_NOT_LOADED,
+                'No model is loaded; send "load" first, e.g. {"jsonrpc":"2.0","id":1,"method":"load",'
+                '"params":{"backend":"echo"}}.',
+            )
+        return model
+

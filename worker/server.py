@@ -1,0 +1,338 @@
+"""Dispatch: bytes from the host in, replies to the writer out.
+
+Two threads do the work. The reader thread (whoever calls :meth:`Server.feed`)
+decodes frames and answers quick requests at once. Requests that use the model
+go to the model lane, one thread that runs them one at a time, in order. So
+``cancel``, ``capabilities`` and ``tokenize`` are answered while a generation
+streams, and a cancel only has to set an event that the generation checks
+between decode steps.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from protocol.envelope import (
+    Notification,
+    Rejected,
+    Request,
+    RequestId,
+    Response,
+    encode_error,
+    encode_notification,
+    encode_result,
+    parse_incoming,
+)
+from protocol.errors import ErrorKind, RpcError
+from protocol.framing import Frame, FrameDecoder
+from protocol.methods import (
+    HOST_NOTIFICATIONS,
+    METHODS,
+    WORKER_NOTIFICATIONS,
+    CancelParams,
+    CancelResult,
+    Params,
+)
+from worker.generation import cancelled_before_start
+from worker.handlers import Context, Handlers
+from worker.transcript import Recorder
+from worker.writer import Writer
+
+log = logging.getLogger(__name__)
+
+
+class Lane(enum.Enum):
+    INLINE = enum.auto()  # answered by the reader thread at once
+    MODEL = enum.auto()  # queued for the model thread, in order
+    AFTER_LOADS = enum.auto()  # inline, unless a load or unload is still ahead of it
+
+
+@dataclass
+class Job:
+    id: RequestId
+    method: str
+    params: Params
+    queued_at: float
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    running: bool = False
+
+
+class Server:
+    def __init__(
+        self,
+        writer: Writer,
+        handlers: Handlers,
+        *,
+        max_message_bytes: int,
+        recorder: Recorder | None = None,
+        drain_on_eof: bool = False,
+    ) -> None:
+        self._writer = writer
+        self._handlers = handlers
+        self._decoder = FrameDecoder(max_message_bytes)
+        self._recorder = recorder
+        self._drain_on_eof = drain_on_eof
+        self._routes: dict[str, tuple[Callable[[Context, Any], Any], Lane]] = {
+            "capabilities": (handlers.capabilities, Lane.INLINE),
+            "load": (handlers.load, Lane.MODEL),
+            "unload": (handlers.unload, Lane.MODEL),
+            "tokenize": (handlers.tokenize, Lane.AFTER_LOADS),
+            "detokenize": (handlers.detokenize, Lane.AFTER_LOADS),
+            "render": (handlers.render, Lane.AFTER_LOADS),
+            "generate": (handlers.generate, Lane.MODEL),
+            "cancel": (self._cancel, Lane.INLINE),
+            "shutdown": (lambda ctx, params: None, Lane.MODEL),
+        }
+        assert self._routes.keys() == METHODS.keys(), "every protocol method needs a route"
+        self._lock = threading.Condition()
+        self._jobs: dict[RequestId, Job] = {}  # queued or running on the model lane
+        self._queue: deque[Job] = deque()
+        self._shutdown_requested = False
+        self._stopping = False  # no more input is read; the lane finishes its queue
+        self._cancelled_at: float | None = None  # when end() cancelled everything
+        self.ended = threading.Event()
+        self.exit_code = 0
+        self._lane = threading.Thread(target=self._run_lane, name="lm-worker-model", daemon=True)
+        self._lane.start()
+
+    @staticmethod
+    def method_names() -> list[str]:
+        return list(METHODS)
+
+    @staticmethod
+    def notification_names() -> list[str]:
+        return [*HOST_NOTIFICATIONS, *WORKER_NOTIFICATIONS]
+
+    # --- input ------------------------------------------------------------
+
+    def feed(self, data: bytes) -> bool:
+        """Handle bytes from the host; False once no more input should be read."""
+        for event in self._decoder.feed(data):
+            self._on_event(event)
+            if self._stopping:
+                return False
+        return True
+
+    def feed_eof(self) -> None:
+        for event in self._decoder.feed_eof():
+            self._on_event(event)
+        self.end("end of input", cancel=not self._drain_on_eof)
+
+    def _on_event(self, event: Any) -> None:
+        if self._stopping:
+            return
+        if not isinstance(event, Frame):
+            self._send_error(None, RpcError(event.kind, event.message, limit=event.limit))
+            return
+        self._writer.adopt_framing(event.framing)
+        message = parse_incoming(event.body)
+        if self._recorder is not None:
+            self._recorder.record_in(event.body)
+        match message:
+            case Request():
+                self._on_request(message)
+            case Notification():
+                self._on_notification(message)
+            case Rejected():
+                self._send_error(message.id, message.error)
+            case Response():
+                log.warning("ignored a response (id %r): the worker sends no requests", message.id)
+
+    def _on_request(self, request: Request) -> None:
+        route = self._routes.get(request.method)
+        if route is None:
+            self._send_error(request.id, _unknown_method(request.method, list(self._routes)))
+            return
+        handler, lane = route
+        try:
+            params = _decode_params(request.method, request.params, METHODS[request.method].params)
+        except RpcError as exc:
+            self._send_error(request.id, exc)
+            return
+        with self._lock:
+            if request.id in self._jobs:
+                error = RpcError(
+                    ErrorKind.DUPLICATE_ID,
+                    f"Request id {request.id!r} is already in flight; give every request its own id.",
+                    field="id",
+                )
+            elif self._shutdown_requested:
+                error = RpcError(
+                    ErrorKind.SHUTTING_DOWN,
+                    "The worker is shutting down after a 'shutdown' request and takes no more requests; "
+                    "send 'exit', or start a new worker.",
+                )
+            else:
+                error = None
+                queue_it = lane is Lane.MODEL or (lane is Lane.AFTER_LOADS and self._loads_pending())
+                if queue_it:
+                    job = Job(request.id, request.method, params, time.perf_counter())
+                    self._jobs[request.id] = job
+                    self._queue.append(job)
+                    self._lock.notify_all()
+                if request.method == "shutdown":
+                    self._shutdown_requested = True
+                    self._cancel_all()
+        if error is not None:
+            self._send_error(request.id, error)
+        elif not queue_it:
+            ctx = Context(request.id, threading.Event(), 0.0, self._send_notification)
+            self._answer(request.id, request.method, lambda: handler(ctx, params))
+
+    def _on_notification(self, notification: Notification) -> None:
+        params_type = HOST_NOTIFICATIONS.get(notification.method)
+        if params_type is None:
+            log.info("ignored unknown notification %r", notification.method)
+            return
+        try:
+            params = _decode_params(notification.method, notification.params, params_type)
+        except RpcError as exc:
+            log.warning("ignored notification: %s", exc.message)
+            return
+        if isinstance(params, CancelParams):
+            self._cancel(None, params)
+        else:  # exit: 0 after a shutdown request, 1 without one (as LSP does)
+            self.end("exit notification", cancel=True, exit_code=0 if self._shutdown_requested else 1)
+
+    def _cancel(self, ctx: Context | None, params: CancelParams) -> CancelResult:
+        with self._lock:
+            job = self._jobs.get(params.id)
+            if job is None:
+                return CancelResult(cancelled=False, state="unknown")
+            job.cancelled.set()
+            return CancelResult(cancelled=True, state="running" if job.running else "queued")
+
+    def _loads_pending(self) -> bool:
+        return any(job.method in ("load", "unload") for job in self._jobs.values())
+
+    def _cancel_all(self) -> None:
+        for job in self._jobs.values():
+            job.cancelled.set()
+
+    # --- the model lane -------------------------------------------------------
+
+    def _run_lane(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._stopping:
+                    self._lock.wait()
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+                job.running = True
+            queued_ms = (time.perf_counter() - job.queued_at) * 1000.0
+            handler = self._routes[job.method][0]
+            ctx = Context(job.id, job.cancelled, queued_ms, self._send_notification)
+
+            def run(job: Job = job, ctx: Context = ctx) -> Any:
+                if job.cancelled.is_set() and job.method != "shutdown":
+                    if job.method == "generate":
+                        return cancelled_before_start(ctx.queued_ms)
+                    raise RpcError(ErrorKind.REQUEST_CANCELLED, f"Request {job.id!r} was cancelled before it ran.")
+                return handler(ctx, job.params)
+
+            self._answer(job.id, job.method, run, job)
+
+    # --- replies --------------------------------------------------------------
+
+    def _answer(self, msg_id: RequestId, method: str, run: Callable[[], Any], job: Job | None = None) -> None:
+        try:
+            body = encode_result(msg_id, run())
+        except RpcError as exc:
+            body = encode_error(msg_id, exc)
+        except Exception as exc:
+            log.exception("internal error in %r", method)
+            body = encode_error(
+                msg_id,
+                RpcError(
+                    ErrorKind.INTERNAL_ERROR,
+                    f"Internal error in {method!r}: {exc!r}. The worker keeps serving; if this repeats, "
+                    "record the session with --record and report it.",
+                    method=method,
+                ),
+            )
+        if job is not None:  # the id is free again before the host can see the answer
+            with self._lock:
+                del self._jobs[job.id]
+        self._writer.send(body)
+
+    def _send_error(self, msg_id: RequestId | None, error: RpcError) -> None:
+        self._writer.send(encode_error(msg_id, error))
+
+    def _send_notification(self, method: str, params: msgspec.Struct) -> None:
+        self._writer.send(encode_notification(method, params))
+
+    # --- lifecycle --------------------------------------------------------------
+
+    def end(self, reason: str, *, cancel: bool, exit_code: int = 0) -> None:
+        """Stop reading; cancel what is in flight (or let it finish), then let the lane drain."""
+        with self._lock:
+            if not self._stopping:
+                log.info("stopping: %s", reason)
+                self._stopping = True
+                self.exit_code = exit_code
+            if cancel:
+                self._cancel_all()
+                self._cancelled_at = self._cancelled_at or time.monotonic()
+            self._lock.notify_all()
+        self.ended.set()
+
+    def wait_stopped(self, grace_s: float) -> bool:
+        """Wait for the model lane to finish its queue. Once everything is cancelled,
+        wait at most ``grace_s`` more; False if it did not stop in time."""
+        while True:
+            self._lane.join(0.1)
+            if not self._lane.is_alive():
+                return True
+            cancelled_at = self._cancelled_at
+            if cancelled_at is not None and time.monotonic() - cancelled_at > grace_s:
+                return False
+
+
+def _decode_params(method: str, raw: dict[str, Any] | None, params_type: type[Params]) -> Params:
+    try:
+        return msgspec.convert(raw or {}, params_type)
+    except msgspec.ValidationError as exc:
+        raise _invalid_params(method, str(exc), params_type) from None
+
+
+def _invalid_params(method: str, text: str, params_type: type[Params]) -> RpcError:
+    """A msgspec validation message as an invalid-params error naming the field."""
+    detail, _, path = text.partition(" - at `")
+    path = path.rstrip("`")
+    field_path = "params" + path[1:] if path.startswith("$") else "params"
+    hint = ""
+    if detail.startswith("Object contains unknown field `"):
+        unknown = detail.split("`")[1]
+        field_path = f"{field_path}.{unknown}"
+        known = list(params_type.__struct_fields__) if field_path.count(".") == 1 else []
+        close = difflib.get_close_matches(unknown, known, n=1, cutoff=0.7)
+        hint = f" (did you mean {close[0]!r}?)" if close else (f" (known: {', '.join(known)})" if known else "")
+    elif detail.startswith("Object missing required field `"):
+        field_path = f"{field_path}.{detail.split('`')[1]}"
+    return RpcError(
+        ErrorKind.INVALID_PARAMS,
+        f"Invalid params for {method!r}: {detail} at {field_path}{hint}; fix it and send the request again.",
+        field=field_path,
+        method=method,
+    )
+
+
+def _unknown_method(method: str, known: list[str]) -> RpcError:
+    close = difflib.get_close_matches(method, known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return RpcError(
+        ErrorKind.METHOD_NOT_FOUND,
+        f"Unknown method {method!r}; {hint}known methods: {', '.join(known)}.",
+        method=method,
+    )

@@ -1,0 +1,68 @@
+"""Turning a stream of token ids into a stream of text that never has to be taken back.
+
+:class:`IncrementalDetokenizer` emits text only once it is stable: a token that
+ends inside a multi-byte character (decoded as U+FFFD) is held back until a
+later token completes it. :class:`StopMatcher` holds back text that could be
+the start of a stop string, so a stop string is never streamed and retracted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+# Decoding restarts this many tokens before the new one, so that tokenizers
+# that drop a leading space when decoding from a word start still get it right.
+_CONTEXT_TOKENS = 4
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, detokenize: Callable[[Sequence[int]], str], context: Sequence[int] = ()) -> None:
+        self._detokenize = detokenize
+        self._tokens = list(context[-_CONTEXT_TOKENS:])
+        self._prefix = 0  # start of the window that is decoded each time
+        self._read = len(self._tokens)  # tokens before this are emitted
+
+    def push(self, token: int) -> str:
+        self._tokens.append(token)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """What is still held back (an incomplete character decodes as U+FFFD)."""
+        return self._advance(final=True)
+
+    def _advance(self, *, final: bool) -> str:
+        if self._read == len(self._tokens):
+            return ""
+        window = self._tokens[self._prefix :]
+        done = self._detokenize(window[: self._read - self._prefix])
+        text = self._detokenize(window)
+        if len(text) <= len(done) or (text.endswith(_REPLACEMENT) and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self._tokens)
+        return text[len(done) :]
+
+
+class StopMatcher:
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = list(stops)
+        self._pending = ""
+
+    def push(self, text: str) -> tuple[str, str | None]:
+        """Returns the text safe to emit and the stop string found, if any.
+        After a stop string is found, the text after it is dropped."""
+        if not self._stops:
+            return text, None
+        pending = self._pending + text
+        found = [(i, stop) for stop in self._stops if (i := pending.find(stop)) >= 0]
+        if found:
+            index, stop = min(found)
+            self._pending = ""
+            return pending[:index], stop
+        hold = max((k for stop in self._stops for k in range(1, len(stop)) if pending.endswith(stop[:k])), default=0)
+        self._pending = pending[len(pending) - hold :]
+        return pending[: len(pending) - hold], None
+
+    def flush(self) -> str:
+        text, self._pending = self._pending, ""
+        return text

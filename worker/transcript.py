@@ -1,0 +1,79 @@
+"""Transcripts: every message in and out of a session, one JSON object per line.
+
+The first line is a header::
+
+    {"transcript": 1, "worker_version": "0.1.0", "args": ["--max-message-bytes", "4096"]}
+
+then one line per message, in the order the worker saw or wrote them::
+
+    {"t": 12.5, "dir": "in", "msg": {"jsonrpc": "2.0", "id": 1, "method": "capabilities"}}
+    {"t": 13.1, "dir": "out", "msg": {"jsonrpc": "2.0", "id": 1, "result": {...}}}
+
+``t`` is milliseconds since the worker started. An incoming frame that is not
+valid JSON is kept as text under ``raw`` instead of ``msg``. docs/TRANSCRIPTS.md
+describes how a transcript is replayed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+FORMAT_VERSION = 1
+
+
+class Header(msgspec.Struct, kw_only=True):
+    transcript: int
+    worker_version: str
+    args: list[str] = []
+
+
+class Entry(msgspec.Struct, kw_only=True, omit_defaults=True):
+    t: float
+    dir: Literal["in", "out"]
+    msg: Any = None
+    raw: str | None = None
+
+
+class Recorder:
+    def __init__(self, path: str | Path, *, worker_version: str, args: list[str]) -> None:
+        self._file = open(path, "wb")  # noqa: SIM115 - lives as long as the worker
+        self._lock = threading.Lock()
+        self._t0 = time.perf_counter()
+        self._write(msgspec.json.encode(Header(transcript=FORMAT_VERSION, worker_version=worker_version, args=args)))
+
+    def record_in(self, body: bytes) -> None:
+        try:
+            entry = Entry(t=self._now(), dir="in", msg=msgspec.json.decode(body))
+        except msgspec.DecodeError:
+            entry = Entry(t=self._now(), dir="in", raw=body.decode("utf-8", "backslashreplace"))
+        self._write(msgspec.json.encode(entry))
+
+    def record_out(self, body: bytes) -> None:
+        # Outgoing bodies are compact JSON already: splice them in without re-encoding.
+        self._write(b'{"t":%.3f,"dir":"out","msg":%s}' % (self._now(), body))
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+    def _now(self) -> float:
+        return round((time.perf_counter() - self._t0) * 1000.0, 3)
+
+    def _write(self, line: bytes) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(line + b"\n")
+                self._file.flush()
+
+
+def read(path: str | Path) -> tuple[Header, list[Entry]]:
+    lines = Path(path).read_bytes().splitlines()
+    header = msgspec.json.decode(lines[0], type=Header)
+    if header.transcript != FORMAT_VERSION:
+        raise ValueError(f"{path}: transcript format {header.transcript}, this worker reads {FORMAT_VERSION}")
+    return header, [msgspec.json.decode(line, type=Entry) for line in lines[1:] if line.strip()]

@@ -1,0 +1,104 @@
+"""The one piece of code that writes to the protocol stream.
+
+Producers (the dispatcher, the model thread) hand encoded message bodies to
+:meth:`Writer.send`; a single thread frames them and writes them to the private
+stdout descriptor. The buffer between them is bounded: when the host stops
+reading, ``send`` blocks, so a generation waits instead of growing memory.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+
+from protocol.framing import Framing, encode_frame
+from worker.transcript import Recorder
+
+DEFAULT_OUTBOX_MESSAGES = 1024
+
+
+class Writer:
+    def __init__(
+        self,
+        fd: int,
+        *,
+        capacity: int = DEFAULT_OUTBOX_MESSAGES,
+        framing: Framing | None = None,
+        recorder: Recorder | None = None,
+        on_broken: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.capacity = capacity
+        self._fd = fd
+        self._framing = framing
+        self._framing_forced = framing is not None
+        self._recorder = recorder
+        self._on_broken = on_broken
+        self._pending: list[bytes] = []
+        self._cond = threading.Condition()
+        self._closing = False
+        self._broken = False
+        self._thread = threading.Thread(target=self._run, name="lm-worker-writer", daemon=True)
+        self._thread.start()
+
+    @property
+    def framing(self) -> Framing | None:
+        return self._framing
+
+    def adopt_framing(self, framing: Framing) -> None:
+        """Replies use the framing of the first message received, unless forced."""
+        if self._framing is None:
+            self._framing = framing
+
+    def send(self, body: bytes) -> None:
+        """Queue one encoded message; blocks while the outbox is full."""
+        with self._cond:
+            while len(self._pending) >= self.capacity and not self._broken:
+                self._cond.wait()
+            if self._broken:
+                return  # nobody is reading: drop, the worker is shutting down
+            self._pending.append(body)
+            if len(self._pending) == 1:
+                self._cond.notify_all()
+
+    def close(self, timeout: float) -> None:
+        """Write what is queued, then stop."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closing:
+                    self._cond.wait()
+                batch, self._pending = self._pending, []
+                self._cond.notify_all()
+                if not batch and self._closing:
+                    return
+            if not self._write_all(self._frame(batch)):
+                return
+            if self._recorder is not None:
+                for body in batch:
+                    self._recorder.record_out(body)
+
+    def _frame(self, bodies: list[bytes]) -> bytes:
+        framing = self._framing or Framing.NDJSON
+        if framing is Framing.NDJSON:
+            return b"\n".join(bodies) + b"\n"
+        return b"".join(encode_frame(body, framing) for body in bodies)
+
+    def _write_all(self, data: bytes) -> bool:
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError:
+            with self._cond:
+                self._broken = True
+                self._pending.clear()
+                self._cond.notify_all()
+            self._on_broken()
+            return False
+        return True
