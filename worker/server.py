@@ -132,12 +132,14 @@ class Server:
         if self._stopping:
             return
         if not isinstance(event, Frame):
+            if self._recorder is not None:
+                self._recorder.record_unframed(event.message)
             self._send_error(None, RpcError(event.kind, event.message, limit=event.limit))
             return
         self._writer.adopt_framing(event.framing)
-        message = parse_incoming(event.body)
         if self._recorder is not None:
-            self._recorder.record_in(event.body)
+            self._recorder.record_in(event.body, event.framing.value)
+        message = parse_incoming(event.body)
         match message:
             case Request():
                 self._on_request(message)

@@ -10,8 +10,11 @@ then one line per message, in the order the worker saw or wrote them::
     {"t": 13.1, "dir": "out", "msg": {"jsonrpc": "2.0", "id": 1, "result": {...}}}
 
 ``t`` is milliseconds since the worker started. An incoming frame that is not
-valid JSON is kept as text under ``raw`` instead of ``msg``. docs/TRANSCRIPTS.md
-describes how a transcript is replayed.
+valid JSON is kept as text under ``raw`` instead of ``msg``; ``"framing":
+"lsp"`` marks a message that came with a Content-Length header. Input that was
+not a frame at all is noted as ``unframed`` (the reason); its bytes are not
+kept, so a hand-written transcript gives them under ``send`` instead.
+docs/TRANSCRIPTS.md describes how a transcript is replayed.
 """
 
 from __future__ import annotations
@@ -33,10 +36,13 @@ class Header(msgspec.Struct, kw_only=True):
 
 
 class Entry(msgspec.Struct, kw_only=True, omit_defaults=True):
-    t: float
+    t: float = 0.0
     dir: Literal["in", "out"]
-    msg: Any = None
-    raw: str | None = None
+    msg: Any = None  # a JSON message
+    raw: str | None = None  # a frame whose body is not JSON
+    send: str | None = None  # exact input text (hand-written transcripts)
+    unframed: str | None = None  # input that was not a frame: the worker's reason
+    framing: Literal["ndjson", "lsp"] = "ndjson"
 
 
 class Recorder:
@@ -46,12 +52,15 @@ class Recorder:
         self._t0 = time.perf_counter()
         self._write(msgspec.json.encode(Header(transcript=FORMAT_VERSION, worker_version=worker_version, args=args)))
 
-    def record_in(self, body: bytes) -> None:
+    def record_in(self, body: bytes, framing: str) -> None:
         try:
-            entry = Entry(t=self._now(), dir="in", msg=msgspec.json.decode(body))
+            entry = Entry(t=self._now(), dir="in", msg=msgspec.json.decode(body), framing=framing)
         except msgspec.DecodeError:
-            entry = Entry(t=self._now(), dir="in", raw=body.decode("utf-8", "backslashreplace"))
+            entry = Entry(t=self._now(), dir="in", raw=body.decode("utf-8", "backslashreplace"), framing=framing)
         self._write(msgspec.json.encode(entry))
+
+    def record_unframed(self, reason: str) -> None:
+        self._write(msgspec.json.encode(Entry(t=self._now(), dir="in", unframed=reason)))
 
     def record_out(self, body: bytes) -> None:
         # Outgoing bodies are compact JSON already: splice them in without re-encoding.

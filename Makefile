@@ -1,0 +1,35 @@
+# Two commands do everything on a fresh machine:
+#   make demo   - set up, then run a demo session (load, generate, counts)
+#   make test   - set up, then run every test
+# Set-up is a virtual environment in .venv, rebuilt when pyproject.toml changes.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-fast bench schemas
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m worker.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+# Everything but the slow real-model tier.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m 'not slow'
+
+bench: $(STAMP)
+	$(BIN)/python bench/protocol_bench.py
+
+schemas: $(STAMP)
+	$(BIN)/python -m protocol.schema schemas

@@ -1,0 +1,219 @@
+"""A small asyncio host for lm-worker: spawns ``python -m worker`` and talks to it.
+
+The demo, the transcript replayer, the benchmarks and the end-to-end tests all
+drive the worker through this one class, over real pipes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from protocol.framing import Frame, FrameDecoder, Framing, encode_frame
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class WorkerError(Exception):
+    """An error response, as the host received it."""
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(f"{error.get('code')}: {error.get('message')}")
+        self.code: int = error.get("code", 0)
+        self.message: str = error.get("message", "")
+        self.kind: str | None = (error.get("data") or {}).get("kind")
+        self.data: dict[str, Any] = error.get("data") or {}
+
+
+class Host:
+    def __init__(self, process: asyncio.subprocess.Process, framing: Framing) -> None:
+        self.process = process
+        self.framing = framing
+        self.messages: list[dict[str, Any]] = []  # everything received, in order
+        self.chunks: defaultdict[Any, list[dict[str, Any]]] = defaultdict(list)  # generate/chunk params by id
+        self.stderr = bytearray()
+        self.malformed: list[str] = []  # framing errors in what the worker wrote: always a bug
+        self._ids = itertools.count(1)
+        self._pending: dict[Any, asyncio.Future[dict[str, Any]]] = {}
+        self._arrived = asyncio.Condition()
+        self._reader = asyncio.create_task(self._read_stdout())
+        self._stderr_reader = asyncio.create_task(self._read_stderr())
+
+    @classmethod
+    async def spawn(
+        cls,
+        *args: str,
+        framing: Framing = Framing.NDJSON,
+        python: str = sys.executable,
+        env: dict[str, str] | None = None,
+    ) -> Host:
+        process = await asyncio.create_subprocess_exec(
+            python,
+            "-m",
+            "worker",
+            *args,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=REPO_ROOT,  # so that -m finds the sources in a checkout that is not installed
+            env={**os.environ, **(env or {})},
+        )
+        return cls(process, framing)
+
+    # --- sending ----------------------------------------------------------------
+
+    async def send(self, message: dict[str, Any]) -> None:
+        await self.send_raw(encode_frame(msgspec.json.encode(message), self.framing))
+
+    async def send_raw(self, data: bytes) -> None:
+        stdin = self.process.stdin
+        assert stdin is not None
+        stdin.write(data)
+        await stdin.drain()
+
+    async def notify(self, method: str, params: dict[str, Any] | None = None) -> None:
+        message: dict[str, Any] = {"jsonrpc": "2.0", "method": method}
+        if params is not None:
+            message["params"] = params
+        await self.send(message)
+
+    def start(self, method: str, params: dict[str, Any] | None = None, *, id: Any = None) -> tuple[Any, asyncio.Future]:
+        """Send a request without waiting; returns its id and a future of the whole response."""
+        msg_id = next(self._ids) if id is None else id
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[msg_id] = future
+        message: dict[str, Any] = {"jsonrpc": "2.0", "id": msg_id, "method": method}
+        if params is not None:
+            message["params"] = params
+        asyncio.ensure_future(self.send(message))
+        return msg_id, future
+
+    async def call(self, method: str, params: dict[str, Any] | None = None, *, timeout: float = 60.0) -> Any:
+        """Send a request and return its result; raises WorkerError for an error response."""
+        _, future = self.start(method, params)
+        response = await asyncio.wait_for(future, timeout)
+        if "error" in response:
+            raise WorkerError(response["error"])
+        return response["result"]
+
+    # --- receiving --------------------------------------------------------------
+
+    async def wait_until(self, condition: Callable[[], bool], *, timeout: float = 30.0) -> None:
+        """Wait until ``condition()`` holds, checking after every message received."""
+
+        async def wait() -> None:
+            async with self._arrived:
+                while not condition():
+                    if self._reader.done():
+                        raise EOFError(f"the worker closed stdout; stderr: {self.stderr_tail()}")
+                    await self._arrived.wait()
+
+        await asyncio.wait_for(wait(), timeout)
+
+    async def wait_for(self, predicate: Callable[[dict[str, Any]], bool], *, timeout: float = 30.0) -> dict[str, Any]:
+        """The first message received (before or after this call) that satisfies ``predicate``."""
+        scanned = 0
+        found: list[dict[str, Any]] = []
+
+        def seen() -> bool:
+            nonlocal scanned
+            while not found and scanned < len(self.messages):
+                if predicate(self.messages[scanned]):
+                    found.append(self.messages[scanned])
+                scanned += 1
+            return bool(found)
+
+        await self.wait_until(seen, timeout=timeout)
+        return found[0]
+
+    async def _read_stdout(self) -> None:
+        stdout = self.process.stdout
+        assert stdout is not None
+        decoder = FrameDecoder()
+        try:
+            while data := await stdout.read(1 << 16):
+                self._deliver(decoder.feed(data))
+            self._deliver(decoder.feed_eof())
+        finally:
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(EOFError(f"the worker exited; stderr: {self.stderr_tail()}"))
+            async with self._arrived:
+                self._arrived.notify_all()
+
+    def _deliver(self, events: Sequence[Any]) -> None:
+        for event in events:
+            if not isinstance(event, Frame):
+                self.malformed.append(event.message)
+                continue
+            try:
+                message = msgspec.json.decode(event.body)
+            except msgspec.DecodeError as exc:
+                self.malformed.append(f"{exc}: {event.body[:200]!r}")
+                continue
+            self.messages.append(message)
+            if message.get("method") == "generate/chunk":
+                self.chunks[message["params"]["id"]].append(message["params"])
+            elif "id" in message and message["id"] in self._pending:
+                future = self._pending.pop(message["id"])
+                if not future.done():
+                    future.set_result(message)
+        asyncio.ensure_future(self._notify_arrived())
+
+    async def _notify_arrived(self) -> None:
+        async with self._arrived:
+            self._arrived.notify_all()
+
+    async def _read_stderr(self) -> None:
+        stderr = self.process.stderr
+        assert stderr is not None
+        while data := await stderr.read(1 << 16):
+            self.stderr += data
+            del self.stderr[: max(0, len(self.stderr) - (1 << 20))]
+
+    def stderr_tail(self, size: int = 2000) -> str:
+        return self.stderr[-size:].decode("utf-8", "replace")
+
+    # --- ending -----------------------------------------------------------------
+
+    async def close_stdin(self) -> None:
+        stdin = self.process.stdin
+        assert stdin is not None
+        if not stdin.is_closing():
+            stdin.close()
+            await stdin.wait_closed()
+
+    async def wait(self, timeout: float = 10.0) -> int:
+        code = await asyncio.wait_for(self.process.wait(), timeout)
+        await asyncio.gather(self._reader, self._stderr_reader, return_exceptions=True)
+        return code
+
+    async def close(self, timeout: float = 10.0) -> int:
+        """Close stdin (the worker exits at end of input) and wait; kill if it hangs."""
+        if self.process.returncode is None:
+            try:
+                await self.close_stdin()
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            try:
+                return await self.wait(timeout)
+            except TimeoutError:
+                self.process.kill()
+                await self.process.wait()
+                raise
+        return await self.wait(timeout)
+
+    async def __aenter__(self) -> Host:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.process.returncode is None:
+            await self.close()
