@@ -68,6 +68,10 @@ def parse_incoming(body: bytes) -> Incoming:
         obj = _decoder.decode(body)
     except msgspec.DecodeError as exc:
         return Rejected(None, RpcError(ErrorKind.PARSE_ERROR, f"Parse error: {exc}; send one valid JSON object."))
+    except RecursionError:
+        return Rejected(
+            None, RpcError(ErrorKind.PARSE_ERROR, "Parse error: JSON nested too deeply; send a flatter message.")
+        )
     if isinstance(obj, list):
         return Rejected(
             None,

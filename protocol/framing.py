@@ -17,14 +17,18 @@ on how they were chunked: every limit is applied at a fixed byte position.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import re
+
+import msgspec
 
 from protocol.errors import ErrorKind
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_HEADER_BYTES = 8 * 1024
 
-_WHITESPACE = b" \t\r\n"
+_NON_WHITESPACE = re.compile(rb"[^ \t\r\n]")
+_HEADER_END = re.compile(rb"\n\r?\n")  # the empty line after the last header
+_RESYNC = re.compile(rb"\n|content-length:", re.IGNORECASE)
 _CONTENT_LENGTH = b"content-length:"
 _HEADER_STARTS = (_CONTENT_LENGTH, b"content-type:")
 
@@ -34,14 +38,12 @@ class Framing(enum.StrEnum):
     LSP = "lsp"
 
 
-@dataclass(frozen=True, slots=True)
-class Frame:
+class Frame(msgspec.Struct, frozen=True):
     body: bytes
     framing: Framing
 
 
-@dataclass(frozen=True, slots=True)
-class FramingError:
+class FramingError(msgspec.Struct, frozen=True):
     kind: ErrorKind
     message: str
     limit: int | None = None
@@ -62,13 +64,18 @@ _PROGRESS = object()
 
 
 class FrameDecoder:
-    """Feed bytes, get frames. Never raises on any input."""
+    """Feed bytes, get frames. Never raises on any input.
+
+    Consumed input is tracked by an offset and dropped once per ``feed``, so
+    many small messages in one large read cost linear time.
+    """
 
     def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self.max_message_bytes = max_message_bytes
         self._buf = bytearray()
+        self._pos = 0  # start of the unconsumed input in _buf
+        self._scan = 0  # bytes after _pos already searched for a terminator
         self._state = _State.IDLE
-        self._scan_from = 0
         self._body_length = 0
         self._closed = False
 
@@ -76,26 +83,30 @@ class FrameDecoder:
         if self._closed:
             raise RuntimeError("feed() after feed_eof()")
         self._buf += data
-        return self._drain()
+        events = self._drain()
+        del self._buf[: self._pos]
+        self._pos = 0
+        return events
 
     def feed_eof(self) -> list[Event]:
         """Flush what is left: a final NDJSON line needs no newline."""
         events = self._drain()
         self._closed = True
-        buf, self._buf = bytes(self._buf), bytearray()
+        rest = bytes(self._buf[self._pos :])
+        self._buf, self._pos = bytearray(), 0
         if self._state is _State.LINE:
-            events.append(self._line_frame(buf))
+            events.append(self._line_frame(rest))
         elif self._state is _State.HEADERS:
             events.append(_parse_error("input ended inside a Content-Length header block"))
         elif self._state is _State.BODY:
             events.append(
                 _parse_error(
-                    f"input ended after {len(buf)} of the {self._body_length} body bytes "
+                    f"input ended after {len(rest)} of the {self._body_length} body bytes "
                     "that Content-Length announced"
                 )
             )
-        elif self._state is _State.IDLE and buf:
-            events.append(_garbage_error(buf[:1]))
+        elif self._state is _State.IDLE and rest:
+            events.append(_garbage_error(rest[:1]))
         return events
 
     def _drain(self) -> list[Event]:
@@ -120,39 +131,41 @@ class FrameDecoder:
             case _State.SKIP:
                 return self._skip()
 
+    def _enter(self, state: _State, consumed_to: int | None = None) -> object:
+        if consumed_to is not None:
+            self._pos = consumed_to
+        self._state, self._scan = state, 0
+        return _PROGRESS
+
     def _idle(self) -> Event | object | None:
         buf = self._buf
-        start = len(buf) - len(buf.lstrip(_WHITESPACE))
-        if start:
-            del buf[:start]
-        if not buf:
+        start = _NON_WHITESPACE.search(buf, self._pos)
+        if start is None:
+            self._pos = len(buf)
             return None
-        if buf[0] in b"{[":
-            self._state, self._scan_from = _State.LINE, 0
-            return _PROGRESS
-        head = bytes(buf[: len(_CONTENT_LENGTH)]).lower()
+        self._pos = start.start()
+        if buf[self._pos] in b"{[":
+            return self._enter(_State.LINE)
+        head = bytes(buf[self._pos : self._pos + len(_CONTENT_LENGTH)]).lower()
         for name in _HEADER_STARTS:
             if head[: len(name)] == name[: len(head)]:
                 if len(head) < len(name):
                     return None  # could still become a header: wait
-                self._state, self._scan_from = _State.HEADERS, 0
-                return _PROGRESS
-        self._state = _State.SKIP
-        return _garbage_error(bytes(buf[:1]))
+                return self._enter(_State.HEADERS)
+        self._enter(_State.SKIP)
+        return _garbage_error(bytes(buf[self._pos : self._pos + 1]))
 
     def _line(self) -> Event | object | None:
-        buf, limit = self._buf, self.max_message_bytes
-        end = buf.find(b"\n", self._scan_from, limit + 1)
+        buf, pos, limit = self._buf, self._pos, self.max_message_bytes
+        end = buf.find(b"\n", pos + self._scan, pos + limit + 1)
         if end < 0:
-            if len(buf) <= limit:
-                self._scan_from = len(buf)
+            if len(buf) - pos <= limit:
+                self._scan = len(buf) - pos
                 return None
-            del buf[: limit + 1]
-            self._state = _State.SKIP
+            self._enter(_State.SKIP, pos + limit + 1)
             return _too_large(f"a JSON line longer than {limit} bytes", limit)
-        line = bytes(buf[:end])
-        del buf[: end + 1]
-        self._state = _State.IDLE
+        line = bytes(buf[pos:end])
+        self._enter(_State.IDLE, end + 1)
         return self._line_frame(line)
 
     @staticmethod
@@ -160,27 +173,23 @@ class FrameDecoder:
         return Frame(line[:-1] if line.endswith(b"\r") else line, Framing.NDJSON)
 
     def _headers(self) -> Event | object | None:
-        buf = self._buf
-        ends = [i for i in (buf.find(b"\n\n", self._scan_from), buf.find(b"\n\r\n", self._scan_from)) if i >= 0]
+        buf, pos = self._buf, self._pos
         # A block is accepted only if it ends within MAX_HEADER_BYTES + 1 bytes,
         # so whole and byte-by-byte input agree on where the limit bites.
-        end = min(ends, default=-1)
-        sep_len = 2 if buf[end + 1 : end + 2] == b"\n" else 3
-        if end < 0 or end + sep_len > MAX_HEADER_BYTES + 1:
-            if len(buf) <= MAX_HEADER_BYTES:
-                self._scan_from = max(0, len(buf) - 2)
+        found = _HEADER_END.search(buf, pos + self._scan)
+        if found is None or found.end() - pos > MAX_HEADER_BYTES + 1:
+            if len(buf) - pos <= MAX_HEADER_BYTES:
+                self._scan = max(0, len(buf) - pos - 2)  # a terminator may straddle feeds
                 return None
-            del buf[: MAX_HEADER_BYTES + 1]
-            self._state = _State.SKIP
+            self._enter(_State.SKIP, pos + MAX_HEADER_BYTES + 1)
             return _parse_error(f"header block longer than {MAX_HEADER_BYTES} bytes without an empty line")
-        block = bytes(buf[:end])
-        del buf[: end + sep_len]
+        block = bytes(buf[pos : found.start()])
         length_or_error = self._content_length(block)
         if isinstance(length_or_error, FramingError):
-            self._state = _State.SKIP
+            self._enter(_State.SKIP, found.end())
             return length_or_error
-        self._state, self._body_length = _State.BODY, length_or_error
-        return _PROGRESS
+        self._body_length = length_or_error
+        return self._enter(_State.BODY, found.end())
 
     def _content_length(self, block: bytes) -> int | FramingError:
         length: int | None = None
@@ -201,28 +210,20 @@ class FrameDecoder:
         return length
 
     def _body(self) -> Event | None:
-        if len(self._buf) < self._body_length:
+        pos, end = self._pos, self._pos + self._body_length
+        if len(self._buf) < end:
             return None
-        body = bytes(self._buf[: self._body_length])
-        del self._buf[: self._body_length]
-        self._state = _State.IDLE
+        body = bytes(self._buf[pos:end])
+        self._enter(_State.IDLE, end)
         return Frame(body, Framing.LSP)
 
     def _skip(self) -> object | None:
-        buf = self._buf
-        lowered = bytes(buf).lower()
-        newline, header = lowered.find(b"\n"), lowered.find(_CONTENT_LENGTH)
-        if header >= 0 and (newline < 0 or header < newline):
-            del buf[:header]
-        elif newline >= 0:
-            del buf[: newline + 1]
-        else:
-            keep = len(_CONTENT_LENGTH) - 1  # a header may be split across feeds
-            if len(buf) > keep:
-                del buf[:-keep]
+        found = _RESYNC.search(self._buf, self._pos)
+        if found is None:
+            # keep a possible partial "Content-Length:" that the next feed completes
+            self._pos = max(self._pos, len(self._buf) - (len(_CONTENT_LENGTH) - 1))
             return None
-        self._state = _State.IDLE
-        return _PROGRESS
+        return self._enter(_State.IDLE, found.end() if found.group() == b"\n" else found.start())
 
 
 def encode_frame(body: bytes, framing: Framing) -> bytes:

@@ -7,7 +7,6 @@ params with these types, ``python -m protocol.schema`` turns them into
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -223,8 +222,7 @@ class CancelResult(Result):
 # --- the registry -------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class MethodSpec:
+class MethodSpec(msgspec.Struct, frozen=True):
     params: type[Params]
     result: Any  # a Result subclass, or None for methods that answer null
     summary: str

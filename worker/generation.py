@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+
+import msgspec
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from protocol.errors import ErrorKind, RpcError
 from protocol.methods import (
@@ -22,8 +23,7 @@ from worker.streaming import IncrementalDetokenizer, StopMatcher
 SendChunk = Callable[[GenerateChunk], None]
 
 
-@dataclass(frozen=True)
-class PromptSource:
+class PromptSource(msgspec.Struct, frozen=True):
     """What a request says its prompt is: exactly one of the three fields."""
 
     prompt: str | None
@@ -83,7 +83,7 @@ def generate(
         )
     stream = _Stream(model, params, request_id, len(prompt), send_chunk, prompt)
     first_token_at: float | None = None
-    stop_reason = StopReason(kind="cancelled")
+    stop_reason: StopReason | None = None
     tokens = stream.tokens
     steps = model.generate(prompt, params, is_cancelled)
     try:
@@ -96,11 +96,10 @@ def generate(
                 stop_reason = StopReason(kind="cancelled")
             if stop_reason is not None:
                 break
-        else:
-            if not is_cancelled():  # the backend ended the sequence on its own
-                stop_reason = StopReason(kind="eos")
     finally:
         steps.close()
+    if stop_reason is None:  # the backend stopped: on a cancel, or having ended the sequence itself
+        stop_reason = StopReason(kind="cancelled" if is_cancelled() else "eos")
     stream.finish()
     finished = time.perf_counter()
     first = first_token_at or finished

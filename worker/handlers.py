@@ -7,7 +7,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 import msgspec
 
 from protocol.envelope import RequestId
@@ -40,8 +39,7 @@ from worker.generation import check_vocabulary, generate
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Context:
+class Context(msgspec.Struct, frozen=True):
     """What a handler may know about the request it serves."""
 
     id: RequestId
@@ -50,8 +48,7 @@ class Context:
     send_notification: Callable[[str, msgspec.Struct], None]
 
 
-@dataclass(frozen=True)
-class WireInfo:
+class WireInfo(msgspec.Struct, frozen=True):
     """Facts about the connection that ``capabilities`` reports."""
 
     methods: list[str]

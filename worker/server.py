@@ -10,14 +10,12 @@ between decode steps.
 
 from __future__ import annotations
 
-import difflib
 import enum
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -57,13 +55,12 @@ class Lane(enum.Enum):
     AFTER_LOADS = enum.auto()  # inline, unless a load or unload is still ahead of it
 
 
-@dataclass
-class Job:
+class Job(msgspec.Struct):
     id: RequestId
     method: str
     params: Params
     queued_at: float
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    cancelled: threading.Event = msgspec.field(default_factory=threading.Event)
     running: bool = False
 
 
@@ -308,6 +305,13 @@ def _decode_params(method: str, raw: dict[str, Any] | None, params_type: type[Pa
         raise _invalid_params(method, str(exc), params_type) from None
 
 
+def _closest(word: str, candidates: list[str], cutoff: float) -> str | None:
+    import difflib  # only on the error path: keeps start-up fast
+
+    matches = difflib.get_close_matches(word, candidates, n=1, cutoff=cutoff)
+    return matches[0] if matches else None
+
+
 def _invalid_params(method: str, text: str, params_type: type[Params]) -> RpcError:
     """A msgspec validation message as an invalid-params error naming the field."""
     detail, _, path = text.partition(" - at `")
@@ -318,8 +322,8 @@ def _invalid_params(method: str, text: str, params_type: type[Params]) -> RpcErr
         unknown = detail.split("`")[1]
         field_path = f"{field_path}.{unknown}"
         known = list(params_type.__struct_fields__) if field_path.count(".") == 1 else []
-        close = difflib.get_close_matches(unknown, known, n=1, cutoff=0.7)
-        hint = f" (did you mean {close[0]!r}?)" if close else (f" (known: {', '.join(known)})" if known else "")
+        close = _closest(unknown, known, 0.7)
+        hint = f" (did you mean {close!r}?)" if close else (f" (known: {', '.join(known)})" if known else "")
     elif detail.startswith("Object missing required field `"):
         field_path = f"{field_path}.{detail.split('`')[1]}"
     return RpcError(
@@ -331,8 +335,8 @@ def _invalid_params(method: str, text: str, params_type: type[Params]) -> RpcErr
 
 
 def _unknown_method(method: str, known: list[str]) -> RpcError:
-    close = difflib.get_close_matches(method, known, n=1, cutoff=0.6)
-    hint = f"did you mean {close[0]!r}? " if close else ""
+    close = _closest(method, known, 0.6)
+    hint = f"did you mean {close!r}? " if close else ""
     return RpcError(
         ErrorKind.METHOD_NOT_FOUND,
         f"Unknown method {method!r}; {hint}known methods: {', '.join(known)}.",

@@ -13,6 +13,9 @@ from collections.abc import Callable, Sequence
 # Decoding restarts this many tokens before the new one, so that tokenizers
 # that drop a leading space when decoding from a word start still get it right.
 _CONTEXT_TOKENS = 4
+# A UTF-8 character spans at most 4 bytes, so at most 4 tokens: text still
+# ending in U+FFFD after that many held-back tokens is invalid, not incomplete.
+_MAX_HELD_TOKENS = 4
 _REPLACEMENT = "\ufffd"
 
 
@@ -37,7 +40,8 @@ class IncrementalDetokenizer:
         window = self._tokens[self._prefix :]
         done = self._detokenize(window[: self._read - self._prefix])
         text = self._detokenize(window)
-        if len(text) <= len(done) or (text.endswith(_REPLACEMENT) and not final):
+        incomplete = text.endswith(_REPLACEMENT) and len(self._tokens) - self._read < _MAX_HELD_TOKENS
+        if len(text) <= len(done) or (incomplete and not final):
             return ""
         self._prefix, self._read = self._read, len(self._tokens)
         return text[len(done) :]

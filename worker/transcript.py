@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
@@ -46,7 +45,7 @@ class Entry(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class Recorder:
-    def __init__(self, path: str | Path, *, worker_version: str, args: list[str]) -> None:
+    def __init__(self, path: str, *, worker_version: str, args: list[str]) -> None:
         self._file = open(path, "wb")  # noqa: SIM115 - lives as long as the worker
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
@@ -80,8 +79,9 @@ class Recorder:
                 self._file.flush()
 
 
-def read(path: str | Path) -> tuple[Header, list[Entry]]:
-    lines = Path(path).read_bytes().splitlines()
+def read(path: str) -> tuple[Header, list[Entry]]:
+    with open(path, "rb") as file:
+        lines = file.read().splitlines()
     header = msgspec.json.decode(lines[0], type=Header)
     if header.transcript != FORMAT_VERSION:
         raise ValueError(f"{path}: transcript format {header.transcript}, this worker reads {FORMAT_VERSION}")

@@ -31,11 +31,14 @@ class Writer:
         self.capacity = capacity
         self._fd = fd
         self._framing = framing
-        self._framing_forced = framing is not None
         self._recorder = recorder
         self._on_broken = on_broken
-        self._pending: list[bytes] = []
-        self._cond = threading.Condition()
+        self._pending: list[bytes] = []  # framed messages
+        self._bodies: list[bytes] = []  # the same messages unframed, kept only for the recorder
+        lock = threading.Lock()
+        self._has_data = threading.Condition(lock)  # the writer thread waits here when idle
+        self._has_room = threading.Condition(lock)  # producers wait here when the outbox is full
+        self._writer_idle = False
         self._closing = False
         self._broken = False
         self._thread = threading.Thread(target=self._run, name="lm-worker-writer", daemon=True)
@@ -51,43 +54,47 @@ class Writer:
             self._framing = framing
 
     def send(self, body: bytes) -> None:
-        """Queue one encoded message; blocks while the outbox is full."""
-        with self._cond:
+        """Queue one encoded message; blocks while the outbox is full.
+
+        The framing is fixed here, in the order messages are sent, so that a
+        reply sent before the framing was known keeps the default."""
+        frame = encode_frame(body, self._framing or Framing.NDJSON)
+        with self._has_room:
             while len(self._pending) >= self.capacity and not self._broken:
-                self._cond.wait()
+                self._has_room.wait()
             if self._broken:
                 return  # nobody is reading: drop, the worker is shutting down
-            self._pending.append(body)
-            if len(self._pending) == 1:
-                self._cond.notify_all()
+            self._pending.append(frame)
+            if self._recorder is not None:
+                self._bodies.append(body)
+            if self._writer_idle:  # waking the writer only when it sleeps keeps streaming cheap
+                self._writer_idle = False
+                self._has_data.notify()
 
     def close(self, timeout: float) -> None:
         """Write what is queued, then stop."""
-        with self._cond:
+        with self._has_data:
             self._closing = True
-            self._cond.notify_all()
+            self._has_data.notify()
         self._thread.join(timeout)
 
     def _run(self) -> None:
         while True:
-            with self._cond:
+            with self._has_data:
                 while not self._pending and not self._closing:
-                    self._cond.wait()
+                    self._writer_idle = True
+                    self._has_data.wait()
+                self._writer_idle = False
                 batch, self._pending = self._pending, []
-                self._cond.notify_all()
+                bodies, self._bodies = self._bodies, []
+                self._has_room.notify_all()
                 if not batch and self._closing:
                     return
-            if not self._write_all(self._frame(batch)):
+            if not self._write_all(b"".join(batch)):
                 return
             if self._recorder is not None:
-                for body in batch:
+                for body in bodies:
                     self._recorder.record_out(body)
-
-    def _frame(self, bodies: list[bytes]) -> bytes:
-        framing = self._framing or Framing.NDJSON
-        if framing is Framing.NDJSON:
-            return b"\n".join(bodies) + b"\n"
-        return b"".join(encode_frame(body, framing) for body in bodies)
 
     def _write_all(self, data: bytes) -> bool:
         view = memoryview(data)
@@ -95,10 +102,10 @@ class Writer:
             while view:
                 view = view[os.write(self._fd, view) :]
         except OSError:
-            with self._cond:
+            with self._has_room:
                 self._broken = True
                 self._pending.clear()
-                self._cond.notify_all()
+                self._has_room.notify_all()
             self._on_broken()
             return False
         return True
