@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
@@ -35,3 +37,15 @@ async def echo_worker(spawn_worker: SpawnWorker) -> Host:
     host = await spawn_worker()
     await host.call("load", {"backend": "echo"})
     return host
+
+
+def install_plugin(directory: Path, module: str, source: str, backends: dict[str, str]) -> dict[str, str]:
+    """A third-party backend package: a module and a dist-info with ``lm_worker.backends``
+    entry points, in ``directory``. Returns the environment that puts it on the path."""
+    (directory / f"{module}.py").write_text(source)
+    dist_info = directory / f"{module}-1.0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 1.0\n")
+    lines = "".join(f"{name} = {target}\n" for name, target in backends.items())
+    (dist_info / "entry_points.txt").write_text(f"[lm_worker.backends]\n{lines}")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(directory), os.environ.get("PYTHONPATH")]))}

@@ -55,7 +55,8 @@ def check_vocabulary(model: Model, tokens: Sequence[int], field: str) -> None:
         if token >= vocab:
             raise RpcError(
                 ErrorKind.INVALID_PARAMS,
-                f"Token id {token} at {field}[{i}] is outside the vocabulary (0 to {vocab - 1}).",
+                f"Token id {token} at {field}[{i}] is outside the vocabulary (0 to {vocab - 1}); "
+                "send ids that this model's tokenize returned.",
                 field=f"{field}[{i}]",
             )
 

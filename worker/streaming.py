@@ -58,9 +58,10 @@ class StopMatcher:
         if not self._stops:
             return text, None
         pending = self._pending + text
-        found = [(i, stop) for stop in self._stops if (i := pending.find(stop)) >= 0]
+        # The stop string that completes first wins, as it would if text came one character at a time.
+        found = [(i + len(stop), i, stop) for stop in self._stops if (i := pending.find(stop)) >= 0]
         if found:
-            index, stop = min(found)
+            _, index, stop = min(found)
             self._pending = ""
             return pending[:index], stop
         hold = max((k for stop in self._stops for k in range(1, len(stop)) if pending.endswith(stop[:k])), default=0)

@@ -54,7 +54,7 @@ class Registry:
         if name not in self.names():
             raise RpcError(
                 ErrorKind.BACKEND_NOT_FOUND,
-                f"Unknown backend {name!r}; available backends: {', '.join(self.names())}.",
+                f"Unknown backend {name!r}; load with one of: {', '.join(self.names())}.",
                 field="params.backend",
             )
         backend = self._instance(name)

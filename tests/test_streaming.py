@@ -1,0 +1,87 @@
+"""Incremental detokenization and stop strings: text that never has to be taken back."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol.methods import LoadParams
+from worker.backends.echo import EchoBackend
+from worker.streaming import IncrementalDetokenizer, StopMatcher
+
+ECHO = EchoBackend().load(LoadParams(backend="echo"))
+
+
+def stream(text_or_tokens, stops=()) -> tuple[list[str], str | None]:
+    tokens = ECHO.tokenize(text_or_tokens, add_special_tokens=False) if isinstance(text_or_tokens, str) else text_or_tokens
+    detok, matcher = IncrementalDetokenizer(ECHO.detokenize), StopMatcher(stops)
+    pieces: list[str] = []
+    for token in tokens:
+        piece, stop = matcher.push(detok.push(token))
+        pieces.append(piece)
+        if stop is not None:
+            return pieces, stop
+    piece, stop = matcher.push(detok.flush())
+    pieces.append(piece if stop is not None else piece + matcher.flush())
+    return pieces, stop
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_streamed_pieces_concatenate_to_the_text_and_never_split_a_character(text: str):
+    pieces, _ = stream(text)
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in piece for piece in pieces if "\ufffd" not in text)
+
+
+def test_a_multi_byte_character_is_held_back_until_its_last_byte_arrives():
+    pieces, _ = stream("a😀b")
+    assert pieces == ["a", "", "", "", "😀", "b", ""]
+
+
+def test_invalid_bytes_are_emitted_after_four_tokens_instead_of_being_held_forever():
+    pieces, _ = stream([0xC3] * 10)  # lead bytes that no continuation ever completes
+    assert pieces[3] != "" and "".join(pieces) == "\ufffd" * 10
+
+
+def test_a_character_cut_off_at_the_end_is_flushed_as_a_replacement_character():
+    pieces, _ = stream([104, 0xF0, 0x9F])
+    assert "".join(pieces) == "h\ufffd"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="abc", max_size=40), st.lists(st.text(alphabet="abc", min_size=1, max_size=4), max_size=3))
+def test_text_before_the_first_completed_stop_string_is_emitted_and_the_stop_string_never_is(text: str, stops: list[str]):
+    pieces, stop = stream(text, stops)
+    emitted = "".join(pieces)
+    # the first stop string to complete, reading the text one character at a time
+    hits = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    if hits:
+        _, index = min(hits)
+        assert stop is not None and emitted == text[:index]
+        assert text[index:].startswith(stop)
+    else:
+        assert stop is None and emitted == text
+
+
+def test_a_partial_stop_string_is_held_back_then_released_when_it_does_not_complete():
+    matcher = StopMatcher(["END"])
+    assert matcher.push("abcE") == ("abc", None)
+    assert matcher.push("N") == ("", None)
+    assert matcher.push("x") == ("ENx", None)
+    assert matcher.push("EN") == ("", None)
+    assert matcher.flush() == "EN"
+
+
+def test_no_stop_strings_pass_text_straight_through():
+    matcher = StopMatcher([])
+    assert matcher.push("anything") == ("anything", None)
+
+
+def test_chunking_of_tokens_does_not_change_the_text():
+    rng = random.Random(7)
+    text = "".join(rng.choice(["a", "é", "中", "🙂", " "]) for _ in range(300))
+    pieces, _ = stream(text)
+    assert "".join(pieces) == text
