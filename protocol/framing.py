@@ -29,6 +29,7 @@ MAX_HEADER_BYTES = 8 * 1024
 _NON_WHITESPACE = re.compile(rb"[^ \t\r\n]")
 _HEADER_END = re.compile(rb"\n\r?\n")  # the empty line after the last header
 _RESYNC = re.compile(rb"\n|content-length:", re.IGNORECASE)
+_CONTENT_LENGTH_HEADER = re.compile(rb"content-length:", re.IGNORECASE)
 _CONTENT_LENGTH = b"content-length:"
 _HEADER_STARTS = (_CONTENT_LENGTH, b"content-type:")
 
@@ -58,6 +59,7 @@ class _State(enum.Enum):
     HEADERS = enum.auto()
     BODY = enum.auto()
     SKIP = enum.auto()
+    SKIP_BODY = enum.auto()
 
 
 _PROGRESS = object()
@@ -90,8 +92,8 @@ class FrameDecoder:
 
     def feed_eof(self) -> list[Event]:
         """Flush what is left: a final NDJSON line needs no newline."""
+        self._closed = True  # from here on, no more bytes will complete a skip
         events = self._drain()
-        self._closed = True
         rest = bytes(self._buf[self._pos :])
         self._buf, self._pos = bytearray(), 0
         if self._state is _State.LINE:
@@ -130,6 +132,8 @@ class FrameDecoder:
                 return self._body()
             case _State.SKIP:
                 return self._skip()
+            case _State.SKIP_BODY:
+                return self._skip_body()
 
     def _enter(self, state: _State, consumed_to: int | None = None) -> object:
         if consumed_to is not None:
@@ -184,30 +188,34 @@ class FrameDecoder:
             self._enter(_State.SKIP, pos + MAX_HEADER_BYTES + 1)
             return _parse_error(f"header block longer than {MAX_HEADER_BYTES} bytes without an empty line")
         block = bytes(buf[pos : found.start()])
-        length_or_error = self._content_length(block)
-        if isinstance(length_or_error, FramingError):
-            self._enter(_State.SKIP, found.end())
-            return length_or_error
-        self._body_length = length_or_error
+        length, error = self._content_length(block)
+        if error is not None:
+            # An over-limit body is skipped by its length, so none of it can run as a request.
+            self._body_length = length or 0
+            self._enter(_State.SKIP_BODY if length else _State.SKIP, found.end())
+            return error
+        self._body_length = length
         return self._enter(_State.BODY, found.end())
 
-    def _content_length(self, block: bytes) -> int | FramingError:
+    def _content_length(self, block: bytes) -> tuple[int, FramingError | None]:
+        """The announced length, and an error if the block is bad (length 0 then)
+        or the length is over the limit."""
         length: int | None = None
         for raw_line in block.split(b"\n"):
             name, sep, value = raw_line.rstrip(b"\r").partition(b":")
             if not sep:
-                return _parse_error(f"malformed header line {raw_line[:64]!r}; expected 'Name: value'")
+                return 0, _parse_error(f"malformed header line {raw_line[:64]!r}; expected 'Name: value'")
             if name.strip().lower() != b"content-length":
                 continue  # Content-Type and unknown headers carry nothing we need
             value = value.strip()
             if not value.isdigit() or len(value) > 20:
-                return _parse_error(f"Content-Length must be a non-negative integer, got {value[:32]!r}")
+                return 0, _parse_error(f"Content-Length must be a non-negative integer, got {value[:32]!r}")
             length = int(value)
         if length is None:
-            return _parse_error("header block without a Content-Length header")
+            return 0, _parse_error("header block without a Content-Length header")
         if length > self.max_message_bytes:
-            return _too_large(f"Content-Length {length}", self.max_message_bytes)
-        return length
+            return length, _too_large(f"Content-Length {length}", self.max_message_bytes)
+        return length, None
 
     def _body(self) -> Event | None:
         pos, end = self._pos, self._pos + self._body_length
@@ -216,6 +224,20 @@ class FrameDecoder:
         body = bytes(self._buf[pos:end])
         self._enter(_State.IDLE, end)
         return Frame(body, Framing.LSP)
+
+    def _skip_body(self) -> object | None:
+        """Skip an over-limit body by its length; a Content-Length header that starts
+        inside it ends the skip early, so that a lying length cannot swallow the stream."""
+        buf, pos, remaining = self._buf, self._pos, self._body_length
+        header = _CONTENT_LENGTH_HEADER.search(buf, pos, min(len(buf), pos + remaining + len(_CONTENT_LENGTH) - 1))
+        if header is not None:
+            return self._enter(_State.IDLE, header.start())
+        if self._closed or len(buf) >= pos + remaining + len(_CONTENT_LENGTH) - 1:
+            return self._enter(_State.IDLE, min(len(buf), pos + remaining))
+        # keep the bytes that could still start a header within the body
+        consumed = max(0, min(remaining, len(buf) - pos - (len(_CONTENT_LENGTH) - 1)))
+        self._pos, self._body_length = pos + consumed, remaining - consumed
+        return None
 
     def _skip(self) -> object | None:
         found = _RESYNC.search(self._buf, self._pos)
@@ -239,7 +261,7 @@ def _parse_error(message: str) -> FramingError:
 def _garbage_error(first: bytes) -> FramingError:
     return _parse_error(
         f"input starting with {first!r} is neither a JSON object on one line nor a "
-        "Content-Length framed message; send one JSON-RPC object per line (skipped to the next line)"
+        "Content-Length framed message; send one JSON-RPC object per line (skipped to the next line or Content-Length header)"
     )
 
 

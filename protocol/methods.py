@@ -39,7 +39,7 @@ class BackendInfo(Result):
     name: str
     description: str
     available: bool
-    reason: str | None = None  # why it is not available, and how to fix that
+    reason: str | None  # why it is not available, and how to fix that
 
 
 class FramingInfo(Result):
@@ -179,8 +179,8 @@ class GenerateChunk(Result):
 
 class StopReason(Result):
     kind: Literal["eos", "stop_string", "max_tokens", "cancelled"]
-    token: int | None = None  # the end-of-sequence token, for kind "eos"
-    stop: str | None = None  # the stop string, for kind "stop_string"
+    token: int | None  # the end-of-sequence token, for kind "eos"
+    stop: str | None  # the stop string, for kind "stop_string"
 
 
 class Usage(Result):

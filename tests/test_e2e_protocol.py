@@ -14,7 +14,18 @@ import pytest
 
 from protocol.framing import Framing
 from worker.host import REPO_ROOT, Host, WorkerError
-from tests.conftest import SpawnWorker
+from tests.conftest import SpawnWorker, install_plugin
+
+SLOW_LOADING_BACKEND = """
+import time
+from worker.backends.echo import EchoBackend
+
+class Slow(EchoBackend):
+    name = "slow"
+    def load(self, params):
+        time.sleep(1.0)
+        return super().load(params)
+"""
 
 CAPABILITIES = b'{"jsonrpc":"2.0","id":1,"method":"capabilities"}'
 
@@ -197,6 +208,17 @@ async def test_cancelled_queued_generate_answers_cancelled_without_running(spawn
     assert (await first)["result"]["finish_reason"] == "cancelled"
 
 
+async def test_cancel_of_a_running_load_says_it_cannot_stop_and_the_load_completes(
+    spawn_worker: SpawnWorker, tmp_path
+):
+    env = install_plugin(tmp_path, "slow_backend", SLOW_LOADING_BACKEND, {"slow": "slow_backend:Slow"})
+    host = await spawn_worker(env=env)
+    load_id, load = host.start("load", {"backend": "slow"})
+    await asyncio.sleep(0.3)  # the load is running: it sleeps for a second
+    assert await host.call("cancel", {"id": load_id}) == {"cancelled": False, "state": "running"}
+    assert (await load)["result"]["backend"] == "echo"
+
+
 async def test_cancel_of_unknown_id_says_so(echo_worker: Host):
     assert await echo_worker.call("cancel", {"id": "nope"}) == {"cancelled": False, "state": "unknown"}
 
@@ -289,10 +311,26 @@ async def test_invalid_params_error_names_the_field_and_suggests_the_right_one(e
 
 
 async def test_prompt_must_be_given_exactly_once(echo_worker: Host):
-    for params in ({}, {"prompt": "a", "tokens": [1]}):
+    for params, field in (({}, "params.prompt"), ({"prompt": "a", "tokens": [1]}, "params.tokens")):
         with pytest.raises(WorkerError) as caught:
             await echo_worker.call("generate", params)
-        assert caught.value.kind == "invalid_params" and caught.value.data["field"] == "params.prompt"
+        assert caught.value.kind == "invalid_params"
+        assert caught.value.data == {"kind": "invalid_params", "field": field, "method": "generate"}
+
+
+async def test_errors_raised_while_a_request_runs_name_the_method(spawn_worker: SpawnWorker):
+    host = await spawn_worker()
+    with pytest.raises(WorkerError) as caught:
+        await host.call("tokenize", {"text": "a"})
+    assert caught.value.data == {"kind": "model_not_loaded", "method": "tokenize"}
+
+
+async def test_a_notification_sent_with_an_id_is_told_to_drop_the_id(spawn_worker: SpawnWorker):
+    host = await spawn_worker()
+    with pytest.raises(WorkerError) as caught:
+        await host.call("exit")
+    assert caught.value.kind == "method_not_found" and "without an 'id'" in caught.value.message
+    assert host.process.returncode is None
 
 
 async def test_token_ids_outside_the_vocabulary_are_refused_naming_the_position(echo_worker: Host):

@@ -511,3 +511,21 @@ def test_encode_frame_round_trips_through_the_decoder(framing):
     bodies = [b'{"a":1}', '{"t":"héllo ☃"}'.encode(), b"[]", b'{"x":"\\n"}']
     data = b"".join(encode_frame(b, framing) for b in bodies)
     assert decode(data) == [Frame(b, framing) for b in bodies]
+
+
+
+def test_an_over_limit_body_is_skipped_by_its_length_so_no_line_of_it_runs():
+    body = b'{\n "jsonrpc": "2.0",\n "id": 5,\n "method": "capabilities"\n}'
+    events = decode(lsp(body) + b'{"a":1}\n', max_bytes=20)
+    assert kinds(events) == [TOO_LARGE, NDJSON]
+    assert events[1].body == b'{"a":1}'
+
+
+def test_a_content_length_header_inside_an_over_limit_body_ends_the_skip():
+    events = decode(b"Content-Length: 999999\r\n\r\nabc" + lsp(b"{}"), max_bytes=20)
+    assert kinds(events) == [TOO_LARGE, LSP] and events[1].body == b"{}"
+
+
+def test_an_over_limit_body_cut_short_by_end_of_input_still_frees_the_last_line():
+    events = decode(lsp(b"x" * 30) + b"{}\n", max_bytes=20)
+    assert kinds(events) == [TOO_LARGE, NDJSON]

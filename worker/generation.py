@@ -38,7 +38,7 @@ def resolve_prompt(model: Model, source: PromptSource, *, add_special_tokens: bo
         raise RpcError(
             ErrorKind.INVALID_PARAMS,
             f"Give exactly one of 'prompt' (text), 'tokens' (ids) or 'messages' (chat); {found}.",
-            field="params.prompt",
+            field=f"params.{given[-1] if given else 'prompt'}",
         )
     if source.messages is not None:
         return model.render(source.messages, tools=tools, add_generation_prompt=True)[1]
@@ -92,15 +92,15 @@ def generate(
             first_token_at = first_token_at or time.perf_counter()
             stop_reason = stream.push(token)
             if stop_reason is None and len(tokens) >= params.max_tokens:
-                stop_reason = StopReason(kind="max_tokens")
+                stop_reason = _reason("max_tokens")
             if stop_reason is None and is_cancelled():
-                stop_reason = StopReason(kind="cancelled")
+                stop_reason = _reason("cancelled")
             if stop_reason is not None:
                 break
     finally:
         steps.close()
     if stop_reason is None:  # the backend stopped: on a cancel, or having ended the sequence itself
-        stop_reason = StopReason(kind="cancelled" if is_cancelled() else "eos")
+        stop_reason = _reason("cancelled" if is_cancelled() else "eos")
     stream.finish()
     finished = time.perf_counter()
     first = first_token_at or finished
@@ -129,10 +129,14 @@ def cancelled_before_start(queued_ms: float) -> GenerateResult:
         text="",
         tokens=[],
         finish_reason="cancelled",
-        stop_reason=StopReason(kind="cancelled"),
+        stop_reason=_reason("cancelled"),
         usage=Usage(prompt_tokens=0, completion_tokens=0, cache_read_tokens=0, cache_write_tokens=0),
         timings=Timings(queued_ms=queued_ms, prompt_ms=0.0, decode_ms=0.0, total_ms=0.0, tokens_per_second=0.0),
     )
+
+
+def _reason(kind: str, *, token: int | None = None, stop: str | None = None) -> StopReason:
+    return StopReason(kind=kind, token=token, stop=stop)
 
 
 _FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_tokens": "length", "cancelled": "cancelled"}
@@ -168,12 +172,12 @@ class _Stream:
         self.tokens.append(token)
         if token in self._eos:
             self._emit("", [token])
-            return StopReason(kind="eos", token=token)
+            return _reason("eos", token=token)
         text, stop = self._stops.push(self._detok.push(token))
         self._emit(text, [token])
         if stop is not None:
             self._stopped = True
-            return StopReason(kind="stop_string", stop=stop)
+            return _reason("stop_string", stop=stop)
         return None
 
     def finish(self) -> None:

@@ -49,6 +49,10 @@ from worker.writer import Writer
 log = logging.getLogger(__name__)
 
 
+# Methods that check for cancellation while they run; the others finish once started.
+_STOPPABLE_WHILE_RUNNING = frozenset({"generate"})
+
+
 class Lane(enum.Enum):
     INLINE = enum.auto()  # answered by the reader thread at once
     MODEL = enum.auto()  # queued for the model thread, in order
@@ -191,7 +195,10 @@ class Server:
     def _on_notification(self, notification: Notification) -> None:
         params_type = HOST_NOTIFICATIONS.get(notification.method)
         if params_type is None:
-            log.info("ignored unknown notification %r", notification.method)
+            if notification.method in self._routes:
+                log.warning("ignored %r without an id: a request needs an id to be answered", notification.method)
+            elif not notification.method.startswith("$/"):  # "$/" notifications are optional by LSP rules
+                log.warning("ignored unknown notification %r", notification.method)
             return
         try:
             params = _decode_params(notification.method, notification.params, params_type)
@@ -209,7 +216,9 @@ class Server:
             if job is None:
                 return CancelResult(cancelled=False, state="unknown")
             job.cancelled.set()
-            return CancelResult(cancelled=True, state="running" if job.running else "queued")
+            if job.running:  # a running load or unload cannot stop halfway; it answers as usual
+                return CancelResult(cancelled=job.method in _STOPPABLE_WHILE_RUNNING, state="running")
+            return CancelResult(cancelled=True, state="queued")
 
     def _loads_pending(self) -> bool:
         return any(job.method in ("load", "unload") for job in self._jobs.values())
@@ -248,6 +257,7 @@ class Server:
         try:
             body = encode_result(msg_id, run())
         except RpcError as exc:
+            exc.data.method = exc.data.method or method
             body = encode_error(msg_id, exc)
         except Exception as exc:
             log.exception("internal error in %r", method)
@@ -335,6 +345,12 @@ def _invalid_params(method: str, text: str, params_type: type[Params]) -> RpcErr
 
 
 def _unknown_method(method: str, known: list[str]) -> RpcError:
+    if method in HOST_NOTIFICATIONS:
+        return RpcError(
+            ErrorKind.METHOD_NOT_FOUND,
+            f"{method!r} is a notification, not a request: send it without an 'id'.",
+            method=method,
+        )
     close = _closest(method, known, 0.6)
     hint = f"did you mean {close!r}? " if close else ""
     return RpcError(
