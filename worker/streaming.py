@@ -16,15 +16,21 @@ _CONTEXT_TOKENS = 4
 # A UTF-8 character spans at most 4 bytes, so at most 4 tokens: text still
 # ending in U+FFFD after that many held-back tokens is invalid, not incomplete.
 _MAX_HELD_TOKENS = 4
+# The decoded window slides forward once it holds this many tokens.
+_WINDOW_TOKENS = 16
 _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
+    """Decodes a window of recent tokens per step; the decoded text of the part
+    already emitted is kept, so a step costs one decode, not two."""
+
     def __init__(self, detokenize: Callable[[Sequence[int]], str], context: Sequence[int] = ()) -> None:
         self._detokenize = detokenize
         self._tokens = list(context[-_CONTEXT_TOKENS:])
         self._prefix = 0  # start of the window that is decoded each time
         self._read = len(self._tokens)  # tokens before this are emitted
+        self._done = detokenize(self._tokens)  # the window's emitted part, decoded
 
     def push(self, token: int) -> str:
         self._tokens.append(token)
@@ -37,14 +43,16 @@ class IncrementalDetokenizer:
     def _advance(self, *, final: bool) -> str:
         if self._read == len(self._tokens):
             return ""
-        window = self._tokens[self._prefix :]
-        done = self._detokenize(window[: self._read - self._prefix])
-        text = self._detokenize(window)
+        text = self._detokenize(self._tokens[self._prefix :])
         incomplete = text.endswith(_REPLACEMENT) and len(self._tokens) - self._read < _MAX_HELD_TOKENS
-        if len(text) <= len(done) or (incomplete and not final):
+        if len(text) <= len(self._done) or (incomplete and not final):
             return ""
-        self._prefix, self._read = self._read, len(self._tokens)
-        return text[len(done) :]
+        new = text[len(self._done) :]
+        self._read, self._done = len(self._tokens), text
+        if self._read - self._prefix > _WINDOW_TOKENS:  # slide the window forward
+            self._prefix = self._read - _CONTEXT_TOKENS
+            self._done = self._detokenize(self._tokens[self._prefix : self._read])
+        return new
 
 
 class StopMatcher:
