@@ -18,10 +18,12 @@ import faulthandler
 import json
 import os
 import random
+import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -100,6 +102,7 @@ def make_server(writer: Any, max_bytes: int) -> tuple[Server, Handlers]:
             max_message_bytes=max_bytes,
             outbox_messages=DEFAULT_OUTBOX_MESSAGES,
         ),
+        data_dir=Path(tempfile.gettempdir()),
     )
     # drain_on_eof: at end of input the queue is finished, not cancelled, so runs are comparable.
     return Server(writer, handlers, max_message_bytes=max_bytes, drain_on_eof=True), handlers

@@ -8,10 +8,12 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from protocol.framing import DEFAULT_MAX_MESSAGE_BYTES, Framing
 from worker import __version__
 from worker.backends import Registry
+from worker.default_model import default_data_dir
 from worker.handlers import Handlers, WireInfo
 from worker.server import Server
 from worker.stdio import claim_stdout
@@ -65,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"messages buffered for stdout before generation waits for the host (default {DEFAULT_OUTBOX_MESSAGES})",
     )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"where converted models are kept (default: $LM_WORKER_DATA_DIR, else {default_data_dir()})",
+    )
     parser.add_argument("--record", metavar="FILE", help="write every message in and out to FILE as a transcript")
     parser.add_argument(
         "--drain",
@@ -104,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             max_message_bytes=args.max_message_bytes,
             outbox_messages=args.outbox,
         ),
+        data_dir=args.data_dir or default_data_dir(),
     )
     server = Server(
         writer, handlers, max_message_bytes=args.max_message_bytes, recorder=recorder, drain_on_eof=args.drain

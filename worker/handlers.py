@@ -6,6 +6,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 from collections.abc import Callable
 import msgspec
 
@@ -59,9 +60,10 @@ class WireInfo(msgspec.Struct, frozen=True):
 
 
 class Handlers:
-    def __init__(self, registry: Registry, wire: WireInfo) -> None:
+    def __init__(self, registry: Registry, wire: WireInfo, *, data_dir: Path) -> None:
         self._registry = registry
         self._wire = wire
+        self._data_dir = data_dir
         self._model: Model | None = None
 
     def capabilities(self, ctx: Context, params: NoParams) -> CapabilitiesResult:
@@ -84,7 +86,7 @@ class Handlers:
         backend = self._registry.get(params.backend)
         self.unload(ctx, NoParams())
         started = time.perf_counter()
-        model = backend.load(params)
+        model = backend.load(params, data_dir=self._data_dir)
         self._model = model
         log.info(
             "loaded %s with backend %s in %.0f ms", params.model, params.backend, (time.perf_counter() - started) * 1e3

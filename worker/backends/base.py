@@ -9,6 +9,7 @@ so a new backend only has to tokenize and produce token ids.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo
@@ -60,6 +61,7 @@ class Backend(Protocol):
         Must be cheap: capabilities calls it, before any heavy import."""
         ...
 
-    def load(self, params: LoadParams) -> Model:
-        """Raises ``RpcError`` with a precise kind when the model cannot be loaded."""
+    def load(self, params: LoadParams, *, data_dir: Path) -> Model:
+        """Raises ``RpcError`` with a precise kind when the model cannot be loaded.
+        ``data_dir`` is where the worker keeps converted models and other state."""
         ...

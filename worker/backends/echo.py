@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from protocol.errors import ErrorKind, RpcError
@@ -96,6 +97,6 @@ class EchoBackend:
     def unavailable_reason(self) -> str | None:
         return None
 
-    def load(self, params: LoadParams) -> EchoModel:
+    def load(self, params: LoadParams, *, data_dir: Path) -> EchoModel:
         started = time.perf_counter()
         return EchoModel(params, (time.perf_counter() - started) * 1000.0)

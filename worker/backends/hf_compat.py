@@ -1,0 +1,51 @@
+"""Every difference between transformers versions that lm-worker depends on, in one place.
+
+Supported: transformers >= 5.20 (pyproject.toml). Import only from the
+transformers backend: importing this module imports torch and transformers.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
+os.environ.setdefault("TQDM_DISABLE", "1")  # gguf conversion draws raw tqdm bars on stderr
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+
+transformers.utils.logging.disable_progress_bar()
+
+# 5.24 renamed the cache keyword of forward() and generate(); 5.23 knows only the old name.
+CACHE_KWARG = "cache" if VERSION >= (5, 24) else "past_key_values"
+
+
+def new_cache(config: transformers.PretrainedConfig) -> DynamicCache:
+    # With the config, sliding-window and hybrid models get the right layer types.
+    return DynamicCache(config=config)
+
+
+def forward(model: torch.nn.Module, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    """Logits of the last position, extending ``cache`` in place."""
+    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache})
+    return out.logits[:, -1, :]
+
+
+def crop(cache: DynamicCache, keep_tokens: int) -> None:
+    """Keep the first ``keep_tokens`` positions of ``cache``."""
+    drop = cache.get_seq_length() - keep_tokens
+    if drop > 0:
+        # From 5.20 on, crop() takes the (negative) number of tokens to remove;
+        # before, the length to keep.
+        cache.crop(-drop if VERSION >= (5, 20) else keep_tokens)
+
+
+def make_serializable(model: torch.nn.Module) -> None:
+    """A model loaded from a gguf file is dense already, but carries a quantizer that
+    refuses save_pretrained(); drop it."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)

@@ -1,0 +1,52 @@
+"""Choosing the next token: greedy, or sampled with transformers' logits processors.
+
+The processors run in the order ``generate()`` uses (repetition penalty, then
+temperature, top-k, top-p, min-p), and sampling draws from a private,
+seeded ``torch.Generator``: the same seed gives the same tokens in any process,
+whatever other requests do to the global RNG.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from protocol.methods import GenerateParams
+
+
+class Sampler:
+    def __init__(self, params: GenerateParams, device: str) -> None:
+        self.greedy = params.temperature == 0
+        processors = LogitsProcessorList()
+        if params.repetition_penalty != 1.0:
+            processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+        if not self.greedy:
+            processors.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k:
+                processors.append(TopKLogitsWarper(params.top_k))
+            if params.top_p < 1.0:
+                processors.append(TopPLogitsWarper(params.top_p))
+            if params.min_p > 0.0:
+                processors.append(MinPLogitsWarper(params.min_p))
+        self._processors = processors
+        self._generator = None
+        if not self.greedy:
+            seed = params.seed if params.seed is not None else secrets.randbits(63)
+            self._generator = torch.Generator(device=device).manual_seed(seed)
+
+    def next_token(self, sequence: torch.Tensor, logits: torch.Tensor) -> int:
+        """``sequence``: prompt and tokens so far, shape (1, n); ``logits``: shape (1, vocab)."""
+        scores = self._processors(sequence, logits.float()) if self._processors else logits
+        if self.greedy:
+            return int(scores.argmax(dim=-1))
+        probabilities = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probabilities, 1, generator=self._generator))

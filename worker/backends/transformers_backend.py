@@ -1,0 +1,258 @@
+"""The transformers backend: causal language models on PyTorch.
+
+Generation is lm-worker's own decode loop over the model's forward with a
+DynamicCache and transformers' logits processors, not ``generate()``: a cancel
+is seen between decode steps and between chunks of a long prompt, counts are
+exact, and the cache stays under our control (see DESIGN.md's pitfalls).
+Greedy output equals ``model.generate(do_sample=False)`` token for token.
+
+This module imports nothing heavy itself; ``load`` imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from protocol.errors import ErrorKind, RpcError
+from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo, SpecialToken
+
+# Prompts are fed in chunks this long, so a cancel is seen within one chunk.
+PREFILL_CHUNK_TOKENS = 256
+_DEFAULT_DTYPES = {"cpu": "float32", "cuda": "bfloat16", "mps": "float16"}
+
+
+class TransformersBackend:
+    name = "transformers"
+    description = "Hugging Face transformers on PyTorch: a local model directory or .gguf file."
+
+    def unavailable_reason(self) -> str | None:
+        missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+        if missing:
+            return f"{' and '.join(missing)} not installed; run `make setup` (or pip install lm-worker)"
+        return None
+
+    def load(self, params: LoadParams, *, data_dir: Path) -> TransformersModel:
+        if params.token_delay_ms:
+            raise RpcError(
+                ErrorKind.INVALID_PARAMS,
+                "token_delay_ms is for the echo backend; omit it for transformers.",
+                field="params.token_delay_ms",
+            )
+        started = time.perf_counter()
+        from worker.backends import hf_compat  # noqa: F401  (offline mode before transformers loads)
+
+        device = _check_device(params.device)
+        path = _model_path(params.model, data_dir)
+        dtype = _DEFAULT_DTYPES[device.split(":")[0]] if params.dtype == "auto" else params.dtype
+        model, tokenizer = _load_pretrained(path, dtype, device, params.trust_remote_code)
+        return TransformersModel(params, path, model, tokenizer, device, dtype, started)
+
+
+class TransformersModel:
+    def __init__(self, params: LoadParams, path: Path, model, tokenizer, device: str, dtype: str, started: float):
+        self._model = model
+        self._tokenizer = tokenizer
+        self._device = device
+        # Fast tokenizers may raise "Already borrowed" when shared between threads.
+        self._lock = threading.Lock()
+        config = model.config
+        self._vocab_size = max(len(tokenizer), config.vocab_size)
+        self.eos_token_ids = frozenset(_eos_ids(model, tokenizer))
+        self._bos = tokenizer.bos_token_id
+        self._adds_bos = self._bos is not None and tokenizer("a").input_ids[:1] == [self._bos]
+        self.info = ModelInfo(
+            model=params.model,
+            backend="transformers",
+            path=str(path),
+            vocab_size=self._vocab_size,
+            context_length=int(getattr(config, "max_position_embeddings", 0) or tokenizer.model_max_length),
+            special_tokens=_special_tokens(tokenizer, self.eos_token_ids),
+            has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+            device=device,
+            dtype=dtype,
+            load_time_ms=(time.perf_counter() - started) * 1000.0,
+        )
+
+    # --- text ---------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        with self._lock:
+            ids = list(self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        return self._one_bos(ids)
+
+    def detokenize(self, tokens: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        with self._lock:
+            return self._tokenizer.decode(list(tokens), skip_special_tokens=skip_special_tokens)
+
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+    ) -> tuple[str, list[int]]:
+        if not self.info.has_chat_template:
+            raise RpcError(
+                ErrorKind.UNSUPPORTED,
+                f"The model {self.info.model!r} has no chat template, so 'messages' cannot be rendered; "
+                "send 'prompt' text or 'tokens' instead.",
+                field="params.messages",
+            )
+        conversation = [_message_dict(m) for m in messages]
+        with self._lock:
+            try:
+                text = self._tokenizer.apply_chat_template(
+                    conversation, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+                )
+            except Exception as exc:  # a template may raise on roles or tools it does not know
+                raise RpcError(
+                    ErrorKind.INVALID_PARAMS,
+                    f"The model's chat template refused these messages: {exc}",
+                    field="params.messages",
+                ) from exc
+            ids = list(self._tokenizer(text, add_special_tokens=False).input_ids)
+        if self._adds_bos and ids[:1] != [self._bos]:
+            ids.insert(0, self._bos)
+        return text, ids
+
+    def _one_bos(self, ids: list[int]) -> list[int]:
+        """BOS exactly once, also when the text itself starts with the BOS text."""
+        if self._adds_bos and ids[:2] == [self._bos, self._bos]:
+            del ids[0]
+        return ids
+
+    # --- generation -------------------------------------------------------------------
+
+    def generate(
+        self, prompt: Sequence[int], params: GenerateParams, should_stop: Callable[[], bool]
+    ) -> Iterator[int]:
+        import torch
+
+        from worker.backends import hf_compat
+        from worker.backends.sampling import Sampler
+
+        sampler = Sampler(params, self._device)
+        with torch.inference_mode():
+            sequence = torch.tensor([list(prompt)], dtype=torch.long, device=self._device)
+            cache = hf_compat.new_cache(self._model.config)
+            logits = None
+            for start in range(0, sequence.shape[1], PREFILL_CHUNK_TOKENS):
+                if should_stop():
+                    return
+                logits = hf_compat.forward(self._model, sequence[:, start : start + PREFILL_CHUNK_TOKENS], cache)
+            while logits is not None and not should_stop():
+                token = sampler.next_token(sequence, logits)
+                yield token
+                step = torch.tensor([[token]], dtype=torch.long, device=self._device)
+                sequence = torch.cat([sequence, step], dim=1)
+                logits = hf_compat.forward(self._model, step, cache)
+
+    def close(self) -> None:
+        self._model = None
+        import gc
+
+        gc.collect()
+
+
+def _check_device(device: str) -> str:
+    import torch
+
+    kind = device.split(":")[0]
+    available = {
+        "cpu": True,
+        "cuda": torch.cuda.is_available(),
+        "mps": getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available(),
+    }
+    if kind not in available:
+        raise RpcError(
+            ErrorKind.INVALID_PARAMS,
+            f"Unknown device {device!r}; use 'cpu', 'cuda' (or 'cuda:N') or 'mps'.",
+            field="params.device",
+        )
+    if not available[kind]:
+        raise RpcError(
+            ErrorKind.MODEL_LOAD_FAILED,
+            f"Device {device!r} is not available on this machine (torch {torch.__version__}); use 'cpu'.",
+            field="params.device",
+        )
+    return device
+
+
+def _model_path(model: str, data_dir: Path) -> Path:
+    if model == "default":
+        from worker.default_model import converted_path
+
+        return converted_path(data_dir)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise RpcError(
+            ErrorKind.MODEL_LOAD_FAILED,
+            f"No model at {model!r}: no such file or directory. Give a local model directory or .gguf file "
+            "(model hubs are not used), or 'default'.",
+            field="params.model",
+        )
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise RpcError(
+            ErrorKind.MODEL_LOAD_FAILED,
+            f"{model!r} is a directory but not a model: it has no config.json. Give a directory saved with "
+            "save_pretrained(), or a .gguf file.",
+            field="params.model",
+        )
+    if path.is_file() and path.suffix != ".gguf":
+        raise RpcError(
+            ErrorKind.MODEL_LOAD_FAILED,
+            f"{model!r} is a file but not a .gguf file; give a .gguf file or a model directory.",
+            field="params.model",
+        )
+    return path.resolve()
+
+
+def _load_pretrained(path: Path, dtype: str, device: str, trust_remote_code: bool):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    location, extra = (path.parent, {"gguf_file": path.name}) if path.is_file() else (path, {})
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **extra)
+        model = AutoModelForCausalLM.from_pretrained(
+            location, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code, **extra
+        )
+    except Exception as exc:  # corrupt, truncated or foreign files: say which and why
+        raise RpcError(
+            ErrorKind.MODEL_LOAD_FAILED,
+            f"Could not load the model at {str(path)!r}: {type(exc).__name__}: {exc}",
+            field="params.model",
+        ) from exc
+    return model.to(device).eval(), tokenizer
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        ids.update([value] if isinstance(value, int) else (value or []))
+    return ids
+
+
+def _special_tokens(tokenizer, eos_ids: frozenset[int]) -> list[SpecialToken]:
+    tokens = []
+    for role in ("bos", "pad", "unk"):
+        token_id = getattr(tokenizer, f"{role}_token_id", None)
+        if token_id is not None:
+            tokens.append(SpecialToken(role=role, id=token_id, text=tokenizer.convert_ids_to_tokens(token_id)))
+    tokens += [
+        SpecialToken(role="eos", id=token_id, text=tokenizer.convert_ids_to_tokens(token_id))
+        for token_id in sorted(eos_ids)
+    ]
+    return tokens
+
+
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    import msgspec
+
+    return msgspec.to_builtins(message)
