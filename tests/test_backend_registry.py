@@ -18,7 +18,7 @@ class Shy:
     description = "never available here"
     def unavailable_reason(self):
         return "no accelerator; install the shy driver"
-    def load(self, params):
+    def load(self, params, *, data_dir):
         raise AssertionError("must not be called")
 """
 

@@ -22,9 +22,9 @@ from worker.backends.echo import EchoBackend
 
 class Slow(EchoBackend):
     name = "slow"
-    def load(self, params):
+    def load(self, params, *, data_dir):
         time.sleep(1.0)
-        return super().load(params)
+        return super().load(params, data_dir=data_dir)
 """
 
 CAPABILITIES = b'{"jsonrpc":"2.0","id":1,"method":"capabilities"}'

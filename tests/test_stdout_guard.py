@@ -40,7 +40,7 @@ NOISY_BACKEND = textwrap.dedent(
         name = "noisy"
         description = "echo, but it writes to stdout at every step"
 
-        def load(self, params):
+        def load(self, params, *, data_dir):
             shout("load")
             return NoisyModel(params, 0.0)
     '''

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -11,7 +12,7 @@ from protocol.methods import LoadParams
 from worker.backends.echo import EchoBackend
 from worker.streaming import IncrementalDetokenizer, StopMatcher
 
-ECHO = EchoBackend().load(LoadParams(backend="echo"))
+ECHO = EchoBackend().load(LoadParams(backend="echo"), data_dir=Path("."))
 
 
 def stream(text_or_tokens, stops=()) -> tuple[list[str], str | None]:
