@@ -12,6 +12,30 @@ from worker.host import Host
 
 SpawnWorker = Callable[..., Awaitable[Host]]
 
+# Torch threads that spin on cores other work is using make a forward pass tens of
+# times slower; tests run torch on one thread, in this process and in the workers.
+TORCH_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny offline test model (worker.tiny_model), built once per session."""
+    from worker.tiny_model import build
+
+    return build(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tiny_model_dir: Path):
+    """The tiny model and its tokenizer, loaded in this process once, for reference outputs."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
+
 
 @pytest.fixture
 async def spawn_worker() -> AsyncIterator[SpawnWorker]:

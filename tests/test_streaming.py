@@ -42,9 +42,23 @@ def test_a_multi_byte_character_is_held_back_until_its_last_byte_arrives():
     assert pieces == ["a", "", "", "", "😀", "b", ""]
 
 
-def test_invalid_bytes_are_emitted_after_four_tokens_instead_of_being_held_forever():
+def test_invalid_bytes_are_emitted_as_soon_as_a_later_byte_proves_them_invalid():
     pieces, _ = stream([0xC3] * 10)  # lead bytes that no continuation ever completes
-    assert pieces[3] != "" and "".join(pieces) == "\ufffd" * 10
+    assert pieces == ["", *["\ufffd"] * 9, "\ufffd"]
+
+
+def test_a_replacement_character_is_never_emitted_for_a_character_that_a_later_token_completes():
+    tokens = [0x61, 0xE6, 0x97, 0xF0, 0x9F, 0x98, 0x80]  # "a", an invalid pair, then 😀 byte by byte
+    pieces, _ = stream(tokens)
+    assert "".join(pieces) == bytes(tokens).decode("utf-8", "replace") == "a\ufffd😀"
+    assert pieces.count("\ufffd") == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([0x61, 0x20, 0xC3, 0xA9, 0xE6, 0x97, 0xA5, 0xF0, 0x9F, 0x98, 0x80, 0xFF]), max_size=60))
+def test_any_byte_stream_streams_to_exactly_its_lossy_decoding(tokens: list[int]):
+    pieces, _ = stream(tokens)
+    assert "".join(pieces) == bytes(tokens).decode("utf-8", "replace")
 
 
 def test_a_character_cut_off_at_the_end_is_flushed_as_a_replacement_character():

@@ -12,46 +12,44 @@ from collections.abc import Callable, Sequence
 
 # Decoding restarts this many tokens before the new one, so that tokenizers
 # that drop a leading space when decoding from a word start still get it right.
+# It also covers an unfinished UTF-8 character (at most 3 bytes, so 3 tokens).
 _CONTEXT_TOKENS = 4
-# A UTF-8 character spans at most 4 bytes, so at most 4 tokens: text still
-# ending in U+FFFD after that many held-back tokens is invalid, not incomplete.
-_MAX_HELD_TOKENS = 4
 # The decoded window slides forward once it holds this many tokens.
 _WINDOW_TOKENS = 16
 _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    """Decodes a window of recent tokens per step; the decoded text of the part
-    already emitted is kept, so a step costs one decode, not two."""
+    """Decodes a window of recent tokens per step and emits what is new.
+
+    A lossy UTF-8 decode ends in exactly one U+FFFD while the last character is
+    unfinished; only that one is held back. Earlier U+FFFDs are bytes that no
+    later token can complete, so they are emitted at once.
+    """
 
     def __init__(self, detokenize: Callable[[Sequence[int]], str], context: Sequence[int] = ()) -> None:
         self._detokenize = detokenize
         self._tokens = list(context[-_CONTEXT_TOKENS:])
-        self._prefix = 0  # start of the window that is decoded each time
-        self._read = len(self._tokens)  # tokens before this are emitted
-        self._done = detokenize(self._tokens)  # the window's emitted part, decoded
+        self._prefix = 0  # start of the window that is decoded each step
+        self._emitted = len(detokenize(self._tokens))  # characters of the window's text already emitted
 
     def push(self, token: int) -> str:
         self._tokens.append(token)
         return self._advance(final=False)
 
     def flush(self) -> str:
-        """What is still held back (an incomplete character decodes as U+FFFD)."""
+        """What is still held back (an unfinished character decodes as U+FFFD)."""
         return self._advance(final=True)
 
     def _advance(self, *, final: bool) -> str:
-        if self._read == len(self._tokens):
-            return ""
         text = self._detokenize(self._tokens[self._prefix :])
-        incomplete = text.endswith(_REPLACEMENT) and len(self._tokens) - self._read < _MAX_HELD_TOKENS
-        if len(text) <= len(self._done) or (incomplete and not final):
-            return ""
-        new = text[len(self._done) :]
-        self._read, self._done = len(self._tokens), text
-        if self._read - self._prefix > _WINDOW_TOKENS:  # slide the window forward
-            self._prefix = self._read - _CONTEXT_TOKENS
-            self._done = self._detokenize(self._tokens[self._prefix : self._read])
+        stable = len(text) - 1 if text.endswith(_REPLACEMENT) and not final else len(text)
+        new = text[self._emitted : stable]
+        self._emitted = max(self._emitted, stable)
+        if len(self._tokens) - self._prefix > _WINDOW_TOKENS:
+            held = len(text) - self._emitted
+            self._prefix = len(self._tokens) - _CONTEXT_TOKENS
+            self._emitted = len(self._detokenize(self._tokens[self._prefix :])) - held
         return new
 
 

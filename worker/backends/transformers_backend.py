@@ -87,7 +87,10 @@ class TransformersModel:
 
     def detokenize(self, tokens: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         with self._lock:
-            return self._tokenizer.decode(list(tokens), skip_special_tokens=skip_special_tokens)
+            # No clean-up of spaces: it rewrites earlier text when a later token arrives.
+            return self._tokenizer.decode(
+                list(tokens), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+            )
 
     def render(
         self,
@@ -187,7 +190,17 @@ def _model_path(model: str, data_dir: Path) -> Path:
     if model == "default":
         from worker.default_model import converted_path
 
-        return converted_path(data_dir)
+        try:
+            return converted_path(data_dir)
+        except RpcError:
+            raise
+        except Exception as exc:
+            raise RpcError(
+                ErrorKind.MODEL_LOAD_FAILED,
+                f"Could not prepare the default model in {str(data_dir)!r}: {type(exc).__name__}: {exc}. "
+                "Check that the data directory is writable (--data-dir).",
+                field="params.model",
+            ) from exc
     path = Path(model).expanduser()
     if not path.exists():
         raise RpcError(
@@ -221,14 +234,14 @@ def _load_pretrained(path: Path, dtype: str, device: str, trust_remote_code: boo
         tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **extra)
         model = AutoModelForCausalLM.from_pretrained(
             location, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code, **extra
-        )
-    except Exception as exc:  # corrupt, truncated or foreign files: say which and why
+        ).to(device)
+    except Exception as exc:  # corrupt, truncated or foreign files, a device that fails: say which and why
         raise RpcError(
             ErrorKind.MODEL_LOAD_FAILED,
             f"Could not load the model at {str(path)!r}: {type(exc).__name__}: {exc}",
             field="params.model",
         ) from exc
-    return model.to(device).eval(), tokenizer
+    return model.eval(), tokenizer
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
