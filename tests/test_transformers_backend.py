@@ -554,3 +554,17 @@ async def test_default_model_answers_paris_and_streams_multibyte_text_intact(tmp
         assert any(ord(ch) > 127 for ch in result["text"]), result["text"]
     finally:
         await reap(host)
+
+
+async def test_an_unwritable_data_directory_makes_the_default_model_a_precise_load_error(tmp_path: Path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the data directory should be")
+    host = await Host.spawn("--data-dir", str(blocker / "data"), env=TORCH_ENV)
+    try:
+        with pytest.raises(WorkerError) as caught:
+            await host.call("load", {}, timeout=120)
+        assert caught.value.kind == "model_load_failed" and caught.value.data["field"] == "params.model"
+        assert "--data-dir" in caught.value.message
+        assert (await host.call("capabilities"))["model"] is None
+    finally:
+        await reap(host)
