@@ -32,6 +32,7 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/protocol_bench.py
+	$(BIN)/python bench/generate_bench.py
 
 schemas: $(STAMP)
 	$(BIN)/python -m protocol.schema schemas

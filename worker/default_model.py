@@ -2,7 +2,7 @@
 
 Loading the gguf takes tens of seconds (it is parsed and dequantized), so the
 first load converts it once into a dense safetensors directory under the data
-directory; later loads take about two seconds. The conversion is written to a
+directory; later loads take a few seconds. The conversion is written to a
 temporary directory and renamed into place, so several workers converting at
 once never see half a model.
 """
