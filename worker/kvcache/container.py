@@ -1,0 +1,299 @@
+"""KVC1: the file format of a persistent KV prompt cache. Torch-free.
+
+Layout (docs/CACHE_FORMAT.md is the byte-level specification)::
+
+    magic            8 bytes   b"KVC1\\r\\n\\x1a\\n"
+    header_length    8 bytes   unsigned little-endian
+    header_sha256   32 bytes   of the header bytes
+    header           JSON, UTF-8, header_length bytes
+    zero padding     to the next multiple of ALIGNMENT
+    tensors          each at an ALIGNMENT-aligned offset, zero padding between
+
+The header names every tensor with its offset, size and CRC-32, so that any
+damaged byte is found: the header by its SHA-256, padding by being zero,
+tensors by their CRC, and the file by its exact expected size. Reading maps
+the file and hands out memoryviews of it: no copy is made. Writing goes to a
+temporary file in the same directory, is flushed to disk and renamed, so a
+reader never sees half a file. Nothing here unpickles anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import struct
+import tempfile
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+MAGIC = b"KVC1\r\n\x1a\n"
+FORMAT = "KVC1"
+ALIGNMENT = 64
+LAYOUT = "layer-major-k-then-v"
+_PREFIX = struct.Struct("<8sQ32s")  # magic, header length, header sha256
+MAX_HEADER_BYTES = 256 * 1024 * 1024
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+class CacheFormatError(Exception):
+    """The file is not a sound KVC1 cache. ``reason`` says what is wrong, for a person."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+        super().__init__(f"{os.fspath(path)}: {reason}")
+        self.path = os.fspath(path)
+        self.reason = reason
+
+
+class IdentityMismatch(Exception):
+    """A sound cache computed by another model, tokenizer or configuration."""
+
+    def __init__(self, path: str | os.PathLike[str], field: str, expected: object, found: object) -> None:
+        super().__init__(f"{os.fspath(path)}: {field} is {found!r} in the cache, {expected!r} here")
+        self.path = os.fspath(path)
+        self.field = field
+        self.expected = expected
+        self.found = found
+
+
+class Identity(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What must match for a cache to be valid for a model: all of it."""
+
+    model_id: str
+    weights_fingerprint: str  # a revision, or a digest of the weights files
+    tokenizer_sha256: str
+    rope_theta: float | None
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    layout: str = LAYOUT
+    cache_class: str
+    attention_type: str
+
+
+class TensorEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    kind: Literal["key", "value"]
+    layer: int
+    shape: list[int]
+    strides: list[int]  # in bytes, C order
+    offset: int  # from the start of the file
+    nbytes: int
+    dtype: str
+    crc32: int
+
+
+class Header(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    format: str
+    identity: Identity
+    sequence_start: int
+    sequence_length: int
+    tokens: list[int]
+    prefix_offsets: list[int]
+    prefix_hashes: list[str]
+    tensors: list[TensorEntry]
+    created_by: str
+
+
+class TensorSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A tensor to write: its description and a C-contiguous buffer of its bytes."""
+
+    name: str
+    kind: Literal["key", "value"]
+    layer: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGNMENT) * ALIGNMENT
+
+
+def _c_strides(shape: Iterable[int], itemsize: int) -> list[int]:
+    strides, step = [], itemsize
+    for size in reversed(list(shape)):
+        strides.append(step)
+        step *= size
+    return strides[::-1]
+
+
+def write(
+    path: str | os.PathLike[str],
+    *,
+    identity: Identity,
+    tokens: list[int],
+    tensors: list[tuple[TensorSpec, memoryview]],
+    sequence_start: int = 0,
+    prefix_offsets: list[int] | None = None,
+    prefix_hashes: list[str] | None = None,
+    created_by: str = "lm-worker",
+) -> int:
+    """Write a cache atomically; returns the file size. Tensors are written one by one."""
+    views = [memoryview(buffer).cast("B") for _, buffer in tensors]
+    # Offsets depend on the header's length, which depends on the offsets: first lay out a
+    # header whose numbers are as long as they can get, and put the data after it.
+    longest = _layout(identity, tokens, tensors, views, sequence_start, prefix_offsets, prefix_hashes,
+                      created_by, data_start=10**15)
+    data_start = _align(_PREFIX.size + len(msgspec.json.encode(longest)))
+    header = _layout(identity, tokens, tensors, views, sequence_start, prefix_offsets, prefix_hashes,
+                     created_by, data_start=data_start)
+    header_bytes = msgspec.json.encode(header)
+    if _PREFIX.size + len(header_bytes) > data_start:
+        raise AssertionError("header outgrew its reserved space")
+    target = Path(path)
+    fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(_PREFIX.pack(MAGIC, len(header_bytes), hashlib.sha256(header_bytes).digest()))
+            file.write(header_bytes)
+            position = _PREFIX.size + len(header_bytes)
+            for entry, view in zip(header.tensors, views, strict=True):
+                file.write(bytes(entry.offset - position))
+                file.write(view)
+                position = entry.offset + entry.nbytes
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return position
+
+
+def _layout(identity, tokens, tensors, views, sequence_start, prefix_offsets, prefix_hashes, created_by,
+            *, data_start: int) -> Header:
+    entries, offset = [], data_start
+    for (spec, _), view in zip(tensors, views, strict=True):
+        itemsize = DTYPE_SIZES[spec.dtype]
+        expected = itemsize
+        for size in spec.shape:
+            expected *= size
+        if view.nbytes != expected:
+            raise ValueError(f"tensor {spec.name}: {view.nbytes} bytes for shape {spec.shape} of {spec.dtype}")
+        entries.append(
+            TensorEntry(
+                name=spec.name,
+                kind=spec.kind,
+                layer=spec.layer,
+                shape=list(spec.shape),
+                strides=_c_strides(spec.shape, itemsize),
+                offset=offset,
+                nbytes=view.nbytes,
+                dtype=spec.dtype,
+                crc32=zlib.crc32(view) if data_start < 10**15 else 0xFFFFFFFF,
+            )
+        )
+        offset = _align(offset + view.nbytes)
+    return Header(
+        format=FORMAT,
+        identity=identity,
+        sequence_start=sequence_start,
+        sequence_length=len(tokens),
+        tokens=tokens,
+        prefix_offsets=prefix_offsets or [],
+        prefix_hashes=prefix_hashes or [],
+        tensors=entries,
+        created_by=created_by,
+    )
+
+
+def read_header(path: str | os.PathLike[str]) -> Header:
+    """The header, verified, without touching the tensors (for listing and info)."""
+    try:
+        with open(path, "rb") as file:
+            prefix = file.read(_PREFIX.size)
+            header_length = _check_prefix(path, prefix)
+            header_bytes = file.read(header_length)
+    except OSError as exc:
+        raise CacheFormatError(path, f"cannot be read: {exc.strerror or exc}") from exc
+    return _parse_header(path, prefix, header_bytes)
+
+
+class LoadedCache:
+    """A verified cache mapped into memory. ``tensors`` are memoryviews of the mapping."""
+
+    def __init__(self, header: Header, mapping: mmap.mmap) -> None:
+        self.header = header
+        self._mapping = mapping
+        view = memoryview(mapping)
+        self.tensors = [view[e.offset : e.offset + e.nbytes] for e in header.tensors]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._mapping)
+
+
+def load(path: str | os.PathLike[str], expected: Identity | None = None) -> LoadedCache:
+    """Map and verify a cache: header, identity (if given), padding and every tensor's CRC."""
+    try:
+        with open(path, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            if size < _PREFIX.size:
+                raise CacheFormatError(path, f"truncated: {size} bytes is shorter than the fixed prefix")
+            mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as exc:
+        raise CacheFormatError(path, f"cannot be read: {exc.strerror or exc}") from exc
+    header_length = _check_prefix(path, mapping[: _PREFIX.size])
+    header_end = _PREFIX.size + header_length
+    if header_end > size:
+        raise CacheFormatError(path, f"truncated: the header needs {header_end} bytes, the file has {size}")
+    header = _parse_header(path, mapping[: _PREFIX.size], mapping[_PREFIX.size : header_end])
+    if expected is not None:
+        check_identity(path, header.identity, expected)
+    _check_layout(path, header, mapping, header_end, size)
+    return LoadedCache(header, mapping)
+
+
+def check_identity(path: str | os.PathLike[str], found: Identity, expected: Identity) -> None:
+    for field in expected.__struct_fields__:
+        if getattr(found, field) != getattr(expected, field):
+            raise IdentityMismatch(path, field, getattr(expected, field), getattr(found, field))
+
+
+def _check_prefix(path: str | os.PathLike[str], prefix: bytes) -> int:
+    if len(prefix) < _PREFIX.size:
+        raise CacheFormatError(path, f"truncated: {len(prefix)} bytes is shorter than the fixed prefix")
+    magic, header_length, _ = _PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise CacheFormatError(path, "not a KVC1 cache file (wrong magic bytes)")
+    if header_length > MAX_HEADER_BYTES:
+        raise CacheFormatError(path, f"header length {header_length} is beyond any real cache: damaged")
+    return header_length
+
+
+def _parse_header(path: str | os.PathLike[str], prefix: bytes, header_bytes: bytes) -> Header:
+    _, header_length, digest = _PREFIX.unpack(prefix)
+    if len(header_bytes) != header_length:
+        raise CacheFormatError(path, f"truncated inside the header ({len(header_bytes)} of {header_length} bytes)")
+    if hashlib.sha256(header_bytes).digest() != digest:
+        raise CacheFormatError(path, "header checksum mismatch: the header is damaged")
+    try:
+        header = msgspec.json.decode(header_bytes, type=Header)
+    except msgspec.DecodeError as exc:  # a sound checksum over an unreadable header: a foreign writer
+        raise CacheFormatError(path, f"header is not a KVC1 header: {exc}") from exc
+    if header.format != FORMAT or header.identity.layout != LAYOUT:
+        raise CacheFormatError(path, f"unsupported format {header.format!r} / layout {header.identity.layout!r}")
+    if header.sequence_length != len(header.tokens):
+        raise CacheFormatError(path, "sequence_length does not match the token list")
+    return header
+
+
+def _check_layout(path, header: Header, mapping: mmap.mmap, header_end: int, size: int) -> None:
+    position = header_end
+    for entry in header.tensors:
+        if entry.offset % ALIGNMENT or entry.offset < position or entry.nbytes < 0:
+            raise CacheFormatError(path, f"tensor {entry.name}: bad offset {entry.offset}")
+        if entry.offset + entry.nbytes > size:
+            raise CacheFormatError(path, f"truncated: tensor {entry.name} ends past the end of the file")
+        if mapping[position : entry.offset].count(0) != entry.offset - position:
+            raise CacheFormatError(path, f"damaged padding before tensor {entry.name}")
+        if zlib.crc32(memoryview(mapping)[entry.offset : entry.offset + entry.nbytes]) != entry.crc32:
+            raise CacheFormatError(path, f"tensor {entry.name}: checksum mismatch, the data is damaged")
+        position = entry.offset + entry.nbytes
+    if size != position:
+        raise CacheFormatError(path, f"{size - position} unexpected bytes after the last tensor")
