@@ -49,3 +49,21 @@ def make_serializable(model: torch.nn.Module) -> None:
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
         quantizer.remove_quantization_config(model)
+
+
+def cache_layers(cache: DynamicCache) -> list:
+    return list(cache.layers)
+
+
+def full_attention_only(cache: DynamicCache) -> bool:
+    """Whether every layer keeps the whole sequence (sliding-window and linear-attention
+    layers keep something else, which a KVC1 file cannot represent)."""
+    return all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers)
+
+
+def set_layer(cache: DynamicCache, index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Install keys and values as a layer's whole cache, without the copy that update() makes:
+    tensors mapped from a file stay mapped until the first decode step replaces them."""
+    layer = cache.layers[index]
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values

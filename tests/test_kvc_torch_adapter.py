@@ -1,0 +1,59 @@
+"""A DynamicCache written to KVC1 and mapped back continues exactly where it left off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from worker.kvcache.container import Identity, load, write
+
+PROMPT = "the cat sat on the mat and the dog runs quickly to the river"
+
+
+def identity(model) -> Identity:
+    config = model.config
+    return Identity(
+        model_id="tiny", weights_fingerprint="test", tokenizer_sha256="test",
+        rope_theta=float(getattr(config, "rope_theta", 0.0) or 0.0), layers=config.num_hidden_layers,
+        kv_heads=config.num_key_value_heads, head_dim=config.hidden_size // config.num_attention_heads,
+        dtype="float32", cache_class="DynamicCache", attention_type="full",
+    )
+
+
+def greedy_from(model, cache, last_token: int, steps: int) -> list[int]:
+    import torch
+
+    from worker.backends import hf_compat
+
+    tokens, step = [], torch.tensor([[last_token]])
+    with torch.inference_mode():
+        for _ in range(steps):
+            token = int(hf_compat.forward(model, step, cache).argmax(-1))
+            tokens.append(token)
+            step = torch.tensor([[token]])
+    return tokens
+
+
+@pytest.mark.parametrize("keep", [None, 6], ids=["whole-prefix", "trimmed-to-6"])
+def test_a_cache_restored_from_a_file_continues_greedy_decoding_exactly(tiny_hf, tmp_path: Path, keep):
+    import torch
+
+    from worker.backends import hf_compat
+    from worker.kvcache.torch_adapter import from_loaded, to_tensors
+
+    model, tokenizer = tiny_hf
+    ids = tokenizer(PROMPT).input_ids
+    prefix = ids[:keep] if keep else ids[:-1]
+    with torch.inference_mode():
+        reference = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12)[0, len(ids):].tolist()
+        cache = hf_compat.new_cache(model.config)
+        hf_compat.forward(model, torch.tensor([ids[:-1]]), cache)
+    path = tmp_path / "prefix.kvc"
+    write(path, identity=identity(model), tokens=prefix, tensors=to_tensors(cache, keep_tokens=len(prefix)))
+    restored = from_loaded(load(path, identity(model)), model.config, "cpu")
+    assert restored.get_seq_length() == len(prefix)
+    with torch.inference_mode():
+        if len(prefix) < len(ids) - 1:  # extend the trimmed cache up to the last prompt token
+            hf_compat.forward(model, torch.tensor([ids[len(prefix) : -1]]), restored)
+    assert greedy_from(model, restored, ids[-1], 12) == reference
