@@ -30,6 +30,10 @@ class ErrorKind(enum.StrEnum):
     BACKEND_UNAVAILABLE = "backend_unavailable"
     CONTEXT_OVERFLOW = "context_overflow"
     UNSUPPORTED = "unsupported"
+    CACHE_NOT_FOUND = "cache_not_found"
+    CACHE_IDENTITY_MISMATCH = "cache_identity_mismatch"
+    CACHE_CORRUPT = "cache_corrupt"
+    CACHE_PREFIX_MISMATCH = "cache_prefix_mismatch"
 
 
 CODES: dict[ErrorKind, int] = {
@@ -49,6 +53,10 @@ CODES: dict[ErrorKind, int] = {
     ErrorKind.BACKEND_UNAVAILABLE: -32004,
     ErrorKind.CONTEXT_OVERFLOW: -32005,
     ErrorKind.UNSUPPORTED: -32006,
+    ErrorKind.CACHE_NOT_FOUND: -32007,
+    ErrorKind.CACHE_IDENTITY_MISMATCH: -32008,
+    ErrorKind.CACHE_CORRUPT: -32009,
+    ErrorKind.CACHE_PREFIX_MISMATCH: -32010,
 }
 
 

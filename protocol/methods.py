@@ -17,6 +17,8 @@ from protocol.envelope import RequestId
 PROTOCOL_VERSION = "1.0"
 
 NonNegativeInt = Annotated[int, Meta(ge=0)]
+# "name" is a file name.kvc in the cache directory; "memory://name" lives in this process only.
+CacheRef = Annotated[str, Meta(pattern=r"^(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")]
 TokenId = Annotated[int, Meta(ge=0)]
 
 
@@ -163,6 +165,9 @@ class GenerateParams(Params):
     seed: int | None = None
     stop: list[Annotated[str, Meta(min_length=1)]] = []
     stream: bool = True  # send generate/chunk notifications
+    # A cache ref ("name" on disk, "memory://name" in this process) whose tokens
+    # must be a prefix of the prompt's; only the rest is computed.
+    cache: CacheRef | None = None
 
 
 class GenerateChunk(Result):
@@ -198,6 +203,13 @@ class Timings(Result):
     tokens_per_second: float  # completion tokens after the first, per second of decode
 
 
+class CacheUse(Result):
+    """What a generate did with its cache."""
+
+    ref: str
+    reused_tokens: int  # prompt tokens taken from the cache instead of computed
+
+
 class GenerateResult(Result):
     text: str
     tokens: list[int]
@@ -205,6 +217,58 @@ class GenerateResult(Result):
     stop_reason: StopReason
     usage: Usage
     timings: Timings
+    cache: CacheUse | None  # null when no cache was given
+
+
+# --- prefill and the cache store -----------------------------------------------
+
+
+class PrefillParams(Params, kw_only=True):
+    prompt: str | None = None
+    tokens: list[TokenId] | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True  # for messages
+    cache: CacheRef  # where to store the result
+    base: CacheRef | None = None  # start from this cache's tokens where they are a prefix
+    trim_to_tokens: NonNegativeInt | None = None  # use at most this many of base's tokens
+    prefix_offsets: list[NonNegativeInt] = []  # kept with the cache for the host, never read
+    prefix_hashes: list[str] = []
+
+
+class PrefillResult(Result):
+    cache: str
+    token_count: int  # tokens the cache now covers
+    cache_read_tokens: int  # taken from base
+    cache_write_tokens: int  # computed now
+    bytes: int  # size of the stored cache
+    time_ms: float
+
+
+class CacheRefParams(Params):
+    cache: CacheRef
+
+
+class CacheInfo(Result):
+    cache: str
+    token_count: int
+    bytes: int
+    model_id: str
+    created_by: str
+    last_used: float  # seconds since the epoch
+    prefix_offsets: list[int]
+    prefix_hashes: list[str]
+
+
+class CacheListResult(Result):
+    caches: list[CacheInfo]
+    total_bytes: int
+    max_bytes: int | None
+
+
+class CacheDeleteResult(Result):
+    deleted: bool
 
 
 # --- cancel / shutdown -------------------------------------------------------
@@ -236,6 +300,10 @@ METHODS: dict[str, MethodSpec] = {
     "detokenize": MethodSpec(DetokenizeParams, DetokenizeResult, "Token ids to text."),
     "render": MethodSpec(RenderParams, RenderResult, "Chat messages to prompt text and tokens."),
     "generate": MethodSpec(GenerateParams, GenerateResult, "Generate a continuation, streaming chunks."),
+    "prefill": MethodSpec(PrefillParams, PrefillResult, "Compute a prompt's KV cache once and store it."),
+    "cache/list": MethodSpec(NoParams, CacheListResult, "The stored caches, most recently used first."),
+    "cache/info": MethodSpec(CacheRefParams, CacheInfo, "One cache's header, without loading its tensors."),
+    "cache/delete": MethodSpec(CacheRefParams, CacheDeleteResult, "Delete a cache."),
     "cancel": MethodSpec(CancelParams, CancelResult, "Cancel a queued or running request."),
     "shutdown": MethodSpec(NoParams, None, "Finish up; answers after every earlier request."),
 }

@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help=f"where converted models are kept (default: $LM_WORKER_DATA_DIR, else {default_data_dir()})",
     )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where named KV caches are stored as NAME.kvc (default: DATA_DIR/caches)",
+    )
     parser.add_argument("--record", metavar="FILE", help="write every message in and out to FILE as a transcript")
     parser.add_argument(
         "--drain",
@@ -114,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             outbox_messages=args.outbox,
         ),
         data_dir=args.data_dir or default_data_dir(),
+        cache_dir=args.cache_dir,
     )
     server = Server(
         writer, handlers, max_message_bytes=args.max_message_bytes, recorder=recorder, drain_on_eof=args.drain

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import msgspec
 from collections.abc import Callable, Sequence
 
 from protocol.errors import ErrorKind, RpcError
 from protocol.methods import (
+    CacheUse,
     ChatMessage,
     GenerateChunk,
     GenerateParams,
@@ -61,18 +63,32 @@ def check_vocabulary(model: Model, tokens: Sequence[int], field: str) -> None:
             )
 
 
+class CacheStart(msgspec.Struct, frozen=True):
+    """Where a generate starts: a cache of the prompt's first ``reused`` tokens."""
+
+    ref: str
+    reused: int
+    cache: Any
+    written: int  # tokens the prefill that made the cache computed (reported once)
+
+
+def prompt_tokens(model: Model, params: GenerateParams) -> list[int]:
+    source = PromptSource(params.prompt, params.tokens, params.messages)
+    return resolve_prompt(model, source, add_special_tokens=params.add_special_tokens, tools=params.tools)
+
+
 def generate(
     model: Model,
     params: GenerateParams,
+    prompt: list[int],
     *,
     request_id: int | str,
     is_cancelled: Callable[[], bool],
     send_chunk: SendChunk,
     queued_ms: float,
+    start: CacheStart | None = None,
 ) -> GenerateResult:
     started = time.perf_counter()
-    source = PromptSource(params.prompt, params.tokens, params.messages)
-    prompt = resolve_prompt(model, source, add_special_tokens=params.add_special_tokens, tools=params.tools)
     context = model.info.context_length
     if len(prompt) + params.max_tokens > context:
         raise RpcError(
@@ -82,11 +98,13 @@ def generate(
             field="params.max_tokens",
             limit=context,
         )
-    stream = _Stream(model, params, request_id, len(prompt), send_chunk, prompt)
+    reused = start.reused if start else 0
+    stream = _Stream(model, params, request_id, len(prompt), reused, send_chunk, prompt)
     first_token_at: float | None = None
     stop_reason: StopReason | None = None
     tokens = stream.tokens
-    steps = model.generate(prompt, params, is_cancelled)
+    from_cache = {"cache": start.cache} if start else {}
+    steps = model.generate(prompt, params, is_cancelled, **from_cache)
     try:
         for token in steps:
             first_token_at = first_token_at or time.perf_counter()
@@ -111,8 +129,12 @@ def generate(
         finish_reason=_FINISH_REASONS[stop_reason.kind],
         stop_reason=stop_reason,
         usage=Usage(
-            prompt_tokens=len(prompt), completion_tokens=len(tokens), cache_read_tokens=0, cache_write_tokens=0
+            prompt_tokens=len(prompt),
+            completion_tokens=len(tokens),
+            cache_read_tokens=reused,
+            cache_write_tokens=start.written if start else 0,
         ),
+        cache=CacheUse(ref=start.ref, reused_tokens=reused) if start else None,
         timings=Timings(
             queued_ms=queued_ms,
             prompt_ms=(first - started) * 1000.0,
@@ -132,6 +154,7 @@ def cancelled_before_start(queued_ms: float) -> GenerateResult:
         stop_reason=_reason("cancelled"),
         usage=Usage(prompt_tokens=0, completion_tokens=0, cache_read_tokens=0, cache_write_tokens=0),
         timings=Timings(queued_ms=queued_ms, prompt_ms=0.0, decode_ms=0.0, total_ms=0.0, tokens_per_second=0.0),
+        cache=None,
     )
 
 
@@ -151,6 +174,7 @@ class _Stream:
         params: GenerateParams,
         request_id: int | str,
         prompt_tokens: int,
+        cache_read_tokens: int,
         send_chunk: SendChunk,
         prompt: Sequence[int],
     ) -> None:
@@ -160,6 +184,7 @@ class _Stream:
         self._send = send_chunk if params.stream else None
         self._request_id = request_id
         self._prompt_tokens = prompt_tokens
+        self._cache_read_tokens = cache_read_tokens
         self._pieces: list[str] = []
         self._stopped = False
         self.tokens: list[int] = []
@@ -200,6 +225,6 @@ class _Stream:
                     tokens=tokens,
                     generated_tokens=len(self.tokens),
                     prompt_tokens=self._prompt_tokens,
-                    cache_read_tokens=0,
+                    cache_read_tokens=self._cache_read_tokens,
                 )
             )

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 from collections.abc import Callable
 import msgspec
 
@@ -14,6 +15,12 @@ from protocol.envelope import RequestId
 from protocol.errors import ErrorKind, RpcError
 from protocol.methods import (
     PROTOCOL_VERSION,
+    CacheDeleteResult,
+    CacheInfo,
+    CacheListResult,
+    CacheRefParams,
+    PrefillParams,
+    PrefillResult,
     CapabilitiesResult,
     DetokenizeParams,
     DetokenizeResult,
@@ -35,7 +42,10 @@ from protocol.framing import Framing
 from worker import __version__
 from worker.backends import Registry
 from worker.backends.base import Model
-from worker.generation import check_vocabulary, generate
+
+if TYPE_CHECKING:
+    from worker.kvcache.store import CacheStore
+from worker.generation import check_vocabulary, generate, prompt_tokens
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +70,12 @@ class WireInfo(msgspec.Struct, frozen=True):
 
 
 class Handlers:
-    def __init__(self, registry: Registry, wire: WireInfo, *, data_dir: Path) -> None:
+    def __init__(self, registry: Registry, wire: WireInfo, *, data_dir: Path, cache_dir: Path | None = None) -> None:
         self._registry = registry
         self._wire = wire
         self._data_dir = data_dir
+        self._cache_dir = cache_dir or data_dir / "caches"
+        self._cache_store: CacheStore | None = None
         self._model: Model | None = None
 
     def capabilities(self, ctx: Context, params: NoParams) -> CapabilitiesResult:
@@ -119,14 +131,45 @@ class Handlers:
         def send_chunk(chunk: GenerateChunk) -> None:
             ctx.send_notification("generate/chunk", chunk)
 
+        model = self._loaded()
+        prompt = prompt_tokens(model, params)
+        start = None
+        if params.cache:
+            from worker.caching import start_from_cache
+
+            start = start_from_cache(self._store(), model, params.cache, prompt)
         return generate(
-            self._loaded(),
+            model,
             params,
+            prompt,
             request_id=ctx.id,
             is_cancelled=ctx.cancelled.is_set,
             send_chunk=send_chunk,
             queued_ms=ctx.queued_ms,
+            start=start,
         )
+
+    def prefill(self, ctx: Context, params: PrefillParams) -> PrefillResult:
+        from worker.caching import prefill
+
+        return prefill(self._store(), self._loaded(), params, ctx.cancelled.is_set)
+
+    def cache_list(self, ctx: Context, params: NoParams) -> CacheListResult:
+        caches = self._store().list()
+        return CacheListResult(caches=caches, total_bytes=sum(c.bytes for c in caches), max_bytes=None)
+
+    def cache_info(self, ctx: Context, params: CacheRefParams) -> CacheInfo:
+        return self._store().info(params.cache)
+
+    def cache_delete(self, ctx: Context, params: CacheRefParams) -> CacheDeleteResult:
+        return CacheDeleteResult(deleted=self._store().delete(params.cache))
+
+    def _store(self) -> CacheStore:
+        if self._cache_store is None:  # imported on first use: capabilities stays fast
+            from worker.kvcache.store import CacheStore
+
+            self._cache_store = CacheStore(self._cache_dir)
+        return self._cache_store
 
     def close(self) -> None:
         if self._model is not None:

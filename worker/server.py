@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 
 # Methods that check for cancellation while they run; the others finish once started.
-_STOPPABLE_WHILE_RUNNING = frozenset({"generate"})
+_STOPPABLE_WHILE_RUNNING = frozenset({"generate", "prefill"})
 
 
 class Lane(enum.Enum):
@@ -91,6 +91,10 @@ class Server:
             "detokenize": (handlers.detokenize, Lane.AFTER_LOADS),
             "render": (handlers.render, Lane.AFTER_LOADS),
             "generate": (handlers.generate, Lane.MODEL),
+            "prefill": (handlers.prefill, Lane.MODEL),
+            "cache/list": (handlers.cache_list, Lane.INLINE),
+            "cache/info": (handlers.cache_info, Lane.INLINE),
+            "cache/delete": (handlers.cache_delete, Lane.INLINE),
             "cancel": (self._cancel, Lane.INLINE),
             "shutdown": (lambda ctx, params: None, Lane.MODEL),
         }

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo
+if TYPE_CHECKING:  # the container is imported only where caches are used
+    from worker.kvcache.container import Identity, LoadedCache
 
 
 class Model(Protocol):
@@ -50,6 +52,36 @@ class Model(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class CachingModel(Model, Protocol):
+    """A model whose KV cache lm-worker can store and reuse (``supports_cache = True``)."""
+
+    supports_cache: bool
+
+    def cache_identity(self) -> Identity:
+        """Everything a stored cache must match to be valid for this model."""
+        ...
+
+    def new_cache(self) -> Any: ...
+
+    def extend_cache(self, tokens: Sequence[int], cache: Any, should_stop: Callable[[], bool]) -> bool:
+        """Compute ``tokens`` past what ``cache`` covers, in place; False if cancelled."""
+        ...
+
+    def crop_cache(self, cache: Any, keep_tokens: int) -> None:
+        """Keep the first ``keep_tokens`` positions."""
+        ...
+
+    def load_cache(self, loaded: LoadedCache) -> Any:
+        """A cache object of a verified, mapped KVC1 file."""
+        ...
+
+    def generate(
+        self, prompt: Sequence[int], params: GenerateParams, should_stop: Callable[[], bool], cache: Any = None
+    ) -> Iterator[int]:
+        """As Model.generate; ``cache`` covers a prefix of ``prompt`` shorter than the whole of it."""
+        ...
 
 
 class Backend(Protocol):

@@ -16,10 +16,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from protocol.errors import ErrorKind, RpcError
 from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo, SpecialToken
+
+if TYPE_CHECKING:
+    from worker.kvcache.container import Identity
 
 # Prompts are fed in chunks this long, so a cancel is seen within one chunk.
 PREFILL_CHUNK_TOKENS = 256
@@ -65,6 +68,7 @@ class TransformersModel:
         self.eos_token_ids = frozenset(_eos_ids(model, tokenizer))
         self._bos = tokenizer.bos_token_id
         self._adds_bos = self._bos is not None and tokenizer("a").input_ids[:1] == [self._bos]
+        self._identity = _identity(path, model, dtype)
         self.info = ModelInfo(
             model=params.model,
             backend="transformers",
@@ -131,9 +135,51 @@ class TransformersModel:
 
     # --- generation -------------------------------------------------------------------
 
+    supports_cache = True
+
+    def cache_identity(self) -> Identity:
+        return self._identity
+
+    def new_cache(self) -> Any:
+        from worker.backends import hf_compat
+
+        return hf_compat.new_cache(self._model.config)
+
+    def extend_cache(self, tokens: Sequence[int], cache: Any, should_stop: Callable[[], bool]) -> bool:
+        """Feed the tokens that ``cache`` does not cover yet; False if cancelled."""
+        import torch
+
+        with torch.inference_mode():
+            sequence = torch.tensor([list(tokens)], dtype=torch.long, device=self._device)
+            self._prefill(sequence, cache, should_stop)
+        return cache.get_seq_length() == len(tokens)
+
+    def crop_cache(self, cache: Any, keep_tokens: int) -> None:
+        from worker.backends import hf_compat
+
+        hf_compat.crop(cache, keep_tokens)
+
+    def load_cache(self, loaded: Any) -> Any:
+        from worker.kvcache.torch_adapter import from_loaded
+
+        return from_loaded(loaded, self._model.config, self._device)
+
+    def _prefill(self, sequence, cache, should_stop: Callable[[], bool]):
+        """Feed ``sequence`` past what ``cache`` covers, in chunks; the last logits, or None
+        if cancelled (or nothing was left to feed)."""
+        from worker.backends import hf_compat
+
+        logits = None
+        for start in range(cache.get_seq_length(), sequence.shape[1], PREFILL_CHUNK_TOKENS):
+            if should_stop():
+                return None
+            logits = hf_compat.forward(self._model, sequence[:, start : start + PREFILL_CHUNK_TOKENS], cache)
+        return logits
+
     def generate(
-        self, prompt: Sequence[int], params: GenerateParams, should_stop: Callable[[], bool]
+        self, prompt: Sequence[int], params: GenerateParams, should_stop: Callable[[], bool], cache: Any = None
     ) -> Iterator[int]:
+        """``cache``, if given, covers a prefix of ``prompt`` shorter than the whole of it."""
         import torch
 
         from worker.backends import hf_compat
@@ -142,12 +188,8 @@ class TransformersModel:
         sampler = Sampler(params, self._device)
         with torch.inference_mode():
             sequence = torch.tensor([list(prompt)], dtype=torch.long, device=self._device)
-            cache = hf_compat.new_cache(self._model.config)
-            logits = None
-            for start in range(0, sequence.shape[1], PREFILL_CHUNK_TOKENS):
-                if should_stop():
-                    return
-                logits = hf_compat.forward(self._model, sequence[:, start : start + PREFILL_CHUNK_TOKENS], cache)
+            cache = cache if cache is not None else hf_compat.new_cache(self._model.config)
+            logits = self._prefill(sequence, cache, should_stop)
             while logits is not None and not should_stop():
                 token = sampler.next_token(sequence, logits)
                 yield token
@@ -160,6 +202,45 @@ class TransformersModel:
         import gc
 
         gc.collect()
+
+
+def _identity(path: Path, model, dtype: str) -> Identity:
+    from worker.kvcache.container import Identity
+
+    config = model.config
+    heads = config.num_attention_heads
+    return Identity(
+        model_id=path.name,  # the directory or file name: a copied model keeps its caches
+        weights_fingerprint=_fingerprint(sorted(p for p in _files(path) if p.suffix in (".safetensors", ".bin", ".gguf"))),
+        tokenizer_sha256=_fingerprint(sorted(p for p in _files(path) if p.name.startswith("tokenizer")) or [path]),
+        rope_theta=float(getattr(config, "rope_theta", 0.0) or 0.0),
+        layers=config.num_hidden_layers,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        dtype=dtype,
+        cache_class="DynamicCache",
+        attention_type="full" if getattr(config, "sliding_window", None) is None else "sliding",
+    )
+
+
+def _files(path: Path) -> list[Path]:
+    return [path] if path.is_file() else [p for p in path.iterdir() if p.is_file()]
+
+
+def _fingerprint(files: list[Path], samples: int = 16, block: int = 1 << 16) -> str:
+    """A digest of files' sizes and of evenly spaced blocks of their bytes: fast for big
+    weights, and different for any two checkpoints that differ in more than a few bytes."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size};".encode())
+        with open(file, "rb") as handle:
+            for i in range(samples):
+                handle.seek(max(0, (size - block) * i // max(1, samples - 1)))
+                digest.update(handle.read(block))
+    return digest.hexdigest()
 
 
 def _check_device(device: str) -> str:

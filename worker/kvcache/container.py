@@ -23,7 +23,6 @@ import hashlib
 import mmap
 import os
 import struct
-import tempfile
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -145,6 +144,8 @@ def write(
     header_bytes = msgspec.json.encode(header)
     if _PREFIX.size + len(header_bytes) > data_start:
         raise AssertionError("header outgrew its reserved space")
+    import tempfile
+
     target = Path(path)
     fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:

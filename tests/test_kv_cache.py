@@ -1,0 +1,176 @@
+"""KV prompt caches through the worker: exact reuse across processes, refusal of anything unsound."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from worker.host import Host, WorkerError
+from tests.conftest import TORCH_ENV
+
+SYSTEM = "the cat sat on the mat and the dog runs quickly to the river. " * 3
+QUESTION = "hello world, the sun and the moon"
+
+
+async def worker(tiny_model_dir: Path, cache_dir: Path) -> Host:
+    host = await Host.spawn("--cache-dir", str(cache_dir), env=TORCH_ENV)
+    await host.call("load", {"model": str(tiny_model_dir)}, timeout=120)
+    return host
+
+
+async def greedy(host: Host, prompt: str, **extra) -> dict:
+    return await host.call("generate", {"prompt": prompt, "max_tokens": 24, **extra}, timeout=120)
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path) -> Path:
+    return tmp_path / "caches"
+
+
+async def test_a_disk_cache_made_by_one_worker_gives_identical_greedy_output_in_another(tiny_model_dir, cache_dir):
+    first = await worker(tiny_model_dir, cache_dir)
+    try:
+        uncached = await greedy(first, SYSTEM + QUESTION)
+        made = await first.call("prefill", {"prompt": SYSTEM, "cache": "system"})
+    finally:
+        await first.close()
+    prefix_tokens = made["token_count"]
+    assert made["cache_read_tokens"] == 0 and made["cache_write_tokens"] == prefix_tokens
+    assert (cache_dir / "system.kvc").is_file() and made["bytes"] == (cache_dir / "system.kvc").stat().st_size
+    second = await worker(tiny_model_dir, cache_dir)
+    try:
+        msg_id, done = second.start("generate", {"prompt": SYSTEM + QUESTION, "max_tokens": 24, "cache": "system"})
+        cached = (await done)["result"]
+        chunks = second.chunks[msg_id]
+        again = await greedy(second, SYSTEM + QUESTION, cache="system")
+    finally:
+        await second.close()
+    assert cached["tokens"] == uncached["tokens"] and cached["text"] == uncached["text"]
+    assert cached["usage"]["cache_read_tokens"] == prefix_tokens
+    assert all(c["cache_read_tokens"] == prefix_tokens for c in chunks)
+    assert cached["cache"] == {"ref": "system", "reused_tokens": prefix_tokens}
+    # the prefill ran in another process, so only its own generate reports writes
+    assert cached["usage"]["cache_write_tokens"] == 0 and again["usage"]["cache_write_tokens"] == 0
+
+
+async def test_memory_cache_reuse_is_exact_and_reports_the_prefill_writes_once(tiny_model_dir, cache_dir):
+    host = await worker(tiny_model_dir, cache_dir)
+    try:
+        uncached = await greedy(host, SYSTEM + QUESTION)
+        made = await host.call("prefill", {"prompt": SYSTEM, "cache": "memory://system"})
+        first = await greedy(host, SYSTEM + QUESTION, cache="memory://system")
+        second = await greedy(host, SYSTEM + QUESTION, cache="memory://system")
+    finally:
+        await host.close()
+    assert first["tokens"] == second["tokens"] == uncached["tokens"]
+    assert first["usage"]["cache_write_tokens"] == made["cache_write_tokens"] > 0
+    assert second["usage"]["cache_write_tokens"] == 0
+    assert not cache_dir.exists() or not list(cache_dir.iterdir())
+
+
+async def test_a_cache_covering_the_whole_prompt_still_refeeds_the_last_token(tiny_model_dir, cache_dir):
+    host = await worker(tiny_model_dir, cache_dir)
+    try:
+        uncached = await greedy(host, SYSTEM)
+        made = await host.call("prefill", {"prompt": SYSTEM, "cache": "whole"})
+        cached = await greedy(host, SYSTEM, cache="whole")
+    finally:
+        await host.close()
+    assert cached["tokens"] == uncached["tokens"]
+    assert cached["usage"]["cache_read_tokens"] == made["token_count"] - 1
+
+
+async def test_a_trimmed_base_cache_is_extended_into_a_new_one_exactly(tiny_model_dir, cache_dir):
+    host = await worker(tiny_model_dir, cache_dir)
+    try:
+        uncached = await greedy(host, SYSTEM + QUESTION)
+        base = await host.call("prefill", {"prompt": SYSTEM + "a different ending", "cache": "base"})
+        extended = await host.call(
+            "prefill", {"prompt": SYSTEM + QUESTION, "cache": "turn", "base": "base", "trim_to_tokens": 10}
+        )
+        cached = await greedy(host, SYSTEM + QUESTION, cache="turn")
+    finally:
+        await host.close()
+    assert extended["cache_read_tokens"] == 10 < base["token_count"]
+    assert extended["cache_write_tokens"] == extended["token_count"] - 10
+    assert cached["tokens"] == uncached["tokens"]
+
+
+async def test_a_cache_of_another_prompt_is_refused_naming_where_it_differs(tiny_model_dir, cache_dir):
+    host = await worker(tiny_model_dir, cache_dir)
+    try:
+        await host.call("prefill", {"prompt": SYSTEM, "cache": "system"})
+        with pytest.raises(WorkerError) as caught:
+            await greedy(host, "a completely different prompt", cache="system")
+        assert caught.value.kind == "cache_prefix_mismatch" and caught.value.data["field"] == "params.cache"
+        assert (await greedy(host, QUESTION))["finish_reason"] in ("stop", "length")
+    finally:
+        await host.close()
+
+
+async def test_damaged_foreign_missing_and_other_model_caches_are_refused(tiny_model_dir, cache_dir, tmp_path):
+    from worker.tiny_model import build
+
+    other_model = build(tmp_path / "other", seed=1)
+    host = await worker(tiny_model_dir, cache_dir)
+    try:
+        await host.call("prefill", {"prompt": SYSTEM, "cache": "good"})
+        data = bytearray((cache_dir / "good.kvc").read_bytes())
+        data[len(data) // 2] ^= 0x10
+        (cache_dir / "flipped.kvc").write_bytes(data)
+        (cache_dir / "foreign.kvc").write_bytes(b"PK\x03\x04 not a cache at all")
+        expected = {"flipped": "cache_corrupt", "foreign": "cache_corrupt", "missing": "cache_not_found"}
+        for ref, kind in expected.items():
+            with pytest.raises(WorkerError) as caught:
+                await greedy(host, SYSTEM + QUESTION, cache=ref)
+            assert caught.value.kind == kind, ref
+        await host.call("load", {"model": str(other_model)}, timeout=120)
+        with pytest.raises(WorkerError) as caught:
+            await greedy(host, SYSTEM + QUESTION, cache="good")
+        assert caught.value.kind == "cache_identity_mismatch"
+        assert "model_id is " in caught.value.message
+    finally:
+        await host.close()
+
+
+async def test_a_ref_that_could_leave_the_cache_directory_is_refused(tiny_model_dir, cache_dir, tmp_path):
+    host = await worker(tiny_model_dir, cache_dir)
+    try:
+        for ref in ["../outside", "/tmp/abs", "a" * 200, ".hidden", "sub/dir", "memory://../x", ""]:
+            for method, params in (("prefill", {"prompt": SYSTEM, "cache": ref}), ("cache/info", {"cache": ref})):
+                with pytest.raises(WorkerError) as caught:
+                    await host.call(method, params)
+                assert caught.value.kind == "invalid_params" and caught.value.data["field"] == "params.cache", ref
+    finally:
+        await host.close()
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert written == [] and not cache_dir.exists()
+
+
+async def test_caches_are_listed_described_and_deleted(tiny_model_dir, cache_dir):
+    host = await worker(tiny_model_dir, cache_dir)
+    try:
+        await host.call("prefill", {"prompt": SYSTEM, "cache": "disk", "prefix_offsets": [3], "prefix_hashes": ["h"]})
+        await host.call("prefill", {"prompt": QUESTION, "cache": "memory://mem"})
+        listed = await host.call("cache/list")
+        info = await host.call("cache/info", {"cache": "disk"})
+        assert {c["cache"] for c in listed["caches"]} == {"disk", "memory://mem"}
+        assert (info["prefix_offsets"], info["prefix_hashes"]) == ([3], ["h"])
+        assert info["bytes"] == (cache_dir / "disk.kvc").stat().st_size
+        assert await host.call("cache/delete", {"cache": "disk"}) == {"deleted": True}
+        assert await host.call("cache/delete", {"cache": "disk"}) == {"deleted": False}
+        assert not (cache_dir / "disk.kvc").exists()
+        with pytest.raises(WorkerError) as caught:
+            await host.call("cache/info", {"cache": "disk"})
+        assert caught.value.kind == "cache_not_found"
+    finally:
+        await host.close()
+
+
+async def test_the_echo_backend_says_it_keeps_no_cache(spawn_worker):
+    host = await spawn_worker()
+    await host.call("load", {"backend": "echo"})
+    with pytest.raises(WorkerError) as caught:
+        await host.call("prefill", {"prompt": "a", "cache": "x"})
+    assert caught.value.kind == "unsupported"

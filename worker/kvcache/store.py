@@ -1,0 +1,172 @@
+"""Where caches live: ``name`` → ``name.kvc`` in the cache directory, ``memory://name`` in this process.
+
+Refs are validated by the protocol (a name of ``[A-Za-z0-9._-]``, not starting
+with a dot), so a path never leaves the cache directory. Disk caches are
+written atomically by the container; a damaged or foreign file is refused
+with the reason, never used.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from protocol.errors import ErrorKind, RpcError
+from protocol.methods import CacheInfo
+from worker import __version__
+from worker.kvcache import container
+from worker.kvcache.container import CacheFormatError, Identity, IdentityMismatch, LoadedCache
+
+MEMORY = "memory://"
+SUFFIX = ".kvc"
+
+
+class _MemoryCache:
+    def __init__(self, identity: Identity, tokens: list[int], cache: Any, offsets: list[int], hashes: list[str]):
+        self.identity, self.tokens, self.cache = identity, tokens, cache
+        self.offsets, self.hashes = offsets, hashes
+        self.last_used = time.time()
+        self.nbytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
+class CacheStore:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._memory: dict[str, _MemoryCache] = {}
+        self._pending_writes: dict[str, int] = {}  # tokens a prefill computed, reported by the next generate
+        self._lock = threading.Lock()
+
+    # --- writing ------------------------------------------------------------------
+
+    def save(
+        self, ref: str, identity: Identity, tokens: list[int], cache: Any, *,
+        offsets: list[int], hashes: list[str], written_tokens: int,
+    ) -> int:
+        """Store ``cache`` (covering ``tokens``) under ``ref``; returns its size in bytes."""
+        from worker.kvcache.torch_adapter import to_tensors
+
+        if ref.startswith(MEMORY):
+            entry = _MemoryCache(identity, list(tokens), copy.deepcopy(cache), offsets, hashes)
+            with self._lock:
+                self._memory[ref] = entry
+                self._pending_writes[ref] = written_tokens
+            return entry.nbytes
+        self.directory.mkdir(parents=True, exist_ok=True)
+        size = container.write(
+            self._path(ref), identity=identity, tokens=list(tokens), tensors=to_tensors(cache, len(tokens)),
+            prefix_offsets=offsets, prefix_hashes=hashes, created_by=f"lm-worker {__version__}",
+        )
+        with self._lock:
+            self._pending_writes[ref] = written_tokens
+        return size
+
+    # --- reading ------------------------------------------------------------------
+
+    def load(self, ref: str, identity: Identity, restore: Callable[[LoadedCache], Any]) -> tuple[list[int], Any]:
+        """The tokens a cache covers and a cache object of them that the caller may change;
+        ``restore`` turns a verified file into that object (the model's own cache type)."""
+        if ref.startswith(MEMORY):
+            with self._lock:
+                entry = self._memory.get(ref)
+            if entry is None:
+                raise _not_found(ref)
+            try:
+                container.check_identity(ref, entry.identity, identity)
+            except IdentityMismatch as exc:
+                raise _mismatch(ref, exc) from exc
+            entry.last_used = time.time()
+            return list(entry.tokens), copy.deepcopy(entry.cache)
+        path = self._path(ref)
+        if not path.is_file():
+            raise _not_found(ref)
+        try:
+            loaded = container.load(path, identity)
+        except IdentityMismatch as exc:
+            raise _mismatch(ref, exc) from exc
+        except CacheFormatError as exc:
+            raise RpcError(
+                ErrorKind.CACHE_CORRUPT,
+                f"Cache {ref!r} is damaged and was not used: {exc.reason}. Delete it (cache/delete) and prefill again.",
+                field="params.cache",
+            ) from exc
+        os.utime(path)  # least recently used is evicted first
+        return list(loaded.header.tokens), restore(loaded)
+
+    def take_pending_writes(self, ref: str) -> int:
+        with self._lock:
+            return self._pending_writes.pop(ref, 0)
+
+    # --- cache/list, cache/info, cache/delete -------------------------------------------
+
+    def info(self, ref: str) -> CacheInfo:
+        if ref.startswith(MEMORY):
+            with self._lock:
+                entry = self._memory.get(ref)
+            if entry is None:
+                raise _not_found(ref)
+            return CacheInfo(
+                cache=ref, token_count=len(entry.tokens), bytes=entry.nbytes, model_id=entry.identity.model_id,
+                created_by=f"lm-worker {__version__}", last_used=entry.last_used,
+                prefix_offsets=entry.offsets, prefix_hashes=entry.hashes,
+            )
+        path = self._path(ref)
+        if not path.is_file():
+            raise _not_found(ref)
+        try:
+            header = container.read_header(path)
+        except CacheFormatError as exc:
+            raise RpcError(ErrorKind.CACHE_CORRUPT, f"Cache {ref!r} is damaged: {exc.reason}.", field="params.cache") from exc
+        stat = path.stat()
+        return CacheInfo(
+            cache=ref, token_count=header.sequence_length, bytes=stat.st_size, model_id=header.identity.model_id,
+            created_by=header.created_by, last_used=stat.st_mtime,
+            prefix_offsets=header.prefix_offsets, prefix_hashes=header.prefix_hashes,
+        )
+
+    def list(self) -> list[CacheInfo]:
+        refs = list(self._memory)
+        if self.directory.is_dir():
+            refs += [p.name[: -len(SUFFIX)] for p in self.directory.glob(f"*{SUFFIX}") if not p.name.startswith(".")]
+        infos = []
+        for ref in refs:
+            try:
+                infos.append(self.info(ref))
+            except RpcError:
+                continue  # deleted meanwhile, or damaged: cache/info on it says which
+        return sorted(infos, key=lambda info: info.last_used, reverse=True)
+
+    def delete(self, ref: str) -> bool:
+        with self._lock:
+            self._pending_writes.pop(ref, None)
+            if ref.startswith(MEMORY):
+                return self._memory.pop(ref, None) is not None
+        try:
+            self._path(ref).unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _path(self, ref: str) -> Path:
+        return self.directory / f"{ref}{SUFFIX}"
+
+
+def _not_found(ref: str) -> RpcError:
+    return RpcError(
+        ErrorKind.CACHE_NOT_FOUND,
+        f"No cache {ref!r}; create it with prefill, or see cache/list for the ones there are.",
+        field="params.cache",
+    )
+
+
+def _mismatch(ref: str, exc: IdentityMismatch) -> RpcError:
+    return RpcError(
+        ErrorKind.CACHE_IDENTITY_MISMATCH,
+        f"Cache {ref!r} was computed by another model or tokenizer ({exc.field} is {exc.found!r} there, "
+        f"{exc.expected!r} here), so it cannot be used; prefill it again with this model.",
+        field="params.cache",
+    )
