@@ -174,3 +174,19 @@ async def test_the_echo_backend_says_it_keeps_no_cache(spawn_worker):
     with pytest.raises(WorkerError) as caught:
         await host.call("prefill", {"prompt": "a", "cache": "x"})
     assert caught.value.kind == "unsupported"
+
+
+async def test_a_prefilled_system_message_is_reused_by_the_chat_that_starts_with_it(tiny_model_dir, cache_dir):
+    system = [{"role": "system", "content": SYSTEM}]
+    chat = system + [{"role": "user", "content": QUESTION}]
+    host = await worker(tiny_model_dir, cache_dir)
+    try:
+        made = await host.call("prefill", {"messages": system, "add_generation_prompt": False, "cache": "chat"})
+        rendered = await host.call("render", {"messages": system, "add_generation_prompt": False})
+        uncached = await host.call("generate", {"messages": chat, "max_tokens": 16})
+        cached = await host.call("generate", {"messages": chat, "max_tokens": 16, "cache": "chat"})
+    finally:
+        await host.close()
+    assert made["token_count"] == rendered["count"]
+    assert cached["usage"]["cache_read_tokens"] == made["token_count"]
+    assert cached["tokens"] == uncached["tokens"]

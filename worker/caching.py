@@ -43,7 +43,13 @@ def prefill(store: CacheStore, model: Model, params: PrefillParams, is_cancelled
     started = time.perf_counter()
     model = caching(model)
     source = PromptSource(params.prompt, params.tokens, params.messages)
-    tokens = resolve_prompt(model, source, add_special_tokens=params.add_special_tokens, tools=params.tools)
+    tokens = resolve_prompt(
+        model,
+        source,
+        add_special_tokens=params.add_special_tokens,
+        tools=params.tools,
+        add_generation_prompt=params.add_generation_prompt,
+    )
     identity = model.cache_identity()
     reused, cache = 0, None
     if params.base is not None:

@@ -1,8 +1,9 @@
 """The main job: a demo session, as a host would run it, printed for a person.
 
 Spawns the worker over real pipes, loads the default model (SmolLM2-135M-Instruct;
-the first run converts it once, which takes about a minute), streams a chat
-answer token by token and prints the counts the worker reports.
+the first run converts it once, which takes about a minute), prefills a system
+prompt into a KV cache, then streams answers to two questions from that cache
+and prints the counts the worker reports: the system prompt is computed once.
 """
 
 from __future__ import annotations
@@ -13,10 +14,41 @@ import sys
 
 from worker.host import Host
 
-QUESTION = "What is the capital of France? Answer in one sentence."
+SYSTEM = "You are a concise assistant. Answer every question in one short sentence."
+QUESTIONS = ["What is the capital of France?", "What is the capital of Italy?"]
+CACHE = "memory://demo-system"
 
 
-async def run(load: dict, question: str, max_tokens: int) -> int:
+async def ask(host: Host, messages: list[dict], question: str, max_tokens: int) -> bool:
+    """Stream one answer from the cached system prompt; print it and its counts."""
+    print(f"\n> {question}\n", flush=True)
+    msg_id, done = host.start("generate", {"messages": messages, "max_tokens": max_tokens, "cache": CACHE})
+    shown = 0
+    while True:
+        finished = done.done()
+        for chunk in host.chunks[msg_id][shown:]:
+            print(chunk["text"], end="", flush=True)
+            shown += 1
+        if finished:
+            break
+        await asyncio.wait([done], timeout=0.02)
+    response = await done
+    print("\n")
+    if "error" in response:
+        print(f"error: {response['error']['message']}", file=sys.stderr)
+        return False
+    result = response["result"]
+    usage, timings = result["usage"], result["timings"]
+    print(
+        f"finish_reason={result['finish_reason']} chunks={shown} prompt_tokens={usage['prompt_tokens']} "
+        f"completion_tokens={usage['completion_tokens']} cache_read_tokens={usage['cache_read_tokens']} "
+        f"cache_write_tokens={usage['cache_write_tokens']}"
+    )
+    print(f"time to first token {timings['prompt_ms']:.0f} ms, decode {timings['tokens_per_second']:.1f} tokens/s")
+    return True
+
+
+async def run(load: dict, questions: list[str], max_tokens: int) -> int:
     async with await Host.spawn("--log-level", "warning") as host:
         caps = await host.call("capabilities")
         print(f"lm-worker {caps['worker_version']} (protocol {caps['protocol_version']}, pid {caps['pid']})")
@@ -26,34 +58,20 @@ async def run(load: dict, question: str, max_tokens: int) -> int:
             f"loaded {info['model']} ({info['backend']}, {info['dtype']} on {info['device']}) in "
             f"{info['load_time_ms'] / 1000:.1f} s: vocabulary {info['vocab_size']}, context {info['context_length']}"
         )
-        params = {"max_tokens": max_tokens}
-        params |= {"messages": [{"role": "user", "content": question}]} if info["has_chat_template"] else {"prompt": question}
-        print(f"\n> {question}\n", flush=True)
-        msg_id, done = host.start("generate", params)
-        shown = 0
-        while True:
-            finished = done.done()
-            for chunk in host.chunks[msg_id][shown:]:
-                print(chunk["text"], end="", flush=True)
-                shown += 1
-            if finished:
-                break
-            await asyncio.wait([done], timeout=0.02)
-        response = await done
-        print("\n")
-        if "error" in response:
-            print(f"error: {response['error']['message']}", file=sys.stderr)
+        if not info["has_chat_template"]:
+            print("this demo needs a model with a chat template", file=sys.stderr)
             return 1
-        result = response["result"]
-        usage, timings = result["usage"], result["timings"]
+        system = [{"role": "system", "content": SYSTEM}]
+        made = await host.call("prefill", {"messages": system, "add_generation_prompt": False, "cache": CACHE})
         print(
-            f"finish_reason={result['finish_reason']} chunks={shown} prompt_tokens={usage['prompt_tokens']} "
-            f"completion_tokens={usage['completion_tokens']} cache_read_tokens={usage['cache_read_tokens']} "
-            f"cache_write_tokens={usage['cache_write_tokens']}"
+            f"prefilled the system prompt into cache {CACHE!r}: {made['token_count']} tokens "
+            f"({made['cache_write_tokens']} computed, {made['cache_read_tokens']} reused), "
+            f"{made['bytes'] / 1e6:.1f} MB in {made['time_ms']:.0f} ms"
         )
-        print(
-            f"time to first token {timings['prompt_ms']:.0f} ms, decode {timings['tokens_per_second']:.1f} tokens/s"
-        )
+        for question in questions:
+            messages = system + [{"role": "user", "content": question}]
+            if not await ask(host, messages, question, max_tokens):
+                return 1
         await host.call("shutdown")
         await host.notify("exit")
         return await host.wait()
@@ -63,11 +81,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m worker.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="transformers", help="backend to load (default: transformers)")
     parser.add_argument("--model", default="default", help="model directory or .gguf file (default: SmolLM2)")
-    parser.add_argument("--question", default=QUESTION)
+    parser.add_argument("--question", action="append", help="ask this (repeatable); default: two questions")
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     load = {"backend": args.backend, "model": args.model}
-    return asyncio.run(run(load, args.question, args.max_tokens))
+    return asyncio.run(run(load, args.question or QUESTIONS, args.max_tokens))
 
 
 if __name__ == "__main__":

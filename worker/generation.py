@@ -33,7 +33,14 @@ class PromptSource(msgspec.Struct, frozen=True):
     messages: Sequence[ChatMessage] | None
 
 
-def resolve_prompt(model: Model, source: PromptSource, *, add_special_tokens: bool, tools=None) -> list[int]:
+def resolve_prompt(
+    model: Model,
+    source: PromptSource,
+    *,
+    add_special_tokens: bool,
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
     given = [name for name in ("prompt", "tokens", "messages") if getattr(source, name) is not None]
     if len(given) != 1:
         found = f"got {' and '.join(given)}" if given else "got none"
@@ -43,7 +50,7 @@ def resolve_prompt(model: Model, source: PromptSource, *, add_special_tokens: bo
             field=f"params.{given[-1] if given else 'prompt'}",
         )
     if source.messages is not None:
-        return model.render(source.messages, tools=tools, add_generation_prompt=True)[1]
+        return model.render(source.messages, tools=tools, add_generation_prompt=add_generation_prompt)[1]
     if source.tokens is not None:
         check_vocabulary(model, source.tokens, "params.tokens")
         return list(source.tokens)
