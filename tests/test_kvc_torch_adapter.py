@@ -57,3 +57,16 @@ def test_a_cache_restored_from_a_file_continues_greedy_decoding_exactly(tiny_hf,
         if len(prefix) < len(ids) - 1:  # extend the trimmed cache up to the last prompt token
             hf_compat.forward(model, torch.tensor([ids[len(prefix) : -1]]), restored)
     assert greedy_from(model, restored, ids[-1], 12) == reference
+
+
+def test_a_cache_with_sliding_window_layers_is_refused_not_stored_wrongly(tiny_hf):
+    from transformers import DynamicCache, MistralConfig
+
+    from worker.kvcache.torch_adapter import UnsupportedCache, to_tensors
+
+    config = MistralConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=128, vocab_size=100, sliding_window=16)
+    cache = DynamicCache(config=config)
+    assert any(type(layer).__name__ != "DynamicLayer" for layer in cache.layers)
+    with pytest.raises(UnsupportedCache, match="sliding-window"):
+        to_tensors(cache)

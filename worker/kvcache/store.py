@@ -48,7 +48,7 @@ class CacheStore:
         offsets: list[int], hashes: list[str], written_tokens: int,
     ) -> int:
         """Store ``cache`` (covering ``tokens``) under ``ref``; returns its size in bytes."""
-        from worker.kvcache.torch_adapter import to_tensors
+        from worker.kvcache.torch_adapter import UnsupportedCache, to_tensors
 
         if ref.startswith(MEMORY):
             entry = _MemoryCache(identity, list(tokens), copy.deepcopy(cache), offsets, hashes)
@@ -56,9 +56,13 @@ class CacheStore:
                 self._memory[ref] = entry
                 self._pending_writes[ref] = written_tokens
             return entry.nbytes
+        try:
+            tensors = to_tensors(cache, len(tokens))
+        except UnsupportedCache as exc:
+            raise RpcError(ErrorKind.UNSUPPORTED, f"Cannot store {ref!r}: {exc}; use a memory:// ref.") from exc
         self.directory.mkdir(parents=True, exist_ok=True)
         size = container.write(
-            self._path(ref), identity=identity, tokens=list(tokens), tensors=to_tensors(cache, len(tokens)),
+            self._path(ref), identity=identity, tokens=list(tokens), tensors=tensors,
             prefix_offsets=offsets, prefix_hashes=hashes, created_by=f"lm-worker {__version__}",
         )
         with self._lock:
