@@ -18,7 +18,8 @@ PROTOCOL_VERSION = "1.0"
 
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 # "name" is a file name.kvc in the cache directory; "memory://name" lives in this process only.
-CacheRef = Annotated[str, Meta(pattern=r"^(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")]
+# "auto" is reserved for automatic reuse.
+CacheRef = Annotated[str, Meta(pattern=r"^(?!auto$)(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")]
 TokenId = Annotated[int, Meta(ge=0)]
 
 

@@ -190,3 +190,35 @@ async def test_a_prefilled_system_message_is_reused_by_the_chat_that_starts_with
     assert made["token_count"] == rendered["count"]
     assert cached["usage"]["cache_read_tokens"] == made["token_count"]
     assert cached["tokens"] == uncached["tokens"]
+
+
+async def test_cache_requests_wait_for_the_prefill_sent_before_them(tiny_model_dir, cache_dir):
+    host = await worker(tiny_model_dir, cache_dir)
+    try:
+        _, made = host.start("prefill", {"prompt": SYSTEM, "cache": "early"})
+        info = await host.call("cache/info", {"cache": "early"})  # sent before the prefill answered
+        assert info["token_count"] == (await made)["result"]["token_count"]
+    finally:
+        await host.close()
+
+
+async def test_prefill_refuses_an_empty_prompt_a_trim_without_base_and_names_a_bad_base(tiny_model_dir, cache_dir):
+    host = await worker(tiny_model_dir, cache_dir)
+    try:
+        cases = [
+            ({"tokens": [], "cache": "x"}, "invalid_params", "params.prompt"),
+            ({"prompt": SYSTEM, "cache": "x", "trim_to_tokens": 3}, "invalid_params", "params.base"),
+            ({"prompt": SYSTEM, "cache": "x", "base": "missing"}, "cache_not_found", "params.base"),
+            ({"prompt": SYSTEM, "cache": "auto"}, "invalid_params", "params.cache"),
+        ]
+        for params, kind, field in cases:
+            with pytest.raises(WorkerError) as caught:
+                await host.call("prefill", params)
+            assert (caught.value.kind, caught.value.data["field"]) == (kind, field), params
+        made = await host.call("prefill", {"prompt": SYSTEM, "cache": "kept"})
+        with pytest.raises(WorkerError):  # refused before the cache is touched
+            await host.call("generate", {"prompt": SYSTEM, "cache": "kept", "max_tokens": 10**6})
+        after = await greedy(host, SYSTEM + QUESTION, cache="kept")
+        assert after["usage"]["cache_write_tokens"] == made["cache_write_tokens"]
+    finally:
+        await host.close()

@@ -15,7 +15,7 @@ from typing import Any
 from protocol.errors import ErrorKind, RpcError
 from protocol.methods import PrefillParams, PrefillResult
 from worker.backends.base import CachingModel, Model
-from worker.generation import CacheStart, PromptSource, resolve_prompt
+from worker.generation import CacheStart, PromptSource, check_context, resolve_prompt
 from worker.kvcache.store import CacheStore
 
 
@@ -50,10 +50,15 @@ def prefill(store: CacheStore, model: Model, params: PrefillParams, is_cancelled
         tools=params.tools,
         add_generation_prompt=params.add_generation_prompt,
     )
+    check_context(model, len(tokens), 0)
+    if params.trim_to_tokens is not None and params.base is None:
+        raise RpcError(
+            ErrorKind.INVALID_PARAMS, "trim_to_tokens trims the 'base' cache; give 'base' too.", field="params.base"
+        )
     identity = model.cache_identity()
     reused, cache = 0, None
     if params.base is not None:
-        base_tokens, cache = store.load(params.base, identity, model.load_cache)
+        base_tokens, cache = store.load(params.base, identity, model.load_cache, field="params.base")
         limit = len(base_tokens) if params.trim_to_tokens is None else min(params.trim_to_tokens, len(base_tokens))
         reused = common_prefix(base_tokens[:limit], tokens)
         model.crop_cache(cache, reused)

@@ -132,12 +132,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lm-worker {__version__} ready: type one JSON-RPC request per line, e.g. {EXAMPLE}", file=sys.stderr)
     while not server.ended.wait(0.5):
         pass  # a timed wait keeps signal handlers running promptly
-    if not server.wait_stopped(STOP_GRACE_S):
-        logging.getLogger(__name__).warning("a model request did not stop within %.0f s; exiting", STOP_GRACE_S)
-    handlers.close()
+    stopped = server.wait_stopped(STOP_GRACE_S)
+    if stopped:
+        handlers.close()
     writer.close(STOP_GRACE_S)
     if recorder is not None:
         recorder.close()
+    if not stopped:
+        # The model thread is inside native code; interpreter shutdown around it would abort.
+        logging.getLogger(__name__).warning("a model request did not stop within %.0f s; exiting", STOP_GRACE_S)
+        sys.stderr.flush()
+        os._exit(server.exit_code)
     return server.exit_code
 
 

@@ -80,8 +80,29 @@ class CacheStart(msgspec.Struct, frozen=True):
 
 
 def prompt_tokens(model: Model, params: GenerateParams) -> list[int]:
+    """The prompt's tokens, checked to leave room for max_tokens in the model's context."""
     source = PromptSource(params.prompt, params.tokens, params.messages)
-    return resolve_prompt(model, source, add_special_tokens=params.add_special_tokens, tools=params.tools)
+    prompt = resolve_prompt(model, source, add_special_tokens=params.add_special_tokens, tools=params.tools)
+    check_context(model, len(prompt), params.max_tokens)
+    return prompt
+
+
+def check_context(model: Model, prompt_length: int, max_tokens: int) -> None:
+    if prompt_length == 0:
+        raise RpcError(
+            ErrorKind.INVALID_PARAMS,
+            "The prompt is empty (no tokens to start from); give some text or tokens.",
+            field="params.prompt",
+        )
+    context = model.info.context_length
+    if prompt_length + max_tokens > context:
+        raise RpcError(
+            ErrorKind.CONTEXT_OVERFLOW,
+            f"The prompt has {prompt_length} tokens and max_tokens is {max_tokens}, together more than "
+            f"the model's context of {context} tokens; shorten the prompt or lower max_tokens.",
+            field="params.max_tokens",
+            limit=context,
+        )
 
 
 def generate(
@@ -96,15 +117,6 @@ def generate(
     start: CacheStart | None = None,
 ) -> GenerateResult:
     started = time.perf_counter()
-    context = model.info.context_length
-    if len(prompt) + params.max_tokens > context:
-        raise RpcError(
-            ErrorKind.CONTEXT_OVERFLOW,
-            f"The prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}, together more than "
-            f"the model's context of {context} tokens; shorten the prompt or lower max_tokens.",
-            field="params.max_tokens",
-            limit=context,
-        )
     reused = start.reused if start else 0
     stream = _Stream(model, params, request_id, len(prompt), reused, send_chunk, prompt)
     first_token_at: float | None = None

@@ -57,6 +57,7 @@ class Lane(enum.Enum):
     INLINE = enum.auto()  # answered by the reader thread at once
     MODEL = enum.auto()  # queued for the model thread, in order
     AFTER_LOADS = enum.auto()  # inline, unless a load or unload is still ahead of it
+    AFTER_CACHE_USE = enum.auto()  # inline, unless a prefill, or a generate from a cache, is ahead of it
 
 
 class Job(msgspec.Struct):
@@ -66,6 +67,15 @@ class Job(msgspec.Struct):
     queued_at: float
     cancelled: threading.Event = msgspec.field(default_factory=threading.Event)
     running: bool = False
+
+
+# For each lane that may wait: which earlier, unfinished model-lane jobs it waits behind,
+# so that it sees their effect (the model they load, the cache they write or read).
+_WAITS_FOR: dict[Lane, Callable[[Job], bool]] = {
+    Lane.INLINE: lambda job: False,
+    Lane.AFTER_LOADS: lambda job: job.method in ("load", "unload"),
+    Lane.AFTER_CACHE_USE: lambda job: job.method == "prefill" or getattr(job.params, "cache", None) is not None,
+}
 
 
 class Server:
@@ -92,9 +102,9 @@ class Server:
             "render": (handlers.render, Lane.AFTER_LOADS),
             "generate": (handlers.generate, Lane.MODEL),
             "prefill": (handlers.prefill, Lane.MODEL),
-            "cache/list": (handlers.cache_list, Lane.INLINE),
-            "cache/info": (handlers.cache_info, Lane.INLINE),
-            "cache/delete": (handlers.cache_delete, Lane.INLINE),
+            "cache/list": (handlers.cache_list, Lane.AFTER_CACHE_USE),
+            "cache/info": (handlers.cache_info, Lane.AFTER_CACHE_USE),
+            "cache/delete": (handlers.cache_delete, Lane.AFTER_CACHE_USE),
             "cancel": (self._cancel, Lane.INLINE),
             "shutdown": (lambda ctx, params: None, Lane.MODEL),
         }
@@ -181,7 +191,7 @@ class Server:
                 )
             else:
                 error = None
-                queue_it = lane is Lane.MODEL or (lane is Lane.AFTER_LOADS and self._loads_pending())
+                queue_it = lane is Lane.MODEL or any(map(_WAITS_FOR[lane], self._jobs.values()))
                 if queue_it:
                     job = Job(request.id, request.method, params, time.perf_counter())
                     self._jobs[request.id] = job
@@ -223,9 +233,6 @@ class Server:
             if job.running:  # a running load or unload cannot stop halfway; it answers as usual
                 return CancelResult(cancelled=job.method in _STOPPABLE_WHILE_RUNNING, state="running")
             return CancelResult(cancelled=True, state="queued")
-
-    def _loads_pending(self) -> bool:
-        return any(job.method in ("load", "unload") for job in self._jobs.values())
 
     def _cancel_all(self) -> None:
         for job in self._jobs.values():

@@ -109,6 +109,12 @@ class TensorSpec(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _align(n: int) -> int:
     return -(-n // ALIGNMENT) * ALIGNMENT
 
@@ -149,6 +155,7 @@ def write(
     target = Path(path)
     fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # as open() would: others sharing the directory can read it
         with os.fdopen(fd, "wb") as file:
             file.write(_PREFIX.pack(MAGIC, len(header_bytes), hashlib.sha256(header_bytes).digest()))
             file.write(header_bytes)

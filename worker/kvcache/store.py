@@ -71,32 +71,34 @@ class CacheStore:
 
     # --- reading ------------------------------------------------------------------
 
-    def load(self, ref: str, identity: Identity, restore: Callable[[LoadedCache], Any]) -> tuple[list[int], Any]:
+    def load(
+        self, ref: str, identity: Identity, restore: Callable[[LoadedCache], Any], *, field: str = "params.cache"
+    ) -> tuple[list[int], Any]:
         """The tokens a cache covers and a cache object of them that the caller may change;
         ``restore`` turns a verified file into that object (the model's own cache type)."""
         if ref.startswith(MEMORY):
             with self._lock:
                 entry = self._memory.get(ref)
             if entry is None:
-                raise _not_found(ref)
+                raise _not_found(ref, field)
             try:
                 container.check_identity(ref, entry.identity, identity)
             except IdentityMismatch as exc:
-                raise _mismatch(ref, exc) from exc
+                raise _mismatch(ref, exc, field) from exc
             entry.last_used = time.time()
             return list(entry.tokens), copy.deepcopy(entry.cache)
         path = self._path(ref)
         if not path.is_file():
-            raise _not_found(ref)
+            raise _not_found(ref, field)
         try:
             loaded = container.load(path, identity)
         except IdentityMismatch as exc:
-            raise _mismatch(ref, exc) from exc
+            raise _mismatch(ref, exc, field) from exc
         except CacheFormatError as exc:
             raise RpcError(
                 ErrorKind.CACHE_CORRUPT,
                 f"Cache {ref!r} is damaged and was not used: {exc.reason}. Delete it (cache/delete) and prefill again.",
-                field="params.cache",
+                field=field,
             ) from exc
         os.utime(path)  # least recently used is evicted first
         return list(loaded.header.tokens), restore(loaded)
@@ -159,18 +161,18 @@ class CacheStore:
         return self.directory / f"{ref}{SUFFIX}"
 
 
-def _not_found(ref: str) -> RpcError:
+def _not_found(ref: str, field: str = "params.cache") -> RpcError:
     return RpcError(
         ErrorKind.CACHE_NOT_FOUND,
         f"No cache {ref!r}; create it with prefill, or see cache/list for the ones there are.",
-        field="params.cache",
+        field=field,
     )
 
 
-def _mismatch(ref: str, exc: IdentityMismatch) -> RpcError:
+def _mismatch(ref: str, exc: IdentityMismatch, field: str) -> RpcError:
     return RpcError(
         ErrorKind.CACHE_IDENTITY_MISMATCH,
         f"Cache {ref!r} was computed by another model or tokenizer ({exc.field} is {exc.found!r} there, "
         f"{exc.expected!r} here), so it cannot be used; prefill it again with this model.",
-        field="params.cache",
+        field=field,
     )
