@@ -3,8 +3,8 @@ first token from a cache through the worker, and the memory a restore takes.
 
 Run from anywhere (the workers are spawned from this checkout's root):
 
-    python bench/cache_bench.py            # normal: 5 rounds, 5 first-token samples (~2.5 min on 2 cores)
-    python bench/cache_bench.py --quick    # 2 rounds, 2 samples (~1.5 min)
+    python bench/cache_bench.py            # normal: 5 rounds, 7 first-token samples (~3 min on 2 cores)
+    python bench/cache_bench.py --quick    # 2 rounds, 2 samples (~1.6 min)
     python bench/cache_bench.py --json out.json
 
 Model: SmolLM2-135M-Instruct (the worker's default model), float32, on the CPU. The
@@ -657,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (2 rounds, 2 first-token samples)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     parser.add_argument("--rounds", type=int, help="recompute / restore rounds (default 5, quick 2)")
-    parser.add_argument("--ttft-samples", type=int, help="interleaved first-token samples (default 5, quick 2)")
+    parser.add_argument("--ttft-samples", type=int, help="interleaved first-token samples (default 7, quick 2)")
     parser.add_argument("--warm-restores", type=int, default=3, help="warm restores per round (default 3)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads, here and in the workers (default 2)")
     parser.add_argument("--memory-probe", metavar="FILE", help=argparse.SUPPRESS)
@@ -666,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(memory_probe(Path(args.memory_probe), args.threads)))
         return 0
     rounds = args.rounds or (2 if args.quick else 5)
-    samples = args.ttft_samples or (2 if args.quick else 5)
+    samples = args.ttft_samples or (2 if args.quick else 7)
     bench_started = time.perf_counter()
     problems: list[str] = []
 
@@ -697,13 +697,13 @@ def main(argv: list[str] | None = None) -> int:
         del model
         gc.collect()
 
-        print("3. memory of a restore, in a fresh process that loaded the model")
-        memory = bench_memory(path, ids, args.threads, problems)
-
         print(f"2. time to first token through the worker, {PROMPT_TOKENS} tokens, first {CACHED_TOKENS} cached")
         cache_dir = work / "caches"
         cache_dir.mkdir()
         ttft = asyncio.run(bench_worker_ttft(ids, cache_dir, samples, args.threads, problems))
+
+        print("3. memory of a restore, in a fresh process that loaded the model")
+        memory = bench_memory(path, ids, args.threads, problems)
     finally:
         tmp.cleanup()
     total_s = time.perf_counter() - bench_started

@@ -115,8 +115,9 @@ def generate(
     send_chunk: SendChunk,
     queued_ms: float,
     start: CacheStart | None = None,
+    started: float | None = None,
 ) -> GenerateResult:
-    started = time.perf_counter()
+    started = started or time.perf_counter()
     reused = start.reused if start else 0
     stream = _Stream(model, params, request_id, len(prompt), reused, send_chunk, prompt)
     first_token_at: float | None = None

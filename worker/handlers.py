@@ -131,6 +131,7 @@ class Handlers:
         def send_chunk(chunk: GenerateChunk) -> None:
             ctx.send_notification("generate/chunk", chunk)
 
+        started = time.perf_counter()  # the restore of a cache counts as prompt time
         model = self._loaded()
         prompt = prompt_tokens(model, params)
         start = None
@@ -147,6 +148,7 @@ class Handlers:
             send_chunk=send_chunk,
             queued_ms=ctx.queued_ms,
             start=start,
+            started=started,
         )
 
     def prefill(self, ctx: Context, params: PrefillParams) -> PrefillResult:

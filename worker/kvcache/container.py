@@ -243,7 +243,8 @@ def load(path: str | os.PathLike[str], expected: Identity | None = None) -> Load
             size = os.fstat(file.fileno()).st_size
             if size < _PREFIX.size:
                 raise CacheFormatError(path, f"truncated: {size} bytes is shorter than the fixed prefix")
-            mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+            # Copy-on-write: a tensor written in place gets private pages instead of a segfault.
+            mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
     except OSError as exc:
         raise CacheFormatError(path, f"cannot be read: {exc.strerror or exc}") from exc
     header_length = _check_prefix(path, mapping[: _PREFIX.size])

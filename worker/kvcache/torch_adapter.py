@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from worker.backends import hf_compat
@@ -42,11 +40,9 @@ def from_loaded(loaded: LoadedCache, config, device: str):
     """A DynamicCache whose tensors are views of the mapped file (no copy on the CPU)."""
     cache = hf_compat.new_cache(config)
     pairs: dict[int, dict[str, torch.Tensor]] = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # the mapping is read-only; the cache never writes in place
-        for entry, view in zip(loaded.header.tensors, loaded.tensors, strict=True):
-            tensor = torch.frombuffer(view, dtype=_TORCH_DTYPES[entry.dtype]).reshape(entry.shape)
-            pairs.setdefault(entry.layer, {})[entry.kind] = tensor.to(device)
+    for entry, view in zip(loaded.header.tensors, loaded.tensors, strict=True):
+        tensor = torch.frombuffer(view, dtype=_TORCH_DTYPES[entry.dtype]).reshape(entry.shape)
+        pairs.setdefault(entry.layer, {})[entry.kind] = tensor.to(device)
     for index, pair in sorted(pairs.items()):
         hf_compat.set_layer(cache, index, pair["key"], pair["value"])
     return cache
