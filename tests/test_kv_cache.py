@@ -222,3 +222,24 @@ async def test_prefill_refuses_an_empty_prompt_a_trim_without_base_and_names_a_b
         assert after["usage"]["cache_write_tokens"] == made["cache_write_tokens"]
     finally:
         await host.close()
+
+
+async def test_the_cache_directory_is_bounded_by_evicting_the_least_recently_used(tiny_model_dir, cache_dir):
+    probe = await worker(tiny_model_dir, cache_dir)
+    try:
+        size = (await probe.call("prefill", {"prompt": SYSTEM, "cache": "probe"}))["bytes"]
+    finally:
+        await probe.close()
+    (cache_dir / "probe.kvc").unlink()
+    host = await Host.spawn("--cache-dir", str(cache_dir), "--cache-max-bytes", str(2 * size + size // 2), env=TORCH_ENV)
+    try:
+        await host.call("load", {"model": str(tiny_model_dir)}, timeout=120)
+        for name in ("one", "two"):
+            await host.call("prefill", {"prompt": SYSTEM, "cache": name})
+        await greedy(host, SYSTEM + QUESTION, cache="one")  # "one" is now the most recently used
+        await host.call("prefill", {"prompt": SYSTEM, "cache": "three"})
+        listed = await host.call("cache/list")
+    finally:
+        await host.close()
+    assert sorted(p.stem for p in cache_dir.glob("*.kvc")) == ["one", "three"]
+    assert listed["max_bytes"] == 2 * size + size // 2 and listed["total_bytes"] <= listed["max_bytes"]

@@ -81,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="where named KV caches are stored as NAME.kvc (default: DATA_DIR/caches)",
     )
+    parser.add_argument(
+        "--cache-max-bytes",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="keep the cache directory under N bytes, deleting least recently used caches (default: no bound)",
+    )
     parser.add_argument("--record", metavar="FILE", help="write every message in and out to FILE as a transcript")
     parser.add_argument(
         "--drain",
@@ -122,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         data_dir=args.data_dir or default_data_dir(),
         cache_dir=args.cache_dir,
+        cache_max_bytes=args.cache_max_bytes,
     )
     server = Server(
         writer, handlers, max_message_bytes=args.max_message_bytes, recorder=recorder, drain_on_eof=args.drain

@@ -70,11 +70,20 @@ class WireInfo(msgspec.Struct, frozen=True):
 
 
 class Handlers:
-    def __init__(self, registry: Registry, wire: WireInfo, *, data_dir: Path, cache_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        wire: WireInfo,
+        *,
+        data_dir: Path,
+        cache_dir: Path | None = None,
+        cache_max_bytes: int | None = None,
+    ) -> None:
         self._registry = registry
         self._wire = wire
         self._data_dir = data_dir
         self._cache_dir = cache_dir or data_dir / "caches"
+        self._cache_max_bytes = cache_max_bytes
         self._cache_store: CacheStore | None = None
         self._model: Model | None = None
 
@@ -158,7 +167,9 @@ class Handlers:
 
     def cache_list(self, ctx: Context, params: NoParams) -> CacheListResult:
         caches = self._store().list()
-        return CacheListResult(caches=caches, total_bytes=sum(c.bytes for c in caches), max_bytes=None)
+        return CacheListResult(
+            caches=caches, total_bytes=sum(c.bytes for c in caches), max_bytes=self._cache_max_bytes
+        )
 
     def cache_info(self, ctx: Context, params: CacheRefParams) -> CacheInfo:
         return self._store().info(params.cache)
@@ -170,7 +181,7 @@ class Handlers:
         if self._cache_store is None:  # imported on first use: capabilities stays fast
             from worker.kvcache.store import CacheStore
 
-            self._cache_store = CacheStore(self._cache_dir)
+            self._cache_store = CacheStore(self._cache_dir, self._cache_max_bytes)
         return self._cache_store
 
     def close(self) -> None:

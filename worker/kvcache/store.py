@@ -35,8 +35,9 @@ class _MemoryCache:
 
 
 class CacheStore:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, max_bytes: int | None = None) -> None:
         self.directory = directory
+        self.max_bytes = max_bytes  # disk caches beyond it are evicted, least recently used first
         self._memory: dict[str, _MemoryCache] = {}
         self._pending_writes: dict[str, int] = {}  # tokens a prefill computed, reported by the next generate
         self._lock = threading.Lock()
@@ -67,7 +68,28 @@ class CacheStore:
         )
         with self._lock:
             self._pending_writes[ref] = written_tokens
+        self._evict(keep=ref)
         return size
+
+    def _evict(self, *, keep: str) -> None:
+        """Delete the least recently used disk caches until the directory fits max_bytes."""
+        if self.max_bytes is None:
+            return
+        files = []
+        for path in self.directory.glob(f"*{SUFFIX}"):
+            try:
+                stat = path.stat()
+            except FileNotFoundError:  # another worker deleted it meanwhile
+                continue
+            files.append((stat.st_mtime, stat.st_size, path))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
+            if total <= self.max_bytes:
+                break
+            if path.name == f"{keep}{SUFFIX}" or path.name.startswith("."):
+                continue
+            path.unlink(missing_ok=True)
+            total -= size
 
     # --- reading ------------------------------------------------------------------
 
