@@ -66,6 +66,7 @@ class CacheStore:
             self._path(ref), identity=identity, tokens=list(tokens), tensors=tensors,
             prefix_offsets=offsets, prefix_hashes=hashes, created_by=f"lm-worker {__version__}",
         )
+        _touch(self._path(ref))
         with self._lock:
             self._pending_writes[ref] = written_tokens
         self._evict(keep=ref)
@@ -122,7 +123,7 @@ class CacheStore:
                 f"Cache {ref!r} is damaged and was not used: {exc.reason}. Delete it (cache/delete) and prefill again.",
                 field=field,
             ) from exc
-        os.utime(path)  # least recently used is evicted first
+        _touch(path)
         return list(loaded.header.tokens), restore(loaded)
 
     def take_pending_writes(self, ref: str) -> int:
@@ -181,6 +182,16 @@ class CacheStore:
 
     def _path(self, ref: str) -> Path:
         return self.directory / f"{ref}{SUFFIX}"
+
+
+def _touch(path: Path) -> None:
+    """Mark a cache as just used: eviction goes by modification time. An explicit
+    nanosecond time, not the kernel's coarse clock, keeps uses in their real order."""
+    now = time.time_ns()
+    try:
+        os.utime(path, ns=(now, now))
+    except FileNotFoundError:  # deleted by another worker meanwhile
+        pass
 
 
 def _not_found(ref: str, field: str = "params.cache") -> RpcError:
