@@ -51,7 +51,6 @@ import mmap
 import os
 import random
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,6 +59,8 @@ import time
 import zlib
 from pathlib import Path
 from typing import Self
+
+from bench_common import cpu_pressure_us, median, verdict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
@@ -180,13 +181,6 @@ def english_text(sentences: int = 900, seed: int = 20240601) -> str:
 # --- measuring ------------------------------------------------------------------
 
 
-def cpu_pressure_us() -> int | None:
-    """Linux PSI: total microseconds some runnable task waited for a CPU (None elsewhere)."""
-    try:
-        with open("/proc/pressure/cpu") as f:
-            return int(f.readline().rsplit("total=", 1)[1])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 class Timed:
@@ -264,12 +258,8 @@ def reset_peak(pid: int | str = "self") -> bool:
         return False
 
 
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
 
 
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
 
 
 def mib(n: float) -> str:

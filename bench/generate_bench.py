@@ -60,6 +60,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_common import cpu_pressure_us, median, verdict
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
@@ -233,14 +235,6 @@ class InProcess:
 # --- figures ----------------------------------------------------------------------
 
 
-def cpu_pressure_us() -> int | None:
-    """Linux PSI: total microseconds some runnable task waited for a CPU (None elsewhere).
-    Over a run it shows how much the run was crowded, by its own threads or anyone else's."""
-    try:
-        with open("/proc/pressure/cpu") as f:
-            return int(f.readline().rsplit("total=", 1)[1])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def rates(run: dict) -> tuple[float, float]:
@@ -288,12 +282,8 @@ def check_worker_run(run: dict, prompt_len: int, name: str) -> list[str]:
     return problems
 
 
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
 
 
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
 
 
 def measure(fn, label: str) -> tuple[dict, str]:

@@ -50,6 +50,8 @@ GO = b"go\n"
 # "go" line, then write them to the stdout pipe in 1 MiB writes.
 CEILING_CHILD = r"""
 import os, sys
+
+from bench_common import verdict
 data = open(sys.argv[1], "rb").read()
 os.write(1, b"ready\n")
 sys.stdin.buffer.readline()
@@ -249,8 +251,6 @@ def import_check() -> dict:
 # --- the report -----------------------------------------------------------------
 
 
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
 
 
 def main(argv: list[str] | None = None) -> int:

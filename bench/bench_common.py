@@ -1,0 +1,23 @@
+"""Small helpers the benchmarks share."""
+
+from __future__ import annotations
+
+import statistics
+
+
+def cpu_pressure_us() -> int | None:
+    """Linux PSI: total microseconds some runnable task waited for a CPU (None elsewhere).
+    Over a run it shows how much the run was crowded, by its own threads or anyone else's."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            return int(f.readline().rsplit("total=", 1)[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
