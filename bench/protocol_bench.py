@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_common import verdict
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 TARGET_CHUNKS_PER_S = 100_000
@@ -50,8 +52,6 @@ GO = b"go\n"
 # "go" line, then write them to the stdout pipe in 1 MiB writes.
 CEILING_CHILD = r"""
 import os, sys
-
-from bench_common import verdict
 data = open(sys.argv[1], "rb").read()
 os.write(1, b"ready\n")
 sys.stdin.buffer.readline()
@@ -249,8 +249,6 @@ def import_check() -> dict:
 
 
 # --- the report -----------------------------------------------------------------
-
-
 
 
 def main(argv: list[str] | None = None) -> int:
