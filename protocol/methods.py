@@ -19,7 +19,9 @@ PROTOCOL_VERSION = "1.0"
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 # "name" is a file name.kvc in the cache directory; "memory://name" lives in this process only.
 # "auto" is reserved for automatic reuse.
-CacheRef = Annotated[str, Meta(pattern=r"^(?!auto$)(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")]
+_NAME = r"(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}"
+CacheRef = Annotated[str, Meta(pattern=rf"^(?!auto$){_NAME}$")]
+CacheRefOrAuto = Annotated[str, Meta(pattern=rf"^(auto|{_NAME})$")]  # generate's cache: a ref or "auto"
 TokenId = Annotated[int, Meta(ge=0)]
 
 
@@ -167,8 +169,10 @@ class GenerateParams(Params):
     stop: list[Annotated[str, Meta(min_length=1)]] = []
     stream: bool = True  # send generate/chunk notifications
     # A cache ref ("name" on disk, "memory://name" in this process) whose tokens
-    # must be a prefix of the prompt's; only the rest is computed.
-    cache: CacheRef | None = None
+    # must be a prefix of the prompt's; only the rest is computed. "auto": reuse the
+    # stored cache sharing the longest prefix with the prompt, store the new sequence.
+    cache: CacheRefOrAuto | None = None
+    cache_trim_tokens: NonNegativeInt | None = None  # use at most this many of the cache's tokens
 
 
 class GenerateChunk(Result):
@@ -204,11 +208,22 @@ class Timings(Result):
     tokens_per_second: float  # completion tokens after the first, per second of decode
 
 
+class SkippedCache(Result):
+    ref: str
+    reason: str  # why auto did not use it (damaged, or removed meanwhile)
+
+
 class CacheUse(Result):
     """What a generate did with its cache."""
 
-    ref: str
+    mode: Literal["ref", "auto"]
+    ref: str | None  # the cache reused; null when auto found none to reuse
     reused_tokens: int  # prompt tokens taken from the cache instead of computed
+    reason: str | None  # auto: why nothing was reused
+    skipped: list[SkippedCache]  # auto: stored caches passed over because they could not be used
+    stored: str | None  # auto: the ref the new sequence (prompt and generated tokens) was stored under
+    stored_tokens: int  # auto: tokens that stored cache covers
+    store_reason: str | None  # auto: why nothing was stored
 
 
 class GenerateResult(Result):
@@ -245,6 +260,15 @@ class PrefillResult(Result):
     cache_write_tokens: int  # computed now
     bytes: int  # size of the stored cache
     time_ms: float
+
+
+class PrefillProgress(Result):
+    """params of the prefill/progress notification, sent after each chunk of a long prefill."""
+
+    id: RequestId  # the prefill request's id
+    processed_tokens: int  # tokens the cache covers so far, read ones included
+    total_tokens: int
+    cache_read_tokens: int
 
 
 class CacheRefParams(Params):
@@ -316,4 +340,5 @@ HOST_NOTIFICATIONS: dict[str, type[Params]] = {
 }
 WORKER_NOTIFICATIONS: dict[str, type[Result]] = {
     "generate/chunk": GenerateChunk,
+    "prefill/progress": PrefillProgress,
 }

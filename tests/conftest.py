@@ -25,6 +25,12 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build(tmp_path_factory.mktemp("tiny-model"))
 
 
+@pytest.fixture(params=["tiny", pytest.param("default", marks=pytest.mark.slow)])
+def cache_model(request: pytest.FixtureRequest, tiny_model_dir: Path) -> str:
+    """The model a cache exactness test loads: the tiny one, and (slow tier) the default SmolLM2."""
+    return str(tiny_model_dir) if request.param == "tiny" else "default"
+
+
 @pytest.fixture(scope="session")
 def tiny_hf(tiny_model_dir: Path):
     """The tiny model and its tokenizer, loaded in this process once, for reference outputs."""

@@ -13,9 +13,10 @@ SYSTEM = "the cat sat on the mat and the dog runs quickly to the river. " * 3
 QUESTION = "hello world, the sun and the moon"
 
 
-async def worker(tiny_model_dir: Path, cache_dir: Path) -> Host:
+async def worker(model: Path | str, cache_dir: Path) -> Host:
+    """A worker on ``model`` (a directory, or "default") using ``cache_dir``."""
     host = await Host.spawn("--cache-dir", str(cache_dir), env=TORCH_ENV)
-    await host.call("load", {"model": str(tiny_model_dir)}, timeout=120)
+    await host.call("load", {"model": str(model)}, timeout=300)
     return host
 
 
@@ -26,6 +27,46 @@ async def greedy(host: Host, prompt: str, **extra) -> dict:
 @pytest.fixture
 def cache_dir(tmp_path: Path) -> Path:
     return tmp_path / "caches"
+
+
+async def test_every_kind_of_cache_gives_the_greedy_output_of_no_cache(cache_model, cache_dir):
+    system = [{"role": "system", "content": "You are a helpful assistant. Answer in one short sentence."}]
+    chat = system + [{"role": "user", "content": "Which river flows through Paris?"}]
+    other = system + [{"role": "user", "content": "Which river flows through Rome?"}]
+    first = await worker(cache_model, cache_dir)
+    try:
+        plain = await chat_tokens(first, chat)
+        made = await first.call("prefill", {"messages": system, "add_generation_prompt": False, "cache": "system"})
+        await first.call("prefill", {"messages": system, "add_generation_prompt": False, "cache": "memory://s"})
+        await first.call("prefill", {"messages": chat, "cache": "whole"})
+        await first.call("prefill", {"messages": other, "cache": "other"})
+        extended = await first.call(
+            "prefill", {"messages": chat, "cache": "turn", "base": "other", "trim_to_tokens": made["token_count"]}
+        )
+        outputs = {
+            "memory": await chat_tokens(first, chat, cache="memory://s"),
+            "whole prompt": await chat_tokens(first, chat, cache="whole"),
+            "trimmed base extended": await chat_tokens(first, chat, cache="turn"),
+        }
+    finally:
+        await first.close()
+    second = await worker(cache_model, cache_dir)  # another process reads the files
+    try:
+        outputs["disk, other process"] = await chat_tokens(second, chat, cache="system")
+        outputs["trimmed named cache"] = await chat_tokens(
+            second, chat, cache="other", cache_trim_tokens=made["token_count"]
+        )
+    finally:
+        await second.close()
+    assert extended["cache_read_tokens"] == made["token_count"] > 0
+    for kind, tokens in outputs.items():
+        assert tokens == plain, kind
+
+
+async def chat_tokens(host: Host, messages: list[dict], **extra) -> list[int]:
+    result = await host.call("generate", {"messages": messages, "max_tokens": 16, **extra}, timeout=300)
+    assert result["usage"]["cache_read_tokens"] > 0 or "cache" not in extra
+    return result["tokens"]
 
 
 async def test_a_disk_cache_made_by_one_worker_gives_identical_greedy_output_in_another(tiny_model_dir, cache_dir):
@@ -49,7 +90,8 @@ async def test_a_disk_cache_made_by_one_worker_gives_identical_greedy_output_in_
     assert cached["tokens"] == uncached["tokens"] and cached["text"] == uncached["text"]
     assert cached["usage"]["cache_read_tokens"] == prefix_tokens
     assert all(c["cache_read_tokens"] == prefix_tokens for c in chunks)
-    assert cached["cache"] == {"ref": "system", "reused_tokens": prefix_tokens}
+    assert cached["cache"]["mode"] == "ref" and cached["cache"]["ref"] == "system"
+    assert cached["cache"]["reused_tokens"] == prefix_tokens and cached["cache"]["stored"] is None
     # the prefill ran in another process, so only its own generate reports writes
     assert cached["usage"]["cache_write_tokens"] == 0 and again["usage"]["cache_write_tokens"] == 0
 

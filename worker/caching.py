@@ -8,15 +8,33 @@ leave no logits to pick the first token from).
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+
+import msgspec
 
 from protocol.errors import ErrorKind, RpcError
-from protocol.methods import PrefillParams, PrefillResult
+from protocol.methods import (
+    CacheUse,
+    GenerateParams,
+    GenerateResult,
+    PrefillParams,
+    PrefillProgress,
+    PrefillResult,
+    SkippedCache,
+)
 from worker.backends.base import CachingModel, Model
 from worker.generation import CacheStart, PromptSource, check_context, resolve_prompt
-from worker.kvcache.store import CacheStore
+from worker.kvcache.container import Identity
+from worker.kvcache.store import Candidate, CacheStore
+
+AUTO = "auto"
+AUTO_PREFIX = "auto-"  # the refs auto stores under; an auto cache another one extends is deleted
+# Restoring a token costs about a hundredth of computing it, so a stored cache is worth
+# loading when it saves a few tokens and at least 1/64 of what it holds.
+AUTO_MIN_TOKENS = 4
+AUTO_MIN_SHARE = 64
 
 
 def caching(model: Model) -> CachingModel:
@@ -39,7 +57,15 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def prefill(store: CacheStore, model: Model, params: PrefillParams, is_cancelled: Callable[[], bool]) -> PrefillResult:
+def prefill(
+    store: CacheStore,
+    model: Model,
+    params: PrefillParams,
+    *,
+    request_id: int | str,
+    is_cancelled: Callable[[], bool],
+    send_progress: Callable[[PrefillProgress], None],
+) -> PrefillResult:
     started = time.perf_counter()
     model = caching(model)
     source = PromptSource(params.prompt, params.tokens, params.messages)
@@ -64,7 +90,7 @@ def prefill(store: CacheStore, model: Model, params: PrefillParams, is_cancelled
         model.crop_cache(cache, reused)
     if cache is None:
         cache = model.new_cache()
-    if not model.extend_cache(tokens, cache, is_cancelled):
+    if not model.extend_cache(tokens, cache, is_cancelled, _progress(send_progress, request_id, len(tokens), reused)):
         raise RpcError(ErrorKind.REQUEST_CANCELLED, "prefill was cancelled; nothing was stored.")
     written = len(tokens) - reused
     size = store.save(
@@ -77,17 +103,146 @@ def prefill(store: CacheStore, model: Model, params: PrefillParams, is_cancelled
     )
 
 
-def start_from_cache(store: CacheStore, model: Model, ref: str, prompt: Sequence[int]) -> CacheStart:
+def _progress(
+    send: Callable[[PrefillProgress], None], request_id: int | str, total: int, reused: int
+) -> Callable[[int], None]:
+    """Report each chunk of a prefill that takes more than one; a one-chunk prefill sends none."""
+    sent = False
+
+    def report(covered: int) -> None:
+        nonlocal sent
+        if covered < total or sent:
+            sent = True
+            send(PrefillProgress(id=request_id, processed_tokens=covered, total_tokens=total, cache_read_tokens=reused))
+
+    return report
+
+
+def start_generate(store: CacheStore, model: Model, params: GenerateParams, prompt: Sequence[int]) -> CacheStart | None:
+    """The cache a generate starts from, per its ``cache`` and ``cache_trim_tokens``."""
+    if params.cache_trim_tokens is not None and params.cache in (None, AUTO):
+        raise RpcError(
+            ErrorKind.INVALID_PARAMS,
+            "cache_trim_tokens limits the tokens used from a named 'cache'; give 'cache' a ref (not auto), "
+            "or leave cache_trim_tokens out.",
+            field="params.cache_trim_tokens",
+        )
+    if params.cache is None:
+        return None
+    if params.cache == AUTO:
+        return _start_auto(store, model, prompt)
+    return _start_from_ref(store, model, params.cache, prompt, params.cache_trim_tokens)
+
+
+def finish_generate(store: CacheStore, model: Model, start: CacheStart | None, prompt: Sequence[int],
+                    result: GenerateResult) -> None:
+    """After an auto generate: store the sequence computed (prompt and generated tokens) for the next turn."""
+    if start is None or start.use.mode != AUTO or start.cache is None:
+        return
+    use = start.use
+    covered = model.cached_tokens(start.cache)  # the last generated token was never fed
+    sequence = (list(prompt) + result.tokens)[:covered]
+    identity = model.cache_identity()
+    candidates, _ = store.candidates(identity)
+    unusable = {s.ref for s in use.skipped}  # a damaged cache of this very sequence is overwritten
+    holder = next(
+        (c.ref for c in candidates if c.ref not in unusable and c.tokens[: len(sequence)] == sequence), None
+    )
+    if holder is not None:
+        use.store_reason = f"nothing new to store: {holder!r} already covers these {len(sequence)} tokens"
+        return
+    ref = _auto_ref(identity, sequence)
+    try:
+        store.save(ref, identity, sequence, start.cache, offsets=[], hashes=[], written_tokens=None)
+    except (RpcError, OSError) as exc:
+        use.store_reason = f"not stored: {exc}"
+        return
+    for old in candidates:  # an auto cache this one extends is no longer needed
+        if old.ref.startswith(AUTO_PREFIX) and old.ref != ref and sequence[: len(old.tokens)] == old.tokens:
+            store.delete(old.ref)
+    use.stored, use.stored_tokens = ref, len(sequence)
+    result.usage.cache_write_tokens = len(sequence) - start.reused
+
+
+def _start_from_ref(store: CacheStore, model: Model, ref: str, prompt: Sequence[int], trim: int | None) -> CacheStart:
     model = caching(model)
     cached, cache = store.load(ref, model.cache_identity(), model.load_cache)
-    matched = common_prefix(cached, prompt)
-    if matched < len(cached) and matched < len(prompt):
+    usable = cached if trim is None else cached[:trim]
+    matched = common_prefix(usable, prompt)
+    if matched < len(usable) and matched < len(prompt):
+        trimmed = "" if trim is None else f" (the first {len(usable)} after cache_trim_tokens)"
         raise RpcError(
             ErrorKind.CACHE_PREFIX_MISMATCH,
-            f"Cache {ref!r} covers {len(cached)} tokens, but the prompt differs from them at token {matched}; "
-            "prefill a cache of this prompt's prefix, or generate without 'cache'.",
+            f"Cache {ref!r} covers {len(cached)} tokens{trimmed}, but the prompt differs from them at token "
+            f"{matched}; prefill a cache of this prompt's prefix, lower cache_trim_tokens to {matched}, "
+            "or use cache: \"auto\".",
             field="params.cache",
         )
     reused = min(matched, len(prompt) - 1)  # always feed at least the last prompt token again
     model.crop_cache(cache, reused)
-    return CacheStart(ref=ref, reused=reused, cache=cache, written=store.take_pending_writes(ref))
+    use = _use("ref", ref=ref, reused=reused)
+    return CacheStart(cache=cache, reused=reused, use=use, written=store.take_pending_writes(ref))
+
+
+def _start_auto(store: CacheStore, model: Model, prompt: Sequence[int]) -> CacheStart:
+    if not getattr(model, "supports_cache", False):
+        reason = f"the {model.info.backend} backend keeps no KV cache"
+        return CacheStart(cache=None, reused=0, use=_use(AUTO, reason=reason, store_reason=reason))
+    model = caching(model)
+    identity = model.cache_identity()
+    candidates, skipped = store.candidates(identity)
+    ranked = sorted(candidates, key=lambda c: (-_reusable(c.tokens, prompt), len(c.tokens)))
+    for candidate in ranked:
+        if not _worth_loading(_reusable(candidate.tokens, prompt), len(candidate.tokens)):
+            continue
+        try:
+            cached, cache = store.load(candidate.ref, identity, model.load_cache)
+        except RpcError as exc:  # damaged, or deleted by another worker since it was listed
+            skipped.append(SkippedCache(ref=candidate.ref, reason=exc.message))
+            continue
+        reused = _reusable(cached, prompt)  # from the file itself, not the listing
+        if not _worth_loading(reused, len(cached)):
+            continue
+        model.crop_cache(cache, reused)
+        return CacheStart(cache=cache, reused=reused, use=_use(AUTO, ref=candidate.ref, reused=reused, skipped=skipped))
+    use = _use(AUTO, reason=_why_nothing_reused(candidates, skipped, prompt), skipped=skipped)
+    return CacheStart(cache=model.new_cache(), reused=0, use=use)
+
+
+def _reusable(cached: Sequence[int], prompt: Sequence[int]) -> int:
+    return min(common_prefix(cached, prompt), len(prompt) - 1)  # the last prompt token is always fed
+
+
+def _worth_loading(reused: int, cached: int) -> bool:
+    return reused >= AUTO_MIN_TOKENS and reused * AUTO_MIN_SHARE >= cached
+
+
+def _why_nothing_reused(candidates: list[Candidate], skipped: list[SkippedCache], prompt: Sequence[int]) -> str:
+    if not candidates:
+        return "no cache of this model is stored yet" + (" that could be read" if skipped else "")
+    best = max(candidates, key=lambda c: _reusable(c.tokens, prompt))
+    shared = _reusable(best.tokens, prompt)
+    if shared == 0:
+        return f"none of the {len(candidates)} stored caches of this model starts like this prompt"
+    if _worth_loading(shared, len(best.tokens)):
+        return "the caches sharing a prefix with this prompt could not be used (see skipped)"
+    return (
+        f"the most any stored cache shares with this prompt is {shared} tokens ({best.ref!r} holds "
+        f"{len(best.tokens)}): too few to be worth loading (at least {AUTO_MIN_TOKENS} tokens and "
+        f"1/{AUTO_MIN_SHARE} of the cache)"
+    )
+
+
+def _auto_ref(identity: Identity, sequence: Sequence[int]) -> str:
+    """The same sequence of the same model always gets the same name."""
+    digest = hashlib.sha256(msgspec.json.encode(identity))
+    digest.update(msgspec.json.encode(list(sequence)))
+    return AUTO_PREFIX + digest.hexdigest()[:24]
+
+
+def _use(mode: str, *, ref: str | None = None, reused: int = 0, reason: str | None = None,
+         skipped: list[SkippedCache] | None = None, store_reason: str | None = None) -> CacheUse:
+    return CacheUse(
+        mode=mode, ref=ref, reused_tokens=reused, reason=reason, skipped=skipped or [],
+        stored=None, stored_tokens=0, store_reason=store_reason,
+    )

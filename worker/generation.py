@@ -71,12 +71,13 @@ def check_vocabulary(model: Model, tokens: Sequence[int], field: str) -> None:
 
 
 class CacheStart(msgspec.Struct, frozen=True):
-    """Where a generate starts: a cache of the prompt's first ``reused`` tokens."""
+    """Where a generate starts: ``cache`` covers the prompt's first ``reused`` tokens
+    (a fresh cache when ``reused`` is 0; None for a backend that keeps no cache)."""
 
-    ref: str
-    reused: int
     cache: Any
-    written: int  # tokens the prefill that made the cache computed (reported once)
+    reused: int
+    use: CacheUse  # what the result reports; auto fills in what it stored afterwards
+    written: int = 0  # tokens the prefill that made the cache computed (reported once)
 
 
 def prompt_tokens(model: Model, params: GenerateParams) -> list[int]:
@@ -123,7 +124,7 @@ def generate(
     first_token_at: float | None = None
     stop_reason: StopReason | None = None
     tokens = stream.tokens
-    from_cache = {"cache": start.cache} if start else {}
+    from_cache = {"cache": start.cache} if start and start.cache is not None else {}
     steps = model.generate(prompt, params, is_cancelled, **from_cache)
     try:
         for token in steps:
@@ -154,7 +155,7 @@ def generate(
             cache_read_tokens=reused,
             cache_write_tokens=start.written if start else 0,
         ),
-        cache=CacheUse(ref=start.ref, reused_tokens=reused) if start else None,
+        cache=start.use if start else None,
         timings=Timings(
             queued_ms=queued_ms,
             prompt_ms=(first - started) * 1000.0,

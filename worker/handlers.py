@@ -20,6 +20,7 @@ from protocol.methods import (
     CacheListResult,
     CacheRefParams,
     PrefillParams,
+    PrefillProgress,
     PrefillResult,
     CapabilitiesResult,
     DetokenizeParams,
@@ -137,18 +138,16 @@ class Handlers:
         return RenderResult(text=text, tokens=tokens, count=len(tokens))
 
     def generate(self, ctx: Context, params: GenerateParams) -> GenerateResult:
+        from worker.caching import finish_generate, start_generate
+
         def send_chunk(chunk: GenerateChunk) -> None:
             ctx.send_notification("generate/chunk", chunk)
 
         started = time.perf_counter()  # the restore of a cache counts as prompt time
         model = self._loaded()
         prompt = prompt_tokens(model, params)
-        start = None
-        if params.cache:
-            from worker.caching import start_from_cache
-
-            start = start_from_cache(self._store(), model, params.cache, prompt)
-        return generate(
+        start = start_generate(self._store(), model, params, prompt)
+        result = generate(
             model,
             params,
             prompt,
@@ -159,11 +158,19 @@ class Handlers:
             start=start,
             started=started,
         )
+        finish_generate(self._store(), model, start, prompt, result)
+        return result
 
     def prefill(self, ctx: Context, params: PrefillParams) -> PrefillResult:
         from worker.caching import prefill
 
-        return prefill(self._store(), self._loaded(), params, ctx.cancelled.is_set)
+        def send_progress(progress: PrefillProgress) -> None:
+            ctx.send_notification("prefill/progress", progress)
+
+        return prefill(
+            self._store(), self._loaded(), params,
+            request_id=ctx.id, is_cancelled=ctx.cancelled.is_set, send_progress=send_progress,
+        )
 
     def cache_list(self, ctx: Context, params: NoParams) -> CacheListResult:
         caches = self._store().list()

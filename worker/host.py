@@ -107,7 +107,7 @@ class Host:
     # --- receiving --------------------------------------------------------------
 
     async def wait_until(self, condition: Callable[[], bool], *, timeout: float = 30.0) -> None:
-        """Wait until ``condition()`` holds, checking after every message received."""
+        """Wait until ``condition()`` holds, checking after every message (or stderr output) received."""
 
         async def wait() -> None:
             async with self._arrived:
@@ -178,6 +178,7 @@ class Host:
         while data := await stderr.read(1 << 16):
             self.stderr += data
             del self.stderr[: max(0, len(self.stderr) - (1 << 20))]
+            await self._notify_arrived()
 
     def stderr_tail(self, size: int = 2000) -> str:
         return self.stderr[-size:].decode("utf-8", "replace")

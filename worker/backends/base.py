@@ -65,8 +65,19 @@ class CachingModel(Model, Protocol):
 
     def new_cache(self) -> Any: ...
 
-    def extend_cache(self, tokens: Sequence[int], cache: Any, should_stop: Callable[[], bool]) -> bool:
-        """Compute ``tokens`` past what ``cache`` covers, in place; False if cancelled."""
+    def extend_cache(
+        self,
+        tokens: Sequence[int],
+        cache: Any,
+        should_stop: Callable[[], bool],
+        progress: Callable[[int], None] | None = None,
+    ) -> bool:
+        """Compute ``tokens`` past what ``cache`` covers, in place; False if cancelled.
+        ``progress`` is told how many tokens the cache covers after each chunk of work."""
+        ...
+
+    def cached_tokens(self, cache: Any) -> int:
+        """How many positions ``cache`` covers."""
         ...
 
     def crop_cache(self, cache: Any, keep_tokens: int) -> None:

@@ -145,14 +145,23 @@ class TransformersModel:
 
         return hf_compat.new_cache(self._model.config)
 
-    def extend_cache(self, tokens: Sequence[int], cache: Any, should_stop: Callable[[], bool]) -> bool:
+    def extend_cache(
+        self,
+        tokens: Sequence[int],
+        cache: Any,
+        should_stop: Callable[[], bool],
+        progress: Callable[[int], None] | None = None,
+    ) -> bool:
         """Feed the tokens that ``cache`` does not cover yet; False if cancelled."""
         import torch
 
         with torch.inference_mode():
             sequence = torch.tensor([list(tokens)], dtype=torch.long, device=self._device)
-            self._prefill(sequence, cache, should_stop)
+            self._prefill(sequence, cache, should_stop, progress)
         return cache.get_seq_length() == len(tokens)
+
+    def cached_tokens(self, cache: Any) -> int:
+        return cache.get_seq_length()
 
     def crop_cache(self, cache: Any, keep_tokens: int) -> None:
         from worker.backends import hf_compat
@@ -164,7 +173,7 @@ class TransformersModel:
 
         return from_loaded(loaded, self._model.config, self._device)
 
-    def _prefill(self, sequence, cache, should_stop: Callable[[], bool]):
+    def _prefill(self, sequence, cache, should_stop: Callable[[], bool], progress=None):
         """Feed ``sequence`` past what ``cache`` covers, in chunks; the last logits, or None
         if cancelled (or nothing was left to feed)."""
         from worker.backends import hf_compat
@@ -174,6 +183,8 @@ class TransformersModel:
             if should_stop():
                 return None
             logits = hf_compat.forward(self._model, sequence[:, start : start + PREFILL_CHUNK_TOKENS], cache)
+            if progress is not None:
+                progress(cache.get_seq_length())
         return logits
 
     def generate(

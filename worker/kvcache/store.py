@@ -14,13 +14,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from protocol.errors import ErrorKind, RpcError
-from protocol.methods import CacheInfo
+from protocol.methods import CacheInfo, SkippedCache
 from worker import __version__
 from worker.kvcache import container
-from worker.kvcache.container import CacheFormatError, Identity, IdentityMismatch, LoadedCache
+from worker.kvcache.container import CacheFormatError, Header, Identity, IdentityMismatch, LoadedCache
 
 MEMORY = "memory://"
 SUFFIX = ".kvc"
@@ -34,28 +34,37 @@ class _MemoryCache:
         self.nbytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
+class Candidate(NamedTuple):
+    """A stored cache of the model in use, as auto sees it: its ref and the tokens it covers."""
+
+    ref: str
+    tokens: list[int]
+
+
 class CacheStore:
     def __init__(self, directory: Path, max_bytes: int | None = None) -> None:
         self.directory = directory
         self.max_bytes = max_bytes  # disk caches beyond it are evicted, least recently used first
         self._memory: dict[str, _MemoryCache] = {}
         self._pending_writes: dict[str, int] = {}  # tokens a prefill computed, reported by the next generate
+        self._headers: dict[str, tuple[tuple[int, int], Header]] = {}  # ref -> ((inode, size), header)
         self._lock = threading.Lock()
 
     # --- writing ------------------------------------------------------------------
 
     def save(
         self, ref: str, identity: Identity, tokens: list[int], cache: Any, *,
-        offsets: list[int], hashes: list[str], written_tokens: int,
+        offsets: list[int], hashes: list[str], written_tokens: int | None,
     ) -> int:
-        """Store ``cache`` (covering ``tokens``) under ``ref``; returns its size in bytes."""
+        """Store ``cache`` (covering ``tokens``) under ``ref``; returns its size in bytes.
+        ``written_tokens``, if given, is reported by the next generate from ``ref``."""
         from worker.kvcache.torch_adapter import UnsupportedCache, to_tensors
 
         if ref.startswith(MEMORY):
             entry = _MemoryCache(identity, list(tokens), copy.deepcopy(cache), offsets, hashes)
             with self._lock:
                 self._memory[ref] = entry
-                self._pending_writes[ref] = written_tokens
+            self._note_writes(ref, written_tokens)
             return entry.nbytes
         try:
             tensors = to_tensors(cache, len(tokens))
@@ -67,17 +76,23 @@ class CacheStore:
             prefix_offsets=offsets, prefix_hashes=hashes, created_by=f"lm-worker {__version__}",
         )
         _touch(self._path(ref))
-        with self._lock:
-            self._pending_writes[ref] = written_tokens
+        self._note_writes(ref, written_tokens)
         self._evict(keep=ref)
         return size
+
+    def _note_writes(self, ref: str, written_tokens: int | None) -> None:
+        with self._lock:
+            if written_tokens is None:
+                self._pending_writes.pop(ref, None)
+            else:
+                self._pending_writes[ref] = written_tokens
 
     def _evict(self, *, keep: str) -> None:
         """Delete the least recently used disk caches until the directory fits max_bytes."""
         if self.max_bytes is None:
             return
         files = []
-        for path in self.directory.glob(f"*{SUFFIX}"):
+        for path in self._files():
             try:
                 stat = path.stat()
             except FileNotFoundError:  # another worker deleted it meanwhile
@@ -87,7 +102,7 @@ class CacheStore:
         for _, size, path in sorted(files):
             if total <= self.max_bytes:
                 break
-            if path.name == f"{keep}{SUFFIX}" or path.name.startswith("."):
+            if path.name == f"{keep}{SUFFIX}":
                 continue
             path.unlink(missing_ok=True)
             total -= size
@@ -126,6 +141,30 @@ class CacheStore:
         _touch(path)
         return list(loaded.header.tokens), restore(loaded)
 
+    def candidates(self, identity: Identity) -> tuple[list[Candidate], list[SkippedCache]]:
+        """Every stored cache of ``identity`` (memory and disk), and the disk files passed over
+        because their header is damaged. Headers are read once per file version."""
+        with self._lock:
+            found = [Candidate(ref, e.tokens) for ref, e in self._memory.items() if e.identity == identity]
+        skipped = []
+        for path in self._files():
+            ref = path.name[: -len(SUFFIX)]
+            try:
+                stat = path.stat()
+                version = (stat.st_ino, stat.st_size)  # a rewrite is a new file (atomic rename)
+                known = self._headers.get(ref)
+                header = known[1] if known and known[0] == version else container.read_header(path)
+            except FileNotFoundError:  # deleted by another worker meanwhile
+                continue
+            except CacheFormatError as exc:
+                if path.exists():
+                    skipped.append(SkippedCache(ref=ref, reason=f"damaged: {exc.reason}"))
+                continue
+            self._headers[ref] = (version, header)
+            if header.identity == identity:
+                found.append(Candidate(ref, header.tokens))
+        return found, skipped
+
     def take_pending_writes(self, ref: str) -> int:
         with self._lock:
             return self._pending_writes.pop(ref, 0)
@@ -158,9 +197,7 @@ class CacheStore:
         )
 
     def list(self) -> list[CacheInfo]:
-        refs = list(self._memory)
-        if self.directory.is_dir():
-            refs += [p.name[: -len(SUFFIX)] for p in self.directory.glob(f"*{SUFFIX}") if not p.name.startswith(".")]
+        refs = list(self._memory) + [p.name[: -len(SUFFIX)] for p in self._files()]
         infos = []
         for ref in refs:
             try:
@@ -179,6 +216,12 @@ class CacheStore:
         except FileNotFoundError:
             return False
         return True
+
+    def _files(self) -> list[Path]:
+        """The disk caches; temporaries being written start with a dot and are never listed."""
+        if not self.directory.is_dir():
+            return []
+        return [p for p in self.directory.glob(f"*{SUFFIX}") if not p.name.startswith(".")]
 
     def _path(self, ref: str) -> Path:
         return self.directory / f"{ref}{SUFFIX}"
