@@ -17,12 +17,14 @@ from worker.host import REPO_ROOT, Host, WorkerError
 from tests.conftest import SpawnWorker, install_plugin
 
 SLOW_LOADING_BACKEND = """
+import sys
 import time
 from worker.backends.echo import EchoBackend
 
 class Slow(EchoBackend):
     name = "slow"
     def load(self, params, *, data_dir):
+        print("slow load started", file=sys.stderr, flush=True)
         time.sleep(1.0)
         return super().load(params, data_dir=data_dir)
 """
@@ -214,7 +216,7 @@ async def test_cancel_of_a_running_load_says_it_cannot_stop_and_the_load_complet
     env = install_plugin(tmp_path, "slow_backend", SLOW_LOADING_BACKEND, {"slow": "slow_backend:Slow"})
     host = await spawn_worker(env=env)
     load_id, load = host.start("load", {"backend": "slow"})
-    await asyncio.sleep(0.3)  # the load is running: it sleeps for a second
+    await host.wait_until(lambda: b"slow load started" in host.stderr)  # it then sleeps for a second
     assert await host.call("cancel", {"id": load_id}) == {"cancelled": False, "state": "running"}
     assert (await load)["result"]["backend"] == "echo"
 
