@@ -3,7 +3,8 @@
 Refs are validated by the protocol (a name of ``[A-Za-z0-9._-]``, not starting
 with a dot), so a path never leaves the cache directory. Disk caches are
 written atomically by the container; a damaged or foreign file is refused
-with the reason, never used.
+with the reason, never used. A store removes the temporaries of killed writers
+when it opens the directory.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class CacheStore:
         self._memory: dict[str, _MemoryCache] = {}
         self._pending_writes: dict[str, int] = {}  # tokens a prefill computed, reported by the next generate
         self._lock = threading.Lock()
+        container.remove_stale_temporaries(directory)
 
     # --- writing ------------------------------------------------------------------
 
