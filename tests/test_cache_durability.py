@@ -1,4 +1,4 @@
-"""Disk caches survive writers killed mid-write.
+"""Disk caches survive writers killed mid-write and workers sharing one cache directory.
 
 Real worker subprocesses on the tiny model, real files. Random choices come from
 fixed seeds, so a failure names the seed and can be replayed; the kill moments
@@ -13,13 +13,16 @@ import random
 import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from protocol.errors import ErrorKind, RpcError
 from tests.conftest import TORCH_ENV, SpawnWorker
-from worker.host import REPO_ROOT, Host
+from worker.host import REPO_ROOT, Host, WorkerError
 from worker.kvcache import container
+from worker.kvcache.store import CacheStore
 
 SEED = 20240611
 GREEDY = {"max_tokens": 8, "temperature": 0}
@@ -174,3 +177,136 @@ async def test_opening_a_cache_directory_removes_the_temporaries_of_dead_writers
         live.wait()
     assert [c["cache"] for c in (await host.call("cache/list"))["caches"]] == ["live"]
     assert temporaries(cache_dir) == []
+
+
+# --- workers sharing one cache directory ---------------------------------------------------
+
+SHARED_REFS = ["a", "b", "c", "d", "e"]
+SHARED_PROMPT = 600  # tokens; a cache of all of them is about 300 KB
+SHARED_MAX_BYTES = 350_000  # about two average caches: the evicting worker evicts after most prefills
+SHARED_OPS = 60  # per worker that has a model
+
+
+async def test_workers_sharing_a_cache_directory_see_whole_caches_or_none_while_one_evicts(
+    spawn_worker, tiny_model_dir, tmp_path
+):
+    cache_dir = tmp_path / "caches"
+    tokens = prompt_tokens(random.Random(SEED), SHARED_PROMPT)
+    plain, evicting = await asyncio.gather(
+        loaded_worker(spawn_worker, tiny_model_dir, cache_dir),
+        loaded_worker(spawn_worker, tiny_model_dir, cache_dir, "--cache-max-bytes", str(SHARED_MAX_BYTES)),
+    )
+    lister = await spawn_worker("--cache-dir", str(cache_dir))  # no model: lists, describes, deletes
+    uncached = await plain.call("generate", {"tokens": tokens, **GREEDY})
+    outcomes: Counter[str] = Counter()
+
+    async def attempt(host: Host, method: str, params: dict) -> dict | None:
+        """The request succeeds, or the cache it names is gone: nothing else is acceptable."""
+        try:
+            result = await host.call(method, params, timeout=120)
+        except WorkerError as exc:
+            assert (exc.kind, exc.code) == ("cache_not_found", -32007), f"seed {SEED}, {method} {params}: {exc}"
+            outcomes[f"{method}: not found"] += 1
+            return None
+        if method == "generate":
+            assert result["tokens"] == uncached["tokens"], f"seed {SEED}: wrong output from {params['cache']}"
+        outcomes[method] += 1
+        return result
+
+    async def use_caches(host: Host, rng: random.Random) -> None:
+        for _ in range(SHARED_OPS):
+            roll, ref = rng.random(), rng.choice(SHARED_REFS)
+            if roll < 0.4:  # prefill, new or overwriting, sometimes from a base another worker wrote
+                params = {"tokens": tokens[: rng.randrange(8, len(tokens) + 1)], "cache": ref}
+                if rng.random() < 0.4:
+                    params["base"] = rng.choice(SHARED_REFS)
+                await attempt(host, "prefill", params)
+            elif roll < 0.7:
+                await attempt(host, "generate", {"tokens": tokens, "cache": ref, **GREEDY})
+            else:  # a ref that was listed a moment ago, perhaps evicted since
+                listed = (await host.call("cache/list"))["caches"]
+                if listed:
+                    await attempt(host, "generate", {"tokens": tokens, "cache": rng.choice(listed)["cache"], **GREEDY})
+
+    async def list_describe_delete(done: asyncio.Event, rng: random.Random) -> None:
+        while not done.is_set():
+            listed = (await lister.call("cache/list"))["caches"]
+            assert all(c["cache"] in SHARED_REFS for c in listed), listed
+            for info in listed:
+                await attempt(lister, "cache/info", {"cache": info["cache"]})
+            if listed and rng.random() < 0.1:
+                await lister.call("cache/delete", {"cache": rng.choice(listed)["cache"]})
+            await asyncio.sleep(0.01)
+
+    done = asyncio.Event()
+    background = asyncio.ensure_future(list_describe_delete(done, random.Random(SEED + 3)))
+    try:
+        await asyncio.gather(use_caches(plain, random.Random(SEED + 1)), use_caches(evicting, random.Random(SEED + 2)))
+    finally:
+        done.set()
+        await background
+
+    # Quiet now: a cache just written is used whole, and every file on disk is whole.
+    made = await plain.call("prefill", {"tokens": tokens[:100], "cache": "final"})
+    assert (await attempt(plain, "generate", {"tokens": tokens, "cache": "final", **GREEDY}))["usage"][
+        "cache_read_tokens"
+    ] == made["token_count"] == 100
+    assert_every_cache_is_whole(cache_dir, container.read_header(cache_dir / "final.kvc").identity, f"seed {SEED}")
+    assert temporaries(cache_dir) == []
+    for host in (plain, evicting, lister):
+        assert await host.close() == 0, host.stderr_tail()
+    assert outcomes["generate"] > 0 and outcomes["prefill"] > 0, outcomes
+
+
+# --- a cache deleted between listing and use ----------------------------------------------
+
+IDENTITY = container.Identity(
+    model_id="tiny", weights_fingerprint="w", tokenizer_sha256="t", rope_theta=10000.0, layers=1,
+    kv_heads=1, head_dim=4, dtype="float32", cache_class="DynamicCache", attention_type="full",
+)
+
+
+def write_small_cache(path: Path) -> None:
+    tensors = [
+        (container.TensorSpec(name=f"layers.0.{kind}", kind=kind, layer=0, shape=(1, 1, 3, 4), dtype="float32"),
+         memoryview(bytes(range(48))))
+        for kind in ("key", "value")
+    ]
+    container.write(path, identity=IDENTITY, tokens=[5, 6, 7], tensors=tensors)
+
+
+@pytest.mark.parametrize("moment", ["before it is opened", "after its header is read"])
+def test_a_cache_another_worker_deletes_between_listing_and_use_is_not_found_never_corrupt(
+    tmp_path, monkeypatch, moment
+):
+    """Another worker evicting or deleting the file at the worst moment; store level, because the
+    window is too narrow to hit on purpose through a worker."""
+    store = CacheStore(tmp_path)
+    path = tmp_path / "gone.kvc"
+
+    def vanishing(real):
+        def call(file, *args):
+            if moment == "before it is opened":
+                path.unlink()
+                return real(file, *args)
+            result = real(file, *args)
+            path.unlink()
+            return result
+
+        return call
+
+    monkeypatch.setattr(container, "load", vanishing(container.load))
+    monkeypatch.setattr(container, "read_header", vanishing(container.read_header))
+    write_small_cache(path)
+    if moment == "before it is opened":
+        with pytest.raises(RpcError) as caught:
+            store.load("gone", IDENTITY, lambda loaded: loaded)
+        assert caught.value.kind == ErrorKind.CACHE_NOT_FOUND, caught.value.message
+    else:  # mapped and verified before it went: still whole, and used
+        assert store.load("gone", IDENTITY, lambda loaded: loaded)[0] == [5, 6, 7]
+    write_small_cache(path)
+    with pytest.raises(RpcError) as caught:
+        store.info("gone")
+    assert caught.value.kind == ErrorKind.CACHE_NOT_FOUND, caught.value.message
+    write_small_cache(path)
+    assert store.list() == []

@@ -51,6 +51,10 @@ class CacheFormatError(Exception):
         self.reason = reason
 
 
+class CacheMissing(CacheFormatError):
+    """There is no file (any more): another process may have deleted it since it was listed."""
+
+
 class IdentityMismatch(Exception):
     """A sound cache computed by another model, tokenizer or configuration."""
 
@@ -256,6 +260,8 @@ def read_header(path: str | os.PathLike[str]) -> Header:
             prefix = file.read(_PREFIX.size)
             header_length = _check_prefix(path, prefix)
             header_bytes = file.read(header_length)
+    except FileNotFoundError as exc:
+        raise CacheMissing(path, "cannot be read: no such file") from exc
     except OSError as exc:
         raise CacheFormatError(path, f"cannot be read: {exc.strerror or exc}") from exc
     return _parse_header(path, prefix, header_bytes)
@@ -284,6 +290,8 @@ def load(path: str | os.PathLike[str], expected: Identity | None = None) -> Load
                 raise CacheFormatError(path, f"truncated: {size} bytes is shorter than the fixed prefix")
             # Copy-on-write: a tensor written in place gets private pages instead of a segfault.
             mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    except FileNotFoundError as exc:
+        raise CacheMissing(path, "cannot be read: no such file") from exc
     except OSError as exc:
         raise CacheFormatError(path, f"cannot be read: {exc.strerror or exc}") from exc
     header_length = _check_prefix(path, mapping[: _PREFIX.size])
