@@ -24,7 +24,7 @@ from worker.host import REPO_ROOT, Host, WorkerError
 from worker.kvcache import container
 from worker.kvcache.store import CacheStore
 
-SEED = 20240611
+SEED = int(os.environ.get("LM_WORKER_DURABILITY_SEED", "20240611"))  # set it to replay or vary a run
 GREEDY = {"max_tokens": 8, "temperature": 0}
 
 
