@@ -14,7 +14,9 @@ damaged byte is found: the header by its SHA-256, padding by being zero,
 tensors by their CRC, and the file by its exact expected size. Reading maps
 the file and hands out memoryviews of it: no copy is made. Writing goes to a
 temporary file in the same directory, is flushed to disk and renamed, so a
-reader never sees half a file. Nothing here unpickles anything.
+reader never sees half a file. The temporary's name carries the writer's process
+id, so that one left behind by a killed writer can be recognised and removed
+(``remove_stale_temporaries``). Nothing here unpickles anything.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ ALIGNMENT = 64
 LAYOUT = "layer-major-k-then-v"
 _PREFIX = struct.Struct("<8sQ32s")  # magic, header length, header sha256
 MAX_HEADER_BYTES = 256 * 1024 * 1024
+TEMPORARY_SUFFIX = ".tmp"  # a temporary is named ".{target name}.{writer pid}.{random}.tmp"
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
@@ -46,6 +49,10 @@ class CacheFormatError(Exception):
         super().__init__(f"{os.fspath(path)}: {reason}")
         self.path = os.fspath(path)
         self.reason = reason
+
+
+class CacheMissing(CacheFormatError):
+    """There is no file (any more): another process may have deleted it since it was listed."""
 
 
 class IdentityMismatch(Exception):
@@ -153,7 +160,8 @@ def write(
     import tempfile
 
     target = Path(path)
-    fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    prefix = f".{target.name}.{os.getpid()}."  # the writer's pid: remove_stale_temporaries reads it
+    fd, temporary = tempfile.mkstemp(prefix=prefix, suffix=TEMPORARY_SUFFIX, dir=target.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # as open() would: others sharing the directory can read it
         with os.fdopen(fd, "wb") as file:
@@ -171,6 +179,41 @@ def write(
         Path(temporary).unlink(missing_ok=True)
         raise
     return position
+
+
+def remove_stale_temporaries(directory: str | os.PathLike[str]) -> list[str]:
+    """Delete the temporaries in ``directory`` whose writer process no longer runs (a writer
+    killed mid-write leaves its temporary behind); returns their names. The temporaries of
+    live writers, and files not named as this module names temporaries, are left alone."""
+    removed = []
+    try:
+        candidates = [entry for entry in os.scandir(directory) if entry.name.startswith(".")]
+    except FileNotFoundError:
+        return removed
+    for entry in candidates:
+        if not entry.name.endswith(TEMPORARY_SUFFIX):
+            continue
+        parts = entry.name[1 : -len(TEMPORARY_SUFFIX)].rsplit(".", 2)  # target name, pid, random
+        if len(parts) != 3 or not parts[1].isdigit() or _running(int(parts[1])):
+            continue
+        try:
+            os.unlink(entry.path)
+        except FileNotFoundError:  # another process removed it first
+            continue
+        removed.append(entry.name)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it runs, as another user
+        return True
+    except (OverflowError, ValueError):
+        return False
+    return True
 
 
 def _layout(identity, tokens, tensors, views, sequence_start, prefix_offsets, prefix_hashes, created_by,
@@ -217,6 +260,8 @@ def read_header(path: str | os.PathLike[str]) -> Header:
             prefix = file.read(_PREFIX.size)
             header_length = _check_prefix(path, prefix)
             header_bytes = file.read(header_length)
+    except FileNotFoundError as exc:
+        raise CacheMissing(path, "cannot be read: no such file") from exc
     except OSError as exc:
         raise CacheFormatError(path, f"cannot be read: {exc.strerror or exc}") from exc
     return _parse_header(path, prefix, header_bytes)
@@ -245,6 +290,8 @@ def load(path: str | os.PathLike[str], expected: Identity | None = None) -> Load
                 raise CacheFormatError(path, f"truncated: {size} bytes is shorter than the fixed prefix")
             # Copy-on-write: a tensor written in place gets private pages instead of a segfault.
             mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    except FileNotFoundError as exc:
+        raise CacheMissing(path, "cannot be read: no such file") from exc
     except OSError as exc:
         raise CacheFormatError(path, f"cannot be read: {exc.strerror or exc}") from exc
     header_length = _check_prefix(path, mapping[: _PREFIX.size])

@@ -3,7 +3,10 @@
 Refs are validated by the protocol (a name of ``[A-Za-z0-9._-]``, not starting
 with a dot), so a path never leaves the cache directory. Disk caches are
 written atomically by the container; a damaged or foreign file is refused
-with the reason, never used.
+with the reason, never used. A directory may be shared by several workers: a
+file that another worker deletes between listing and use is "not found", never
+"corrupt", and a store removes the temporaries of killed writers when it opens
+the directory.
 """
 
 from __future__ import annotations
@@ -20,7 +23,14 @@ from protocol.errors import ErrorKind, RpcError
 from protocol.methods import CacheInfo, SkippedCache
 from worker import __version__
 from worker.kvcache import container
-from worker.kvcache.container import CacheFormatError, Header, Identity, IdentityMismatch, LoadedCache
+from worker.kvcache.container import (
+    CacheFormatError,
+    CacheMissing,
+    Header,
+    Identity,
+    IdentityMismatch,
+    LoadedCache,
+)
 
 MEMORY = "memory://"
 SUFFIX = ".kvc"
@@ -49,6 +59,7 @@ class CacheStore:
         self._pending_writes: dict[str, int] = {}  # tokens a prefill computed, reported by the next generate
         self._headers: dict[str, tuple[tuple[int, int], Header]] = {}  # ref -> ((inode, size), header)
         self._lock = threading.Lock()
+        container.remove_stale_temporaries(directory)
 
     # --- writing ------------------------------------------------------------------
 
@@ -132,6 +143,8 @@ class CacheStore:
             loaded = container.load(path, identity)
         except IdentityMismatch as exc:
             raise _mismatch(ref, exc, field) from exc
+        except CacheMissing as exc:  # deleted by another worker since is_file()
+            raise _not_found(ref, field) from exc
         except CacheFormatError as exc:
             raise RpcError(
                 ErrorKind.CACHE_CORRUPT,
@@ -154,11 +167,10 @@ class CacheStore:
                 version = (stat.st_ino, stat.st_size)  # a rewrite is a new file (atomic rename)
                 known = self._headers.get(ref)
                 header = known[1] if known and known[0] == version else container.read_header(path)
-            except FileNotFoundError:  # deleted by another worker meanwhile
+            except (FileNotFoundError, CacheMissing):  # deleted by another worker meanwhile
                 continue
             except CacheFormatError as exc:
-                if path.exists():
-                    skipped.append(SkippedCache(ref=ref, reason=f"damaged: {exc.reason}"))
+                skipped.append(SkippedCache(ref=ref, reason=f"damaged: {exc.reason}"))
                 continue
             self._headers[ref] = (version, header)
             if header.identity == identity:
@@ -187,9 +199,11 @@ class CacheStore:
             raise _not_found(ref)
         try:
             header = container.read_header(path)
+            stat = path.stat()
+        except (CacheMissing, FileNotFoundError) as exc:  # deleted by another worker meanwhile
+            raise _not_found(ref) from exc
         except CacheFormatError as exc:
             raise RpcError(ErrorKind.CACHE_CORRUPT, f"Cache {ref!r} is damaged: {exc.reason}.", field="params.cache") from exc
-        stat = path.stat()
         return CacheInfo(
             cache=ref, token_count=header.sequence_length, bytes=stat.st_size, model_id=header.identity.model_id,
             created_by=header.created_by, last_used=stat.st_mtime,

@@ -1,0 +1,312 @@
+"""Disk caches survive writers killed mid-write and workers sharing one cache directory.
+
+Real worker subprocesses on the tiny model, real files. Random choices come from
+fixed seeds, so a failure names the seed and can be replayed; the kill moments
+still depend on how fast the machine runs, and no assertion depends on timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from protocol.errors import ErrorKind, RpcError
+from tests.conftest import TORCH_ENV, SpawnWorker
+from worker.host import REPO_ROOT, Host, WorkerError
+from worker.kvcache import container
+from worker.kvcache.store import CacheStore
+
+SEED = int(os.environ.get("LM_WORKER_DURABILITY_SEED", "20240611"))  # set it to replay or vary a run
+GREEDY = {"max_tokens": 8, "temperature": 0}
+
+
+def prompt_tokens(rng: random.Random, count: int) -> list[int]:
+    """Token ids of the tiny model's vocabulary (512), past its special tokens (0..3). With
+    ``tokens`` every cache of ``ids[:n]`` is exactly a prefix of a prompt of ``ids``."""
+    return [rng.randrange(4, 512) for _ in range(count)]
+
+
+async def loaded_worker(spawn_worker: SpawnWorker, tiny_model_dir: Path, cache_dir: Path, *args: str) -> Host:
+    host = await spawn_worker("--cache-dir", str(cache_dir), *args, env=TORCH_ENV)
+    await host.call("load", {"model": str(tiny_model_dir)}, timeout=180)
+    return host
+
+
+def assert_every_cache_is_whole(cache_dir: Path, identity: container.Identity, context: str) -> list[str]:
+    """Every ``*.kvc`` maps and verifies completely (header, identity, every tensor's CRC, size)."""
+    refs = []
+    for path in sorted(cache_dir.glob("*.kvc")):
+        try:
+            loaded = container.load(path, identity)
+        except FileNotFoundError:  # removed meanwhile by a worker that evicts: not a partial file
+            continue
+        except (container.CacheFormatError, container.IdentityMismatch) as exc:
+            pytest.fail(f"{context}: {path.name} is not a whole cache: {exc}")
+        assert loaded.header.sequence_length == len(loaded.header.tokens) > 0
+        refs.append(path.stem)
+    return refs
+
+
+def temporaries(cache_dir: Path) -> list[str]:
+    return sorted(p.name for p in cache_dir.glob(".*.tmp"))
+
+
+async def until_a_temporary_appears(cache_dir: Path, *, limit: float) -> None:
+    """Poll the directory, at most ``limit`` seconds (a writer may finish its queue first)."""
+    deadline = asyncio.get_running_loop().time() + limit
+    while asyncio.get_running_loop().time() < deadline:
+        with os.scandir(cache_dir) as entries:
+            if any(entry.name.endswith(".tmp") for entry in entries):
+                return
+        await asyncio.sleep(0.0002)
+
+
+# --- writers killed mid-write ----------------------------------------------------------
+
+# Each round loads a worker, which costs most of this test's time; raise it for a longer soak.
+KILL_ROUNDS = int(os.environ.get("LM_WORKER_KILL_ROUNDS", "4"))
+KILL_REFS = ["a", "b", "c", "d"]
+KILL_PROMPT = 1200  # tokens; a cache of all of them is about 600 KB
+
+
+async def test_a_worker_killed_while_writing_caches_leaves_only_whole_caches_and_no_usable_temporaries(
+    spawn_worker, tiny_model_dir, tmp_path
+):
+    rng = random.Random(SEED)
+    cache_dir = tmp_path / "caches"
+    tokens = prompt_tokens(rng, KILL_PROMPT)
+    # The workers load at once (loading dominates the cost); each is then killed in its own round.
+    writers = await asyncio.gather(
+        *(loaded_worker(spawn_worker, tiny_model_dir, cache_dir) for _ in range(KILL_ROUNDS))
+    )
+    await writers[0].call("prefill", {"tokens": tokens[:16], "cache": "seed"})
+    identity = container.read_header(cache_dir / "seed.kvc").identity
+    for round_number, host in enumerate(writers):
+        futures = []
+        for _ in range(30):  # several refs, overwrites of the same ref, prompts of different lengths
+            params = {"tokens": tokens[: rng.randrange(8, len(tokens) + 1)], "cache": rng.choice(KILL_REFS)}
+            if rng.random() < 0.5:  # from a base that covers the prompt: little to compute, mostly writing
+                params["base"] = rng.choice(KILL_REFS)
+            futures.append(host.start("prefill", params)[1])
+        await asyncio.sleep(rng.uniform(0.0, 0.5))
+        if round_number % 2:  # then at the first sight of a temporary: most likely inside a write
+            await until_a_temporary_appears(cache_dir, limit=2.0)
+        host.process.send_signal(signal.SIGKILL)
+        await host.wait()
+        await asyncio.gather(*futures, return_exceptions=True)  # answered, or lost with the worker
+        assert host.process.returncode == -signal.SIGKILL
+        assert_every_cache_is_whole(cache_dir, identity, f"seed {SEED}, after round {round_number}")
+
+    on_disk = assert_every_cache_is_whole(cache_dir, identity, f"seed {SEED}, at the end")
+    left_behind = temporaries(cache_dir)  # a kill that fell inside a write left one
+    reader = await spawn_worker("--cache-dir", str(cache_dir))  # listing needs no model
+    listed = await reader.call("cache/list")  # its first cache request: the store opens the directory
+    assert sorted(c["cache"] for c in listed["caches"]) == on_disk, f"seed {SEED}; temporaries: {left_behind}"
+    assert temporaries(cache_dir) == [], f"seed {SEED}: the temporaries of killed writers were not removed"
+    for info in listed["caches"]:
+        assert info["bytes"] == (cache_dir / f"{info['cache']}.kvc").stat().st_size
+
+
+# A writer process that stops inside container.write, just before it flushes its temporary
+# to disk: "die" kills itself there (SIGKILL), "wait" waits for a line on stdin, then finishes.
+WRITER = """
+import os, signal, sys
+from worker.kvcache import container
+
+path, mode = sys.argv[1], sys.argv[2]
+identity = container.Identity(
+    model_id="tiny", weights_fingerprint="w", tokenizer_sha256="t", rope_theta=10000.0, layers=1,
+    kv_heads=1, head_dim=4, dtype="float32", cache_class="DynamicCache", attention_type="full",
+)
+real_fsync = os.fsync
+
+def fsync(fd):
+    if mode == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
+    print("writing", flush=True)
+    sys.stdin.readline()
+    real_fsync(fd)
+
+os.fsync = fsync
+tensors = [
+    (container.TensorSpec(name=f"layers.0.{kind}", kind=kind, layer=0, shape=(1, 1, 3, 4), dtype="float32"),
+     memoryview(bytes(range(48))))
+    for kind in ("key", "value")
+]
+container.write(path, identity=identity, tokens=[5, 6, 7], tensors=tensors)
+print("written", flush=True)
+"""
+
+
+def start_writer(path: Path, mode: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(path), mode],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )
+
+
+async def test_opening_a_cache_directory_removes_the_temporaries_of_dead_writers_and_keeps_live_ones(
+    spawn_worker: SpawnWorker, tmp_path
+):
+    cache_dir = tmp_path / "caches"
+    cache_dir.mkdir()
+    dead = start_writer(cache_dir / "dead.kvc", "die")
+    assert dead.wait(timeout=60) == -signal.SIGKILL
+    live = start_writer(cache_dir / "live.kvc", "wait")
+    try:
+        assert live.stdout.readline() == "writing\n"
+        assert len(temporaries(cache_dir)) == 2 and not list(cache_dir.glob("*.kvc"))
+        host = await spawn_worker("--cache-dir", str(cache_dir))  # no model is needed to list caches
+        assert (await host.call("cache/list"))["caches"] == []
+        left = temporaries(cache_dir)
+        assert len(left) == 1 and left[0].startswith(".live.kvc."), left  # the live writer's is kept
+        live.stdin.write("go\n")
+        live.stdin.flush()
+        assert live.stdout.readline() == "written\n" and live.wait(timeout=60) == 0
+    finally:
+        live.kill()
+        live.wait()
+    assert [c["cache"] for c in (await host.call("cache/list"))["caches"]] == ["live"]
+    assert temporaries(cache_dir) == []
+
+
+# --- workers sharing one cache directory ---------------------------------------------------
+
+SHARED_REFS = ["a", "b", "c", "d", "e"]
+SHARED_PROMPT = 600  # tokens; a cache of all of them is about 300 KB
+SHARED_MAX_BYTES = 350_000  # about two average caches: the evicting worker evicts after most prefills
+SHARED_OPS = 60  # per worker that has a model
+
+
+async def test_workers_sharing_a_cache_directory_see_whole_caches_or_none_while_one_evicts(
+    spawn_worker, tiny_model_dir, tmp_path
+):
+    cache_dir = tmp_path / "caches"
+    tokens = prompt_tokens(random.Random(SEED), SHARED_PROMPT)
+    plain, evicting = await asyncio.gather(
+        loaded_worker(spawn_worker, tiny_model_dir, cache_dir),
+        loaded_worker(spawn_worker, tiny_model_dir, cache_dir, "--cache-max-bytes", str(SHARED_MAX_BYTES)),
+    )
+    lister = await spawn_worker("--cache-dir", str(cache_dir))  # no model: lists, describes, deletes
+    uncached = await plain.call("generate", {"tokens": tokens, **GREEDY})
+    outcomes: Counter[str] = Counter()
+
+    async def attempt(host: Host, method: str, params: dict) -> dict | None:
+        """The request succeeds, or the cache it names is gone: nothing else is acceptable."""
+        try:
+            result = await host.call(method, params, timeout=120)
+        except WorkerError as exc:
+            assert (exc.kind, exc.code) == ("cache_not_found", -32007), f"seed {SEED}, {method} {params}: {exc}"
+            outcomes[f"{method}: not found"] += 1
+            return None
+        if method == "generate":
+            assert result["tokens"] == uncached["tokens"], f"seed {SEED}: wrong output from {params['cache']}"
+        outcomes[method] += 1
+        return result
+
+    async def use_caches(host: Host, rng: random.Random) -> None:
+        for _ in range(SHARED_OPS):
+            roll, ref = rng.random(), rng.choice(SHARED_REFS)
+            if roll < 0.4:  # prefill, new or overwriting, sometimes from a base another worker wrote
+                params = {"tokens": tokens[: rng.randrange(8, len(tokens) + 1)], "cache": ref}
+                if rng.random() < 0.4:
+                    params["base"] = rng.choice(SHARED_REFS)
+                await attempt(host, "prefill", params)
+            elif roll < 0.7:
+                await attempt(host, "generate", {"tokens": tokens, "cache": ref, **GREEDY})
+            else:  # a ref that was listed a moment ago, perhaps evicted since
+                listed = (await host.call("cache/list"))["caches"]
+                if listed:
+                    await attempt(host, "generate", {"tokens": tokens, "cache": rng.choice(listed)["cache"], **GREEDY})
+
+    async def list_describe_delete(done: asyncio.Event, rng: random.Random) -> None:
+        while not done.is_set():
+            listed = (await lister.call("cache/list"))["caches"]
+            assert all(c["cache"] in SHARED_REFS for c in listed), listed
+            for info in listed:
+                await attempt(lister, "cache/info", {"cache": info["cache"]})
+            if listed and rng.random() < 0.1:
+                await lister.call("cache/delete", {"cache": rng.choice(listed)["cache"]})
+            await asyncio.sleep(0.01)
+
+    done = asyncio.Event()
+    background = asyncio.ensure_future(list_describe_delete(done, random.Random(SEED + 3)))
+    try:
+        await asyncio.gather(use_caches(plain, random.Random(SEED + 1)), use_caches(evicting, random.Random(SEED + 2)))
+    finally:
+        done.set()
+        await background
+
+    # Quiet now: a cache just written is used whole, and every file on disk is whole.
+    made = await plain.call("prefill", {"tokens": tokens[:100], "cache": "final"})
+    assert (await attempt(plain, "generate", {"tokens": tokens, "cache": "final", **GREEDY}))["usage"][
+        "cache_read_tokens"
+    ] == made["token_count"] == 100
+    assert_every_cache_is_whole(cache_dir, container.read_header(cache_dir / "final.kvc").identity, f"seed {SEED}")
+    assert temporaries(cache_dir) == []
+    for host in (plain, evicting, lister):
+        assert await host.close() == 0, host.stderr_tail()
+    assert outcomes["generate"] > 0 and outcomes["prefill"] > 0, outcomes
+
+
+# --- a cache deleted between listing and use ----------------------------------------------
+
+IDENTITY = container.Identity(
+    model_id="tiny", weights_fingerprint="w", tokenizer_sha256="t", rope_theta=10000.0, layers=1,
+    kv_heads=1, head_dim=4, dtype="float32", cache_class="DynamicCache", attention_type="full",
+)
+
+
+def write_small_cache(path: Path) -> None:
+    tensors = [
+        (container.TensorSpec(name=f"layers.0.{kind}", kind=kind, layer=0, shape=(1, 1, 3, 4), dtype="float32"),
+         memoryview(bytes(range(48))))
+        for kind in ("key", "value")
+    ]
+    container.write(path, identity=IDENTITY, tokens=[5, 6, 7], tensors=tensors)
+
+
+@pytest.mark.parametrize("moment", ["before it is opened", "after its header is read"])
+def test_a_cache_another_worker_deletes_between_listing_and_use_is_not_found_never_corrupt(
+    tmp_path, monkeypatch, moment
+):
+    """Another worker evicting or deleting the file at the worst moment; store level, because the
+    window is too narrow to hit on purpose through a worker."""
+    store = CacheStore(tmp_path)
+    path = tmp_path / "gone.kvc"
+
+    def vanishing(real):
+        def call(file, *args):
+            if moment == "before it is opened":
+                path.unlink()
+                return real(file, *args)
+            result = real(file, *args)
+            path.unlink()
+            return result
+
+        return call
+
+    monkeypatch.setattr(container, "load", vanishing(container.load))
+    monkeypatch.setattr(container, "read_header", vanishing(container.read_header))
+    write_small_cache(path)
+    if moment == "before it is opened":
+        with pytest.raises(RpcError) as caught:
+            store.load("gone", IDENTITY, lambda loaded: loaded)
+        assert caught.value.kind == ErrorKind.CACHE_NOT_FOUND, caught.value.message
+    else:  # mapped and verified before it went: still whole, and used
+        assert store.load("gone", IDENTITY, lambda loaded: loaded)[0] == [5, 6, 7]
+    write_small_cache(path)
+    with pytest.raises(RpcError) as caught:
+        store.info("gone")
+    assert caught.value.kind == ErrorKind.CACHE_NOT_FOUND, caught.value.message
+    write_small_cache(path)
+    assert store.list() == []
