@@ -4,6 +4,8 @@ Spawns the worker over real pipes, loads the default model (SmolLM2-135M-Instruc
 the first run converts it once, which takes about a minute), prefills a system
 prompt into a KV cache, then streams answers to two questions from that cache
 and prints the counts the worker reports: the system prompt is computed once.
+Then a two-turn conversation with ``cache: "auto"``: each turn is stored on
+disk, and the next turn (or the next run of the demo) starts from it.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from worker.host import Host
 
 SYSTEM = "You are a concise assistant. Answer every question in one short sentence."
 QUESTIONS = ["What is the capital of France?", "What is the capital of Italy?"]
+CONVERSATION = ["Name one famous French painter.", "Tell me one of his paintings."]
 CACHE = "memory://demo-system"
 
 
-async def ask(host: Host, messages: list[dict], question: str, max_tokens: int) -> bool:
-    """Stream one answer from the cached system prompt; print it and its counts."""
+async def ask(host: Host, messages: list[dict], question: str, max_tokens: int, cache: str) -> dict | None:
+    """Stream one answer starting from ``cache``; print it and its counts."""
     print(f"\n> {question}\n", flush=True)
-    msg_id, done = host.start("generate", {"messages": messages, "max_tokens": max_tokens, "cache": CACHE})
+    msg_id, done = host.start("generate", {"messages": messages, "max_tokens": max_tokens, "cache": cache})
     shown = 0
     while True:
         finished = done.done()
@@ -36,7 +39,7 @@ async def ask(host: Host, messages: list[dict], question: str, max_tokens: int) 
     print("\n")
     if "error" in response:
         print(f"error: {response['error']['message']}", file=sys.stderr)
-        return False
+        return None
     result = response["result"]
     usage, timings = result["usage"], result["timings"]
     print(
@@ -45,7 +48,12 @@ async def ask(host: Host, messages: list[dict], question: str, max_tokens: int) 
         f"cache_write_tokens={usage['cache_write_tokens']}"
     )
     print(f"time to first token {timings['prompt_ms']:.0f} ms, decode {timings['tokens_per_second']:.1f} tokens/s")
-    return True
+    use = result["cache"]
+    if use["mode"] == "auto":
+        reused = f"reused {use['reused_tokens']} tokens of {use['ref']!r}" if use["ref"] else f"reused nothing: {use['reason']}"
+        stored = f"stored {use['stored_tokens']} tokens as {use['stored']!r}" if use["stored"] else use["store_reason"]
+        print(f"auto cache: {reused}; {stored}")
+    return result
 
 
 async def run(load: dict, questions: list[str], max_tokens: int) -> int:
@@ -70,8 +78,16 @@ async def run(load: dict, questions: list[str], max_tokens: int) -> int:
         )
         for question in questions:
             messages = system + [{"role": "user", "content": question}]
-            if not await ask(host, messages, question, max_tokens):
+            if not await ask(host, messages, question, max_tokens, CACHE):
                 return 1
+        print('\nA conversation with cache "auto": each turn is stored for the next one.')
+        messages = system
+        for question in CONVERSATION:
+            messages = messages + [{"role": "user", "content": question}]
+            answer = await ask(host, messages, question, max_tokens, "auto")
+            if answer is None:
+                return 1
+            messages = messages + [{"role": "assistant", "content": answer["text"]}]
         await host.call("shutdown")
         await host.notify("exit")
         return await host.wait()
