@@ -27,7 +27,7 @@ from protocol.methods import (
 from worker.backends.base import CachingModel, Model
 from worker.generation import CacheStart, PromptSource, check_context, resolve_prompt
 from worker.kvcache.container import Identity
-from worker.kvcache.store import Candidate, CacheStore
+from worker.kvcache.store import MEMORY, Candidate, CacheStore
 
 AUTO = "auto"
 AUTO_PREFIX = "auto-"  # the refs auto stores under; an auto cache another one extends is deleted
@@ -142,11 +142,20 @@ def finish_generate(store: CacheStore, model: Model, start: CacheStart | None, p
     use = start.use
     covered = model.cached_tokens(start.cache)  # the last generated token was never fed
     sequence = (list(prompt) + result.tokens)[:covered]
+    if not sequence:
+        use.store_reason = "nothing was computed: the generate was cancelled before its first chunk"
+        return
     identity = model.cache_identity()
     candidates, _ = store.candidates(identity)
-    unusable = {s.ref for s in use.skipped}  # a damaged cache of this very sequence is overwritten
+    # Only a sound file counts as holding the sequence: a memory:// cache does not survive a restart,
+    # and a damaged file of this very sequence is overwritten.
+    unusable = {s.ref for s in use.skipped}
     holder = next(
-        (c.ref for c in candidates if c.ref not in unusable and c.tokens[: len(sequence)] == sequence), None
+        (
+            c.ref for c in candidates
+            if not c.ref.startswith(MEMORY) and c.ref not in unusable and c.tokens[: len(sequence)] == sequence
+        ),
+        None,
     )
     if holder is not None:
         use.store_reason = f"nothing new to store: {holder!r} already covers these {len(sequence)} tokens"
@@ -223,12 +232,12 @@ def _why_nothing_reused(candidates: list[Candidate], skipped: list[SkippedCache]
     best = max(candidates, key=lambda c: _reusable(c.tokens, prompt))
     shared = _reusable(best.tokens, prompt)
     if shared == 0:
-        return f"none of the {len(candidates)} stored caches of this model starts like this prompt"
+        return f"no stored cache of this model starts like this prompt ({len(candidates)} looked at)"
     if _worth_loading(shared, len(best.tokens)):
         return "the caches sharing a prefix with this prompt could not be used (see skipped)"
     return (
-        f"the most any stored cache shares with this prompt is {shared} tokens ({best.ref!r} holds "
-        f"{len(best.tokens)}): too few to be worth loading (at least {AUTO_MIN_TOKENS} tokens and "
+        f"the most any stored cache shares with this prompt is {shared} token{'s' * (shared != 1)} "
+        f"({best.ref!r} holds {len(best.tokens)}): too few to be worth loading (at least {AUTO_MIN_TOKENS} tokens and "
         f"1/{AUTO_MIN_SHARE} of the cache)"
     )
 
