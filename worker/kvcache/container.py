@@ -25,6 +25,7 @@ import os
 import struct
 import zlib
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
@@ -37,6 +38,9 @@ LAYOUT = "layer-major-k-then-v"
 _PREFIX = struct.Struct("<8sQ32s")  # magic, header length, header sha256
 MAX_HEADER_BYTES = 256 * 1024 * 1024
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+# zlib.crc32 lets go of the GIL on large buffers, so tensors are checked on several threads;
+# beyond a few, memory bandwidth is the limit.
+CHECK_THREADS = min(8, os.cpu_count() or 1)
 
 
 class CacheFormatError(Exception):
@@ -293,16 +297,28 @@ def _parse_header(path: str | os.PathLike[str], prefix: bytes, header_bytes: byt
 
 
 def _check_layout(path, header: Header, mapping: mmap.mmap, header_end: int, size: int) -> None:
-    position = header_end
+    """Offsets, sizes and padding in file order, then the tensors' CRC-32s on several threads;
+    the first failure in file order is the one reported."""
+    position, placed, failure = header_end, [], None
     for entry in header.tensors:
         if entry.offset % ALIGNMENT or entry.offset < position or entry.nbytes < 0:
-            raise CacheFormatError(path, f"tensor {entry.name}: bad offset {entry.offset}")
-        if entry.offset + entry.nbytes > size:
-            raise CacheFormatError(path, f"truncated: tensor {entry.name} ends past the end of the file")
-        if mapping[position : entry.offset].count(0) != entry.offset - position:
-            raise CacheFormatError(path, f"damaged padding before tensor {entry.name}")
-        if zlib.crc32(memoryview(mapping)[entry.offset : entry.offset + entry.nbytes]) != entry.crc32:
-            raise CacheFormatError(path, f"tensor {entry.name}: checksum mismatch, the data is damaged")
+            failure = f"tensor {entry.name}: bad offset {entry.offset}"
+        elif entry.offset + entry.nbytes > size:
+            failure = f"truncated: tensor {entry.name} ends past the end of the file"
+        elif mapping[position : entry.offset].count(0) != entry.offset - position:
+            failure = f"damaged padding before tensor {entry.name}"
+        if failure is not None:
+            break
+        placed.append(entry)
         position = entry.offset + entry.nbytes
-    if size != position:
-        raise CacheFormatError(path, f"{size - position} unexpected bytes after the last tensor")
+    else:
+        if size != position:
+            failure = f"{size - position} unexpected bytes after the last tensor"
+    view = memoryview(mapping)
+    with ThreadPoolExecutor(CHECK_THREADS) as pool:
+        crcs = list(pool.map(lambda e: zlib.crc32(view[e.offset : e.offset + e.nbytes]), placed))
+    for entry, crc in zip(placed, crcs):
+        if crc != entry.crc32:
+            raise CacheFormatError(path, f"tensor {entry.name}: checksum mismatch, the data is damaged")
+    if failure is not None:
+        raise CacheFormatError(path, failure)
