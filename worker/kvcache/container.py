@@ -12,7 +12,8 @@ Layout (docs/CACHE_FORMAT.md is the byte-level specification)::
 The header names every tensor with its offset, size and CRC-32, so that any
 damaged byte is found: the header by its SHA-256, padding by being zero,
 tensors by their CRC, and the file by its exact expected size. Reading maps
-the file and hands out memoryviews of it: no copy is made. Writing goes to a
+the file and hands out memoryviews of it: no copy is made; the pages under a
+view are given back once nothing uses it any more. Writing goes to a
 temporary file in the same directory, is flushed to disk and renamed, so a
 reader never sees half a file. Nothing here unpickles anything.
 """
@@ -23,6 +24,7 @@ import hashlib
 import mmap
 import os
 import struct
+import weakref
 import zlib
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -227,17 +229,34 @@ def read_header(path: str | os.PathLike[str]) -> Header:
 
 
 class LoadedCache:
-    """A verified cache mapped into memory. ``tensors`` are memoryviews of the mapping."""
+    """A verified cache mapped into memory. ``tensors`` are memoryviews of the mapping.
+
+    When a tensor's view is no longer used (whatever was built on it, a torch tensor say,
+    is gone too), its pages leave the process: a restored cache whose layers are replaced
+    one by one holds each layer once, never the mapping and the copies together."""
 
     def __init__(self, header: Header, mapping: mmap.mmap) -> None:
         self.header = header
         self._mapping = mapping
         view = memoryview(mapping)
-        self.tensors = [view[e.offset : e.offset + e.nbytes] for e in header.tensors]
+        self.tensors = []
+        for entry in header.tensors:
+            tensor = view[entry.offset : entry.offset + entry.nbytes]
+            weakref.finalize(tensor, _release, mapping, entry.offset, entry.nbytes)
+            self.tensors.append(tensor)
 
     @property
     def nbytes(self) -> int:
         return len(self._mapping)
+
+
+def _release(mapping: mmap.mmap, offset: int, nbytes: int) -> None:
+    """Unmap the pages wholly inside these bytes, which nothing uses any more. The mapping is
+    private: its pages leave the process (read again, they would come from the file)."""
+    start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (offset + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start and hasattr(mmap, "MADV_DONTNEED"):
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def load(path: str | os.PathLike[str], expected: Identity | None = None) -> LoadedCache:
