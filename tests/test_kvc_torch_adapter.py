@@ -116,3 +116,31 @@ def test_a_restored_layer_leaves_memory_as_soon_as_its_tensors_are_replaced(tiny
         restored.update(step, step, index)
     assert resident_from(path) is None  # nothing uses the mapping any more: unmapped
     assert torch.equal(restored.layers[1].keys[..., :512, :], computed.layers[1].keys)
+
+
+def test_extending_a_cache_on_the_cpu_reads_grouped_heads_in_place_with_the_same_logits(tiny_hf, monkeypatch):
+    import torch
+    from transformers.integrations import sdpa_attention
+
+    from worker.backends import hf_compat
+
+    model, tokenizer = tiny_hf
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped heads
+    ids = torch.tensor([tokenizer(PROMPT).input_ids])
+    copies = []
+    repeat_kv = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *args: copies.append(args) or repeat_kv(*args))
+
+    def extend(use_gqa_in_sdpa) -> tuple[torch.Tensor, int]:
+        monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", use_gqa_in_sdpa)
+        cache = hf_compat.new_cache(model.config)
+        with torch.inference_mode():
+            hf_compat.forward(model, ids[:, :6], cache)
+            copies.clear()
+            logits = hf_compat.forward(model, ids[:, 6:], cache)  # several tokens over a cache
+        return logits, len(copies)
+
+    in_place, in_place_copies = extend(hf_compat._use_gqa_in_sdpa)
+    stock, stock_copies = extend(hf_compat._stock_use_gqa_in_sdpa)
+    assert (in_place_copies, stock_copies) == (0, 2 * model.config.num_hidden_layers)
+    assert torch.equal(in_place, stock)
