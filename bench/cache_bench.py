@@ -633,7 +633,8 @@ def bench_memory(path: Path, ids: list[int], threads: int, problems: list[str]) 
     out["step_peak_over_file"] = out["step_peak_above"] / size
     out["after_step_over_file"] = out["after_step_above"] / size
     out["target_max"] = TARGET_MEMORY_RATIO
-    out["pass"] = out["restore_peak_over_file"] <= TARGET_MEMORY_RATIO
+    # The target holds at every moment: through the restore and through the first decode step.
+    out["pass"] = max(out["restore_peak_over_file"], out["step_peak_over_file"]) <= TARGET_MEMORY_RATIO
     if out["cache_tokens_after_step"] != len(ids) + 1:
         problems.append(f"memory probe: the decode step left {out['cache_tokens_after_step']} tokens")
     return out
@@ -766,7 +767,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"  restore peak above before: {mib(m['restore_peak_above'])} = {m['restore_peak_over_file']:.2f}x the "
-            f"file   target <= {TARGET_MEMORY_RATIO}x  {verdict(m['pass'])}   (after: anon "
+            f"file   (after: anon "
             f"{mib(m['after_restore']['RssAnon'] - m['before']['RssAnon'])}, file-backed "
             f"{mib(m['after_restore']['RssFile'] - m['before']['RssFile'])})"
         )
@@ -775,6 +776,11 @@ def main(argv: list[str] | None = None) -> int:
             f"after it {mib(m['after_step_above'])} = {m['after_step_over_file']:.2f}x "
             f"(anon {mib(m['after_step_anon_above'])}; file still mapped: "
             f"{'yes' if m['file_still_mapped_after_step'] else 'no'})"
+        )
+        print(
+            f"  peak through restore and first step: "
+            f"{max(m['restore_peak_over_file'], m['step_peak_over_file']):.2f}x the file   "
+            f"target <= {TARGET_MEMORY_RATIO}x  {verdict(m['pass'])}"
         )
     crowded = [f"recompute {i + 1}" for i, p in enumerate(r["recompute_cpu_pressure"]) if (p or 0) > CROWDED_PRESSURE]
     if ttft:
