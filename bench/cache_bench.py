@@ -31,8 +31,9 @@ every length is exact.
 3. **Memory.** A fresh process loads the model, then restores the cache: the peak
    resident set (VmHWM, reset through /proc/self/clear_refs) above the resident set
    before, against the file's size; then one decode step (which replaces the mapped
-   tensors by copies), its peak and what stays resident after it. The same peak is
-   also read for worker B around each cached generate.
+   tensors by copies), its peak and what stays resident after it; the target is checked
+   against the higher of the two peaks. The same peak is also read for worker B around
+   each cached generate.
 
 Torch threads are the same everywhere (``--threads``, default 2). The machine is small
 and noisy: read the ratios, measured side by side in one run, before the absolute
