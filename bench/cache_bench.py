@@ -31,8 +31,9 @@ every length is exact.
 3. **Memory.** A fresh process loads the model, then restores the cache: the peak
    resident set (VmHWM, reset through /proc/self/clear_refs) above the resident set
    before, against the file's size; then one decode step (which replaces the mapped
-   tensors by copies), its peak and what stays resident after it. The same peak is
-   also read for worker B around each cached generate.
+   tensors by copies), its peak and what stays resident after it; the target is checked
+   against the higher of the two peaks. The same peak is also read for worker B around
+   each cached generate.
 
 Torch threads are the same everywhere (``--threads``, default 2). The machine is small
 and noisy: read the ratios, measured side by side in one run, before the absolute
@@ -633,7 +634,8 @@ def bench_memory(path: Path, ids: list[int], threads: int, problems: list[str]) 
     out["step_peak_over_file"] = out["step_peak_above"] / size
     out["after_step_over_file"] = out["after_step_above"] / size
     out["target_max"] = TARGET_MEMORY_RATIO
-    out["pass"] = out["restore_peak_over_file"] <= TARGET_MEMORY_RATIO
+    # The target holds at every moment: through the restore and through the first decode step.
+    out["pass"] = max(out["restore_peak_over_file"], out["step_peak_over_file"]) <= TARGET_MEMORY_RATIO
     if out["cache_tokens_after_step"] != len(ids) + 1:
         problems.append(f"memory probe: the decode step left {out['cache_tokens_after_step']} tokens")
     return out
@@ -766,7 +768,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"  restore peak above before: {mib(m['restore_peak_above'])} = {m['restore_peak_over_file']:.2f}x the "
-            f"file   target <= {TARGET_MEMORY_RATIO}x  {verdict(m['pass'])}   (after: anon "
+            f"file   (after: anon "
             f"{mib(m['after_restore']['RssAnon'] - m['before']['RssAnon'])}, file-backed "
             f"{mib(m['after_restore']['RssFile'] - m['before']['RssFile'])})"
         )
@@ -775,6 +777,11 @@ def main(argv: list[str] | None = None) -> int:
             f"after it {mib(m['after_step_above'])} = {m['after_step_over_file']:.2f}x "
             f"(anon {mib(m['after_step_anon_above'])}; file still mapped: "
             f"{'yes' if m['file_still_mapped_after_step'] else 'no'})"
+        )
+        print(
+            f"  peak through restore and first step: "
+            f"{max(m['restore_peak_over_file'], m['step_peak_over_file']):.2f}x the file   "
+            f"target <= {TARGET_MEMORY_RATIO}x  {verdict(m['pass'])}"
         )
     crowded = [f"recompute {i + 1}" for i, p in enumerate(r["recompute_cpu_pressure"]) if (p or 0) > CROWDED_PRESSURE]
     if ttft:

@@ -94,6 +94,15 @@ def test_a_flipped_byte_anywhere_is_caught(cache_file: Path, tmp_path: Path):
             load(damaged, IDENTITY)
 
 
+def test_of_several_damaged_tensors_the_first_in_the_file_is_named(cache_file: Path):
+    data = bytearray(cache_file.read_bytes())
+    for entry in load(cache_file).header.tensors[1:]:  # every tensor but the first
+        data[entry.offset] ^= 0xFF
+    cache_file.write_bytes(data)
+    with pytest.raises(CacheFormatError, match="tensor layers.0.value: checksum mismatch"):
+        load(cache_file)
+
+
 def test_a_truncated_file_is_caught_at_every_length(cache_file: Path, tmp_path: Path):
     original = cache_file.read_bytes()
     short = tmp_path / "short.kvc"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,76 @@ def test_a_cache_with_sliding_window_layers_is_refused_not_stored_wrongly(tiny_h
     assert any(type(layer).__name__ != "DynamicLayer" for layer in cache.layers)
     with pytest.raises(UnsupportedCache, match="sliding-window"):
         to_tensors(cache)
+
+
+def resident_from(path: Path) -> int | None:
+    """Bytes of ``path`` resident in this process's mappings; None when it is not mapped."""
+    total, inside = None, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+            inside = line.endswith(f" {path}")
+            if inside:
+                total = total or 0
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads resident pages from /proc (Linux)")
+def test_a_restored_layer_leaves_memory_as_soon_as_its_tensors_are_replaced(tiny_hf, tmp_path: Path):
+    import mmap
+
+    import torch
+
+    from worker.backends import hf_compat
+    from worker.kvcache.torch_adapter import from_loaded, to_tensors
+
+    model, _ = tiny_hf
+    config = model.config
+    shape = (1, config.num_key_value_heads, 512, config.hidden_size // config.num_attention_heads)
+    computed = hf_compat.new_cache(config)
+    for index in range(config.num_hidden_layers):
+        computed.update(torch.randn(shape), torch.randn(shape), index)
+    path = tmp_path / "long.kvc"
+    write(path, identity=identity(model), tokens=list(range(512)), tensors=to_tensors(computed))
+    layer_bytes = 2 * computed.layers[0].keys.nbytes
+    layers = config.num_hidden_layers
+
+    restored = from_loaded(load(path, identity(model)), config, "cpu")
+    assert resident_from(path) >= layers * layer_bytes  # every byte was read to check it
+    step = torch.randn(shape[:2] + (1,) + shape[3:])
+    restored.update(step, step, 0)  # as a decode step does: layer 0 becomes a copy, one position longer
+    # Layer 0's pages are gone but for the two a tensor may share with its neighbours; the rest stay.
+    assert (layers - 1) * layer_bytes <= resident_from(path) <= (layers - 1) * layer_bytes + 4 * mmap.PAGESIZE
+    for index in range(1, layers):
+        restored.update(step, step, index)
+    assert resident_from(path) is None  # nothing uses the mapping any more: unmapped
+    assert torch.equal(restored.layers[1].keys[..., :512, :], computed.layers[1].keys)
+
+
+def test_extending_a_cache_on_the_cpu_reads_grouped_heads_in_place_with_the_same_logits(tiny_hf, monkeypatch):
+    import torch
+    from transformers.integrations import sdpa_attention
+
+    from worker.backends import hf_compat
+
+    model, tokenizer = tiny_hf
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped heads
+    ids = torch.tensor([tokenizer(PROMPT).input_ids])
+    copies = []
+    repeat_kv = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *args: copies.append(args) or repeat_kv(*args))
+
+    def extend(use_gqa_in_sdpa) -> tuple[torch.Tensor, int]:
+        monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", use_gqa_in_sdpa)
+        cache = hf_compat.new_cache(model.config)
+        with torch.inference_mode():
+            hf_compat.forward(model, ids[:, :6], cache)
+            copies.clear()
+            logits = hf_compat.forward(model, ids[:, 6:], cache)  # several tokens over a cache
+        return logits, len(copies)
+
+    in_place, in_place_copies = extend(hf_compat._use_gqa_in_sdpa)
+    stock, stock_copies = extend(hf_compat._stock_use_gqa_in_sdpa)
+    assert (in_place_copies, stock_copies) == (0, 2 * model.config.num_hidden_layers)
+    assert torch.equal(in_place, stock)

@@ -14,6 +14,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # gguf conversion draws raw tqdm bar
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
+from transformers.integrations import sdpa_attention  # noqa: E402
 
 VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
 
@@ -21,6 +22,24 @@ transformers.utils.logging.disable_progress_bar()
 
 # 5.24 renamed the cache keyword of forward() and generate(); 5.23 knows only the old name.
 CACHE_KWARG = "cache" if VERSION >= (5, 24) else "past_key_values"
+
+
+_stock_use_gqa_in_sdpa = sdpa_attention.use_gqa_in_sdpa
+
+
+def _use_gqa_in_sdpa(attention_mask: torch.Tensor | None, key: torch.Tensor, *rest: torch.Tensor) -> bool:
+    """Whether SDPA serves each group of query heads from its key/value head in place.
+
+    A forward of several tokens over a cache comes with a mask, and transformers then copies
+    every key and value head once per query head it serves: the whole cache, in every layer of
+    every such forward. On the CPU, SDPA reads the grouped heads in place instead, with results
+    equal bit for bit. One query position (a decode step) keeps transformers' own path, which
+    differs from this one in the last bit. The signature's tail changed between versions."""
+    several_queries = attention_mask is not None and attention_mask.shape[-2] > 1
+    return (key.device.type == "cpu" and several_queries) or _stock_use_gqa_in_sdpa(attention_mask, key, *rest)
+
+
+sdpa_attention.use_gqa_in_sdpa = _use_gqa_in_sdpa
 
 
 def new_cache(config: transformers.PretrainedConfig) -> DynamicCache:

@@ -12,7 +12,8 @@ Layout (docs/CACHE_FORMAT.md is the byte-level specification)::
 The header names every tensor with its offset, size and CRC-32, so that any
 damaged byte is found: the header by its SHA-256, padding by being zero,
 tensors by their CRC, and the file by its exact expected size. Reading maps
-the file and hands out memoryviews of it: no copy is made. Writing goes to a
+the file and hands out memoryviews of it: no copy is made; the pages under a
+view are given back once nothing uses it any more. Writing goes to a
 temporary file in the same directory, is flushed to disk and renamed, so a
 reader never sees half a file. The temporary's name carries the writer's process
 id, so that one left behind by a killed writer can be recognised and removed
@@ -25,8 +26,10 @@ import hashlib
 import mmap
 import os
 import struct
+import weakref
 import zlib
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
@@ -40,6 +43,9 @@ _PREFIX = struct.Struct("<8sQ32s")  # magic, header length, header sha256
 MAX_HEADER_BYTES = 256 * 1024 * 1024
 TEMPORARY_SUFFIX = ".tmp"  # a temporary is named ".{target name}.{writer pid}.{random}.tmp"
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+# zlib.crc32 lets go of the GIL on large buffers, so tensors are checked on several threads;
+# beyond a few, memory bandwidth is the limit.
+CHECK_THREADS = min(8, os.cpu_count() or 1)
 
 
 class CacheFormatError(Exception):
@@ -268,17 +274,34 @@ def read_header(path: str | os.PathLike[str]) -> Header:
 
 
 class LoadedCache:
-    """A verified cache mapped into memory. ``tensors`` are memoryviews of the mapping."""
+    """A verified cache mapped into memory. ``tensors`` are memoryviews of the mapping.
+
+    When a tensor's view is no longer used (whatever was built on it, a torch tensor say,
+    is gone too), its pages leave the process: a restored cache whose layers are replaced
+    one by one holds each layer once, never the mapping and the copies together."""
 
     def __init__(self, header: Header, mapping: mmap.mmap) -> None:
         self.header = header
         self._mapping = mapping
         view = memoryview(mapping)
-        self.tensors = [view[e.offset : e.offset + e.nbytes] for e in header.tensors]
+        self.tensors = []
+        for entry in header.tensors:
+            tensor = view[entry.offset : entry.offset + entry.nbytes]
+            weakref.finalize(tensor, _release, mapping, entry.offset, entry.nbytes)
+            self.tensors.append(tensor)
 
     @property
     def nbytes(self) -> int:
         return len(self._mapping)
+
+
+def _release(mapping: mmap.mmap, offset: int, nbytes: int) -> None:
+    """Unmap the pages wholly inside these bytes, which nothing uses any more. The mapping is
+    private: its pages leave the process (read again, they would come from the file)."""
+    start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (offset + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start and hasattr(mmap, "MADV_DONTNEED"):
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def load(path: str | os.PathLike[str], expected: Identity | None = None) -> LoadedCache:
@@ -340,16 +363,28 @@ def _parse_header(path: str | os.PathLike[str], prefix: bytes, header_bytes: byt
 
 
 def _check_layout(path, header: Header, mapping: mmap.mmap, header_end: int, size: int) -> None:
-    position = header_end
+    """Offsets, sizes and padding in file order, then the tensors' CRC-32s on several threads;
+    the first failure in file order is the one reported."""
+    position, placed, failure = header_end, [], None
     for entry in header.tensors:
         if entry.offset % ALIGNMENT or entry.offset < position or entry.nbytes < 0:
-            raise CacheFormatError(path, f"tensor {entry.name}: bad offset {entry.offset}")
-        if entry.offset + entry.nbytes > size:
-            raise CacheFormatError(path, f"truncated: tensor {entry.name} ends past the end of the file")
-        if mapping[position : entry.offset].count(0) != entry.offset - position:
-            raise CacheFormatError(path, f"damaged padding before tensor {entry.name}")
-        if zlib.crc32(memoryview(mapping)[entry.offset : entry.offset + entry.nbytes]) != entry.crc32:
-            raise CacheFormatError(path, f"tensor {entry.name}: checksum mismatch, the data is damaged")
+            failure = f"tensor {entry.name}: bad offset {entry.offset}"
+        elif entry.offset + entry.nbytes > size:
+            failure = f"truncated: tensor {entry.name} ends past the end of the file"
+        elif mapping[position : entry.offset].count(0) != entry.offset - position:
+            failure = f"damaged padding before tensor {entry.name}"
+        if failure is not None:
+            break
+        placed.append(entry)
         position = entry.offset + entry.nbytes
-    if size != position:
-        raise CacheFormatError(path, f"{size - position} unexpected bytes after the last tensor")
+    else:
+        if size != position:
+            failure = f"{size - position} unexpected bytes after the last tensor"
+    view = memoryview(mapping)
+    with ThreadPoolExecutor(CHECK_THREADS) as pool:
+        crcs = list(pool.map(lambda e: zlib.crc32(view[e.offset : e.offset + e.nbytes]), placed))
+    for entry, crc in zip(placed, crcs):
+        if crc != entry.crc32:
+            raise CacheFormatError(path, f"tensor {entry.name}: checksum mismatch, the data is damaged")
+    if failure is not None:
+        raise CacheFormatError(path, failure)
