@@ -1,12 +1,13 @@
 # Two commands do everything on a fresh machine:
 #   make demo   - set up, then run a demo session (load, generate, counts)
-#   make test   - set up, then run every test
+#   make test   - set up, then run every test (Python, then the Node client's)
 # Set-up is a virtual environment in .venv, rebuilt when pyproject.toml changes.
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+NODE_STAMP := node_modules/.installed
 
 .PHONY: setup demo test test-fast bench schemas
 
@@ -23,12 +24,19 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/python -m worker.demo
 
-test: $(STAMP)
+# The Node client's dependencies (TypeScript, vscode-jsonrpc for a compatibility test).
+$(NODE_STAMP): package.json package-lock.json
+	npm ci --no-audit --no-fund
+	touch $(NODE_STAMP)
+
+test: $(STAMP) $(NODE_STAMP)
 	$(BIN)/python -m pytest -q
+	npm test
 
 # Everything but the slow real-model tier.
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(NODE_STAMP)
 	$(BIN)/python -m pytest -q -m 'not slow'
+	npm test
 
 bench: $(STAMP)
 	$(BIN)/python bench/protocol_bench.py
@@ -36,3 +44,4 @@ bench: $(STAMP)
 
 schemas: $(STAMP)
 	$(BIN)/python -m protocol.schema schemas
+	node client/scripts/schema-types.mjs
