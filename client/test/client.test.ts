@@ -1,0 +1,221 @@
+// LmWorker against the real worker process: the echo backend (fast, deterministic) and the
+// tiny transformers model. No mocks: every test spawns `python -m worker`.
+
+import assert from "node:assert/strict";
+import { getEventListeners } from "node:events";
+import { after, before, describe, test } from "node:test";
+import { setTimeout as sleep } from "node:timers/promises";
+
+import { LmWorker, RpcError, WorkerExitedError, WorkerStartError, type GenerateChunk } from "../src/index.js";
+import { python, tinyModel, workerEnv } from "./support.js";
+
+const start = (options: Parameters<typeof LmWorker.start>[0] = {}) =>
+  LmWorker.start({ python: python(), env: workerEnv(), ...options });
+
+function isGone(pid: number): boolean {
+  try {
+    process.kill(pid, 0);
+    return false;
+  } catch {
+    return true;
+  }
+}
+
+async function collect(stream: AsyncIterable<GenerateChunk>): Promise<GenerateChunk[]> {
+  const chunks: GenerateChunk[] = [];
+  for await (const chunk of stream) {
+    chunks.push(chunk);
+  }
+  return chunks;
+}
+
+describe("with the echo backend", () => {
+  let worker: LmWorker;
+  before(async () => {
+    worker = await start();
+    await worker.load({ backend: "echo" });
+  });
+  after(async () => {
+    await worker.close();
+  });
+
+  test("start waits for capabilities and exposes them", () => {
+    assert.equal(worker.capabilities.pid, worker.pid);
+    assert.ok(worker.capabilities.methods.includes("generate"));
+  });
+
+  test("generate streams chunks in order whose text is the result's text, multi-byte text intact", async () => {
+    const prompt = "héllo wörld, 日本 and 🙂 ".repeat(20);
+    const stream = worker.generate({ prompt, max_tokens: 10_000 });
+    const chunks = await collect(stream);
+    const result = await stream.result;
+    assert.deepEqual(
+      chunks.map((c) => c.index),
+      chunks.map((_, i) => i),
+    );
+    assert.equal(chunks.map((c) => c.text).join(""), result.text);
+    assert.equal(result.text, prompt);
+    assert.equal(result.finish_reason, "stop");
+  });
+
+  test("tokenize is answered while a generate is still running", async () => {
+    await worker.load({ backend: "echo", token_delay_ms: 5 });
+    const stream = worker.generate({ prompt: "x".repeat(200), max_tokens: 1000 });
+    let generateDone = false;
+    void stream.result.then(() => (generateDone = true));
+    const tokens = await worker.tokenize({ text: "héllo", add_special_tokens: false });
+    assert.equal(tokens.count, 6);
+    assert.equal(generateDone, false);
+    await stream.result;
+    await worker.load({ backend: "echo" });
+  });
+
+  test("aborting a generate cancels it and resolves with the partial result", async () => {
+    await worker.load({ backend: "echo", token_delay_ms: 5 });
+    const controller = new AbortController();
+    const stream = worker.generate({ prompt: "y".repeat(2000), max_tokens: 5000 }, { signal: controller.signal });
+    const seen: GenerateChunk[] = [];
+    for await (const chunk of stream) {
+      seen.push(chunk);
+      if (seen.length === 3) {
+        controller.abort();
+      }
+    }
+    const result = await stream.result;
+    assert.equal(result.finish_reason, "cancelled");
+    assert.ok(result.tokens.length < 2000, `${result.tokens.length} tokens after the cancel`);
+    assert.equal(seen.map((c) => c.text).join(""), result.text);
+    await worker.load({ backend: "echo" });
+  });
+
+  test("errors carry the JSON-RPC code, kind and field", async () => {
+    await assert.rejects(worker.tokenize({ text: 7 as unknown as string }), (error: unknown) => {
+      assert.ok(error instanceof RpcError);
+      assert.equal(error.code, -32602);
+      assert.equal(error.kind, "invalid_params");
+      assert.equal(error.data?.field, "params.text");
+      return true;
+    });
+    const unknown = worker.call("nope" as "capabilities");
+    await assert.rejects(unknown, (error: unknown) => error instanceof RpcError && error.code === -32601);
+  });
+
+  test("many sequential requests leave nothing pending and no abort listeners behind", async () => {
+    const controller = new AbortController();
+    for (let i = 0; i < 300; i++) {
+      const result = await worker.call("tokenize", { text: `request ${i}` }, { signal: controller.signal });
+      assert.equal(result.count, `request ${i}`.length + 1);
+    }
+    assert.equal(worker.pendingRequests, 0);
+    assert.equal(getEventListeners(controller.signal, "abort").length, 0);
+  });
+
+  test("a slow consumer holds the worker back instead of buffering the whole generation", async () => {
+    const stream = worker.generate({ prompt: "z".repeat(20_000), max_tokens: 20_001 }, { highWaterMark: 16 });
+    let consumed = 0;
+    let mostReceived = 0;
+    for await (const chunk of stream) {
+      void chunk;
+      consumed += 1;
+      if (consumed <= 100) {
+        mostReceived = Math.max(mostReceived, consumed + stream.buffered);
+        await sleep(10);
+      }
+    }
+    const result = await stream.result;
+    assert.equal(result.tokens.length, 20_001);
+    // Without backpressure all 20,001 chunks would arrive during the first second of slow reading.
+    assert.ok(mostReceived < 10_000, `${mostReceived} chunks were received while 100 were read`);
+  });
+});
+
+describe("lifecycle", () => {
+  test("killing the worker mid-stream rejects the generate with the signal", async () => {
+    const worker = await start();
+    await worker.load({ backend: "echo", token_delay_ms: 5 });
+    const stream = worker.generate({ prompt: "k".repeat(5000), max_tokens: 5001 });
+    const chunks: GenerateChunk[] = [];
+    const iterated = (async () => {
+      for await (const chunk of stream) {
+        chunks.push(chunk);
+        if (chunks.length === 2) {
+          process.kill(worker.pid!, "SIGKILL");
+        }
+      }
+    })();
+    await assert.rejects(stream.result, (error: unknown) => {
+      assert.ok(error instanceof WorkerExitedError);
+      assert.equal(error.signal, "SIGKILL");
+      return true;
+    });
+    await assert.rejects(iterated, WorkerExitedError);
+    await assert.rejects(worker.tokenize({ text: "after" }), WorkerExitedError);
+    assert.deepEqual(await worker.exited, { exitCode: null, signal: "SIGKILL" });
+  });
+
+  test("close during a stream ends the stream and leaves no process behind", async () => {
+    const worker = await start();
+    await worker.load({ backend: "echo", token_delay_ms: 5 });
+    const stream = worker.generate({ prompt: "c".repeat(5000), max_tokens: 5001 });
+    for await (const chunk of stream) {
+      void chunk;
+      break; // stop reading; the request goes on
+    }
+    const exit = await worker.close();
+    assert.deepEqual(exit, { exitCode: 0, signal: null });
+    assert.equal((await stream.result).finish_reason, "cancelled");
+    assert.ok(isGone(worker.pid!));
+  });
+
+  test("a worker that cannot start is a start error with its stderr", async () => {
+    await assert.rejects(start({ args: ["--no-such-flag"] }), (error: unknown) => {
+      assert.ok(error instanceof WorkerStartError);
+      assert.match(error.message, /exit code 2/);
+      assert.match(error.message, /--no-such-flag/);
+      return true;
+    });
+  });
+
+  test("Content-Length framing carries large messages and multi-byte text", async () => {
+    const worker = await start({ framing: "lsp" });
+    try {
+      await worker.load({ backend: "echo" });
+      const text = "日本語のテキスト🙂".repeat(40_000); // about 1.6 MB of UTF-8
+      const { count } = await worker.tokenize({ text, add_special_tokens: false });
+      assert.equal(count, Buffer.byteLength(text));
+      const { text: back } = await worker.detokenize({ tokens: [...Buffer.from("é🙂")] });
+      assert.equal(back, "é🙂");
+    } finally {
+      await worker.close();
+    }
+  });
+});
+
+describe("with the tiny transformers model", () => {
+  let worker: LmWorker;
+  let model: string;
+  before(async () => {
+    model = await tinyModel();
+    worker = await start({ args: ["--cache-dir", `${model}-caches`] });
+    await worker.load({ model }, );
+  });
+  after(async () => {
+    await worker.close();
+  });
+
+  test("a long prefill reports progress and a generate from its cache gives the uncached tokens", async () => {
+    const tokens = Array.from({ length: 600 }, (_, i) => ((i * 7) % 500) + 3);
+    const progress: number[] = [];
+    const made = await worker.prefill(
+      { tokens, cache: "node-test" },
+      { onProgress: (p) => progress.push(p.processed_tokens) },
+    );
+    assert.equal(made.token_count, 600);
+    assert.deepEqual(progress, [256, 512, 600]);
+    const prompt = [...tokens, 9, 10, 11];
+    const plain = await worker.generate({ tokens: prompt, max_tokens: 8 }).result;
+    const cached = await worker.generate({ tokens: prompt, max_tokens: 8, cache: "node-test" }).result;
+    assert.deepEqual(cached.tokens, plain.tokens);
+    assert.equal(cached.usage.cache_read_tokens, 600);
+  });
+});
