@@ -17,43 +17,12 @@ import {
   type Logger,
   type MessageConnection,
 } from "vscode-jsonrpc/node";
+import type { CapabilitiesResult, GenerateChunk, GenerateResult, ModelInfo } from "../src/protocol-types.js";
 import { python, repoRoot, tinyModel, workerEnv } from "./support.js";
 
-interface Chunk {
-  id: number | string;
-  index: number;
-  text: string;
-  tokens: number[];
-  generated_tokens: number;
-  prompt_tokens: number;
-  cache_read_tokens: number;
-}
-
-interface GenerateResult {
-  text: string;
-  tokens: number[];
-  finish_reason: "stop" | "length" | "cancelled";
-  stop_reason: { kind: string; token: number | null; stop: string | null };
-  usage: { prompt_tokens: number; completion_tokens: number; cache_read_tokens: number; cache_write_tokens: number };
-  timings: Record<string, number>;
-  cache: unknown;
-}
-
-interface ModelInfo {
-  model: string;
-  backend: string;
-  vocab_size: number;
-  special_tokens: { role: string; id: number; text: string }[];
-}
-
-interface Capabilities {
-  protocol_version: string;
-  methods: string[];
-  notifications: string[];
-  backends: { name: string; available: boolean }[];
-  framing: { supported: string[]; replies: string | null };
-  model: ModelInfo | null;
-}
+// The protocol's own types: this test uses vscode-jsonrpc for the wire, not the client.
+type Chunk = GenerateChunk;
+type Capabilities = CapabilitiesResult;
 
 /** Rejects with a message naming `what` when `promise` takes longer than `ms`. */
 async function within<T>(promise: Promise<T>, ms: number, what: string): Promise<T> {
