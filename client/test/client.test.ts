@@ -153,6 +153,23 @@ describe("lifecycle", () => {
     assert.deepEqual(await worker.exited, { exitCode: null, signal: "SIGKILL" });
   });
 
+  test("a worker dying under a generate nobody awaits leaves no unhandled rejection", async () => {
+    const unhandled: unknown[] = [];
+    const record = (reason: unknown) => unhandled.push(reason);
+    process.on("unhandledRejection", record);
+    try {
+      const worker = await start();
+      await worker.load({ backend: "echo", token_delay_ms: 5 });
+      worker.generate({ prompt: "u".repeat(1000), max_tokens: 1001 }); // neither iterated nor awaited
+      process.kill(worker.pid!, "SIGKILL");
+      await worker.exited;
+      await sleep(50); // unhandled rejections are reported after the microtask queue drains
+    } finally {
+      process.off("unhandledRejection", record);
+    }
+    assert.deepEqual(unhandled, []);
+  });
+
   test("close during a stream ends the stream and leaves no process behind", async () => {
     const worker = await start();
     await worker.load({ backend: "echo", token_delay_ms: 5 });
