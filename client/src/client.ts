@@ -78,7 +78,7 @@ export class LmWorker {
   private nextId = 1;
   private stderrTail = "";
   private exit: WorkerExit | null = null;
-  private pausedBy = new Set<GenerateStream>();
+  private readonly pausedBy = new Set<GenerateStream>(); // streams whose consumer is behind
 
   private constructor(options: WorkerOptions) {
     this.framing = options.framing ?? "ndjson";
@@ -235,10 +235,9 @@ export class LmWorker {
    */
   async close(timeoutMs = 5000): Promise<WorkerExit> {
     if (this.exit === null) {
-      const asked = this.call("shutdown")
+      this.call("shutdown")
         .then(() => this.notify("exit"))
         .catch(() => {}); // it is exiting anyway; the exit status tells how
-      void asked;
       if (!(await this.exitsWithin(timeoutMs))) {
         this.process.kill("SIGTERM");
         if (!(await this.exitsWithin(timeoutMs))) {
