@@ -152,13 +152,17 @@ class RenderResult(Result):
 # --- generate -----------------------------------------------------------------
 
 
-class GenerateParams(Params):
-    # Exactly one of prompt, tokens, messages.
+class PromptParams(Params):
+    """The prompt of generate and prefill: exactly one of prompt, tokens, messages."""
+
     prompt: str | None = None
     tokens: list[TokenId] | None = None
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
     tools: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True  # for prompt: add BOS (once) as the model expects
+
+
+class GenerateParams(PromptParams):
     max_tokens: Annotated[int, Meta(ge=1)] = 256
     temperature: Annotated[float, Meta(ge=0)] = 0.0  # 0 is greedy
     top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
@@ -239,12 +243,7 @@ class GenerateResult(Result):
 # --- prefill and the cache store -----------------------------------------------
 
 
-class PrefillParams(Params, kw_only=True):
-    prompt: str | None = None
-    tokens: list[TokenId] | None = None
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
-    tools: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = True
+class PrefillParams(PromptParams, kw_only=True):
     add_generation_prompt: bool = True  # for messages
     cache: CacheRef  # where to store the result
     base: CacheRef | None = None  # start from this cache's tokens where they are a prefix
