@@ -11,7 +11,7 @@ NODE_STAMP := node_modules/.installed
 
 .PHONY: setup compile demo test test-fast bench schemas
 
-setup: $(STAMP)
+setup: $(STAMP) $(NODE_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
