@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
+from typing import Any
 
 
 def cpu_pressure_us() -> int | None:
@@ -21,3 +24,9 @@ def median(values: list[float]) -> float:
 
 def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
+
+
+def write_report(path: str, report: dict[str, Any]) -> None:
+    """The figures as JSON (``--json``), for comparing runs."""
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")

@@ -61,7 +61,7 @@ import zlib
 from pathlib import Path
 from typing import Self
 
-from bench_common import cpu_pressure_us, median, verdict
+from bench_common import cpu_pressure_us, median, verdict, write_report
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
@@ -817,8 +817,7 @@ def main(argv: list[str] | None = None) -> int:
             "problems": problems,
             "total_seconds": total_s,
         }
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_report(args.json, report)
     return 1 if problems else 0
 
 

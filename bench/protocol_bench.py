@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import verdict
+from bench_common import verdict, write_report
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -378,8 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             "problems": problems,
             "total_seconds": total_s,
         }
-        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_report(args.json, figures)
     return 1 if any(not p.startswith("WARNING") for p in problems) else 0
 
 

@@ -146,7 +146,7 @@ def finish_generate(store: CacheStore, model: Model, start: CacheStart | None, p
         use.store_reason = "nothing was computed: the generate was cancelled before its first chunk"
         return
     identity = model.cache_identity()
-    candidates, _ = store.candidates(identity)
+    candidates, _ = store.candidates(identity)  # again: other workers may have stored some meanwhile
     # Only a sound file counts as holding the sequence: a memory:// cache does not survive a restart,
     # and a damaged file of this very sequence is overwritten.
     unusable = {s.ref for s in use.skipped}

@@ -97,17 +97,12 @@ export class LmWorker {
     });
     this.process.stdin.on("error", () => {}); // a dead worker's stdin: the exit handler reports it
     this.exited = new Promise((resolve) => {
-      let code: number | null = null;
-      let signal: NodeJS.Signals | null = null;
-      this.process.on("exit", (c, s) => {
-        code = c;
-        signal = s;
-      });
       this.process.on("error", (error) => {
         this.stderrTail += `\n${error.message}`;
       });
-      this.process.on("close", (c, s) => {
-        this.exit = { exitCode: code ?? c, signal: signal ?? s };
+      // "close" comes after "exit" and after the pipes are drained: no answer is lost.
+      this.process.on("close", (exitCode, signal) => {
+        this.exit = { exitCode, signal };
         this.failAll(new WorkerExitedError(this.exit.exitCode, this.exit.signal, this.stderrTail.trim()));
         resolve(this.exit);
       });
