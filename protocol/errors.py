@@ -34,6 +34,7 @@ class ErrorKind(enum.StrEnum):
     CACHE_IDENTITY_MISMATCH = "cache_identity_mismatch"
     CACHE_CORRUPT = "cache_corrupt"
     CACHE_PREFIX_MISMATCH = "cache_prefix_mismatch"
+    CACHE_TOO_LARGE = "cache_too_large"
 
 
 CODES: dict[ErrorKind, int] = {
@@ -57,6 +58,7 @@ CODES: dict[ErrorKind, int] = {
     ErrorKind.CACHE_IDENTITY_MISMATCH: -32008,
     ErrorKind.CACHE_CORRUPT: -32009,
     ErrorKind.CACHE_PREFIX_MISMATCH: -32010,
+    ErrorKind.CACHE_TOO_LARGE: -32011,
 }
 
 

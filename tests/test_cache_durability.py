@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from protocol.errors import ErrorKind, RpcError
+from tests.cache_samples import IDENTITY, TOKENS, write_small_cache
 from tests.conftest import TORCH_ENV, SpawnWorker
 from worker.host import REPO_ROOT, Host, WorkerError
 from worker.kvcache import container
@@ -119,13 +120,9 @@ async def test_a_worker_killed_while_writing_caches_leaves_only_whole_caches_and
 # to disk: "die" kills itself there (SIGKILL), "wait" waits for a line on stdin, then finishes.
 WRITER = """
 import os, signal, sys
-from worker.kvcache import container
+from tests.cache_samples import write_small_cache
 
 path, mode = sys.argv[1], sys.argv[2]
-identity = container.Identity(
-    model_id="tiny", weights_fingerprint="w", tokenizer_sha256="t", rope_theta=10000.0, layers=1,
-    kv_heads=1, head_dim=4, dtype="float32", cache_class="DynamicCache", attention_type="full",
-)
 real_fsync = os.fsync
 
 def fsync(fd):
@@ -136,12 +133,7 @@ def fsync(fd):
     real_fsync(fd)
 
 os.fsync = fsync
-tensors = [
-    (container.TensorSpec(name=f"layers.0.{kind}", kind=kind, layer=0, shape=(1, 1, 3, 4), dtype="float32"),
-     memoryview(bytes(range(48))))
-    for kind in ("key", "value")
-]
-container.write(path, identity=identity, tokens=[5, 6, 7], tensors=tensors)
+write_small_cache(path)
 print("written", flush=True)
 """
 
@@ -260,21 +252,6 @@ async def test_workers_sharing_a_cache_directory_see_whole_caches_or_none_while_
 
 # --- a cache deleted between listing and use ----------------------------------------------
 
-IDENTITY = container.Identity(
-    model_id="tiny", weights_fingerprint="w", tokenizer_sha256="t", rope_theta=10000.0, layers=1,
-    kv_heads=1, head_dim=4, dtype="float32", cache_class="DynamicCache", attention_type="full",
-)
-
-
-def write_small_cache(path: Path) -> None:
-    tensors = [
-        (container.TensorSpec(name=f"layers.0.{kind}", kind=kind, layer=0, shape=(1, 1, 3, 4), dtype="float32"),
-         memoryview(bytes(range(48))))
-        for kind in ("key", "value")
-    ]
-    container.write(path, identity=IDENTITY, tokens=[5, 6, 7], tensors=tensors)
-
-
 @pytest.mark.parametrize("moment", ["before it is opened", "after its header is read"])
 def test_a_cache_another_worker_deletes_between_listing_and_use_is_not_found_never_corrupt(
     tmp_path, monkeypatch, moment
@@ -303,7 +280,7 @@ def test_a_cache_another_worker_deletes_between_listing_and_use_is_not_found_nev
             store.load("gone", IDENTITY, lambda loaded: loaded)
         assert caught.value.kind == ErrorKind.CACHE_NOT_FOUND, caught.value.message
     else:  # mapped and verified before it went: still whole, and used
-        assert store.load("gone", IDENTITY, lambda loaded: loaded)[0] == [5, 6, 7]
+        assert store.load("gone", IDENTITY, lambda loaded: loaded)[0] == TOKENS
     write_small_cache(path)
     with pytest.raises(RpcError) as caught:
         store.info("gone")

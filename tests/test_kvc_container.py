@@ -1,56 +1,38 @@
-"""The KVC1 container: what is written reads back bit for bit, and any damage is refused."""
+"""The KVC2 container: what is written reads back bit for bit, and any damage is refused."""
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
-import random
+import re
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from tests.cache_samples import IDENTITY, TOKENS, contents, full_attention_tensors, write_small_cache
+from worker.kvcache import container
 from worker.kvcache.container import (
     ALIGNMENT,
     CacheFormatError,
     Identity,
     IdentityMismatch,
-    TensorSpec,
+    OutdatedCache,
     load,
     read_header,
     write,
 )
 
-IDENTITY = Identity(
-    model_id="tiny",
-    weights_fingerprint="sha256:abc",
-    tokenizer_sha256="def",
-    rope_theta=10000.0,
-    layers=2,
-    kv_heads=2,
-    head_dim=4,
-    dtype="float32",
-    cache_class="DynamicCache",
-    attention_type="full",
-)
-TOKENS = [1, 5, 9, 200, 7]
 
-
-def tensors(seed: int = 0) -> list[tuple[TensorSpec, bytes]]:
-    rng = random.Random(seed)
-    out = []
-    for layer in range(IDENTITY.layers):
-        for kind in ("key", "value"):
-            shape = (1, IDENTITY.kv_heads, len(TOKENS), IDENTITY.head_dim)
-            data = rng.randbytes(4 * 1 * 2 * len(TOKENS) * 4)
-            out.append((TensorSpec(name=f"layers.{layer}.{kind}", kind=kind, layer=layer, shape=shape, dtype="float32"), data))
-    return out
+def tensors(seed: int = 0):
+    return full_attention_tensors(seed=seed)
 
 
 @pytest.fixture
 def cache_file(tmp_path: Path) -> Path:
     path = tmp_path / "prefix.kvc"
-    write(path, identity=IDENTITY, tokens=TOKENS, tensors=[(s, memoryview(d)) for s, d in tensors()],
-          prefix_offsets=[2], prefix_hashes=["h1"])
+    write_small_cache(path, prefix_offsets=[2], prefix_hashes=["h1"])
     return path
 
 
@@ -73,7 +55,9 @@ def test_the_header_is_read_without_the_tensors(cache_file: Path):
     assert read_header(cache_file).identity == IDENTITY
 
 
-@pytest.mark.parametrize("field", ["model_id", "tokenizer_sha256", "layers", "dtype", "rope_theta"])
+@pytest.mark.parametrize(
+    "field", ["model_id", "weights_sha256", "tokenizer_sha256", "config_sha256", "layers", "dtype", "rope_theta"]
+)
 def test_a_cache_of_another_model_is_refused_naming_the_field(cache_file: Path, field: str):
     value = getattr(IDENTITY, field)
     other = {"layers": 3, "rope_theta": 500000.0}.get(field, f"{value}-other")
@@ -136,11 +120,83 @@ def test_a_missing_file_is_a_format_error_saying_it_cannot_be_read(tmp_path: Pat
 def test_a_failed_write_leaves_neither_the_file_nor_a_temporary(tmp_path: Path):
     spec, data = tensors()[0]
     with pytest.raises(ValueError):
-        write(tmp_path / "bad.kvc", identity=IDENTITY, tokens=TOKENS, tensors=[(spec, memoryview(data[:-1]))])
+        write(tmp_path / "bad.kvc", contents(), [(spec, memoryview(data[:-1]))])
     assert list(tmp_path.iterdir()) == []
 
 
 def test_rewriting_a_cache_replaces_it_whole(cache_file: Path):
-    write(cache_file, identity=IDENTITY, tokens=TOKENS, tensors=[(s, memoryview(d)) for s, d in tensors(seed=1)])
+    write_small_cache(cache_file, seed=1)
     assert [bytes(t) for t in load(cache_file).tensors] == [d for _, d in tensors(seed=1)]
     assert [p.name for p in cache_file.parent.iterdir()] == [cache_file.name]
+
+
+def test_a_cache_lacking_a_layers_tensors_is_refused_when_written(tmp_path: Path):
+    with pytest.raises(ValueError, match="layer 1 .full. lacks its keys or values"):
+        write(tmp_path / "x.kvc", contents(), [(s, memoryview(d)) for s, d in tensors()[:2]])
+    assert list(tmp_path.iterdir()) == []
+
+
+def forge(path: Path, edit) -> None:
+    """Rewrite a cache's header through ``edit`` (a function of the decoded header) with a valid SHA-256."""
+    data = path.read_bytes()
+    header = msgspec.json.decode(data[48 : 48 + int.from_bytes(data[8:16], "little")])
+    data_start = header["tensors"][0]["offset"]
+    edit(header)
+    encoded = msgspec.json.encode(header)
+    assert 48 + len(encoded) <= data_start  # the tensors stay where the header says they are
+    prefix = data[:8] + len(encoded).to_bytes(8, "little") + hashlib.sha256(encoded).digest()
+    path.write_bytes(prefix + encoded + bytes(data_start - 48 - len(encoded)) + data[data_start:])
+
+
+def _set(path: list, value):
+    def edit(header):
+        target = header
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "reason"),
+    [
+        (_set(["tensors", 0, "shape"], [1, 2, 5, 5]), "is not 160 bytes"),
+        (_set(["tensors", 0, "dtype"], "int8"), "unknown dtype 'int8'"),
+        (_set(["tensors", 0, "layer"], 99), "there is no layer 99"),
+        (_set(["tensors", 1, "kind"], "key"), "a second key tensor of layer 0"),
+        (_set(["tensors", 1, "name"], "layers.0.key"), "is listed twice"),
+        (_set(["tensors", 0, "shape"], [1, 2, 1 << 40, 4]), "is not 160 bytes"),
+        (_set(["tensors", 0, "strides"], [4, 4, 4, 4]), "strides"),
+        (_set(["layers", 1, "kind"], "linear"), "has no state at the end of the sequence"),
+        (_set(["layers", 1, "kind"], "none"), "keeps no keys and values"),
+        (_set(["layers", 0, "sliding_window"], 4), "a sliding window goes with sliding layers"),
+        (_set(["identity", "layers"], 3), "not layers 0 to 2"),
+        (_set(["tokens", 0], -1), "token id is out of range"),
+        (_set(["states"], [{"layer": 0, "state": 0, "position": 3, "has_previous_state": True}]),
+         "keeps no linear-attention state"),
+    ],
+)
+def test_a_header_with_a_sound_checksum_but_inconsistent_fields_is_refused_before_any_tensor(
+    cache_file: Path, edit, reason: str
+):
+    forge(cache_file, edit)
+    for read in (load, read_header):
+        with pytest.raises(CacheFormatError, match=re.escape(reason)):
+            read(cache_file)
+
+
+def test_a_cache_of_the_previous_format_is_listed_but_refused_as_another_identity(tmp_path: Path):
+    header = msgspec.json.encode({
+        "format": "KVC1", "identity": {"model_id": "tiny", "weights_fingerprint": "x", "rope_theta": 0.0},
+        "sequence_start": 0, "sequence_length": 3, "tokens": [1, 2, 3], "prefix_offsets": [], "prefix_hashes": [],
+        "tensors": [], "created_by": "lm-worker 0.1.0",
+    })
+    path = tmp_path / "old.kvc"
+    path.write_bytes(b"KVC1\r\n\x1a\n" + len(header).to_bytes(8, "little") + hashlib.sha256(header).digest() + header)
+    with pytest.raises(OutdatedCache) as outdated:
+        read_header(path)
+    assert outdated.value.header.tokens == [1, 2, 3] and outdated.value.header.identity.model_id == "tiny"
+    with pytest.raises(IdentityMismatch) as caught:
+        load(path, IDENTITY)
+    assert (caught.value.field, caught.value.found, caught.value.expected) == ("format", "KVC1", container.FORMAT)

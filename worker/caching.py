@@ -86,7 +86,7 @@ def prefill(
     if params.base is not None:
         base_tokens, cache = store.load(params.base, identity, model.load_cache, field="params.base")
         limit = len(base_tokens) if params.trim_to_tokens is None else min(params.trim_to_tokens, len(base_tokens))
-        reused = common_prefix(base_tokens[:limit], tokens)
+        reused = model.reusable_tokens(cache, common_prefix(base_tokens[:limit], tokens))
         model.crop_cache(cache, reused)
     if cache is None:
         cache = model.new_cache()
@@ -154,6 +154,7 @@ def finish_generate(store: CacheStore, model: Model, start: CacheStart | None, p
         (
             c.ref for c in candidates
             if not c.ref.startswith(MEMORY) and c.ref not in unusable and c.tokens[: len(sequence)] == sequence
+            and _can_resume(c.resume_points, [len(sequence)])
         ),
         None,
     )
@@ -166,8 +167,12 @@ def finish_generate(store: CacheStore, model: Model, start: CacheStart | None, p
     except (RpcError, OSError) as exc:
         use.store_reason = f"not stored: {exc}"
         return
-    for old in candidates:  # an auto cache this one extends is no longer needed
-        if old.ref.startswith(AUTO_PREFIX) and old.ref != ref and sequence[: len(old.tokens)] == old.tokens:
+    points = start.cache.resume_points()
+    for old in candidates:  # an auto cache this one extends, and can be cut back like, is no longer needed
+        if (
+            old.ref.startswith(AUTO_PREFIX) and old.ref != ref and sequence[: len(old.tokens)] == old.tokens
+            and _can_resume(points, old.resume_points or [len(old.tokens)])
+        ):
             store.delete(old.ref)
     use.stored, use.stored_tokens = ref, len(sequence)
     result.usage.cache_write_tokens = len(sequence) - start.reused
@@ -187,7 +192,8 @@ def _start_from_ref(store: CacheStore, model: Model, ref: str, prompt: Sequence[
             "or use cache: \"auto\".",
             field="params.cache",
         )
-    reused = min(matched, len(prompt) - 1)  # always feed at least the last prompt token again
+    # Always feed at least the last prompt token again; the cache says how far it can be cut back.
+    reused = model.reusable_tokens(cache, min(matched, len(prompt) - 1))
     model.crop_cache(cache, reused)
     use = _use("ref", ref=ref, reused=reused)
     return CacheStart(cache=cache, reused=reused, use=use, written=store.take_pending_writes(ref))
@@ -200,16 +206,17 @@ def _start_auto(store: CacheStore, model: Model, prompt: Sequence[int]) -> Cache
     model = caching(model)
     identity = model.cache_identity()
     candidates, skipped = store.candidates(identity)
-    ranked = sorted(candidates, key=lambda c: (-_reusable(c.tokens, prompt), len(c.tokens)))
+    ranked = sorted(candidates, key=lambda c: (-_reusable(c, prompt), len(c.tokens)))
     for candidate in ranked:
-        if not _worth_loading(_reusable(candidate.tokens, prompt), len(candidate.tokens)):
+        if not _worth_loading(_reusable(candidate, prompt), len(candidate.tokens)):
             continue
         try:
             cached, cache = store.load(candidate.ref, identity, model.load_cache)
         except RpcError as exc:  # damaged, or deleted by another worker since it was listed
             skipped.append(SkippedCache(ref=candidate.ref, reason=exc.message))
             continue
-        reused = _reusable(cached, prompt)  # from the file itself, not the listing
+        # From the file itself, not the listing:
+        reused = model.reusable_tokens(cache, min(common_prefix(cached, prompt), len(prompt) - 1))
         if not _worth_loading(reused, len(cached)):
             continue
         model.crop_cache(cache, reused)
@@ -218,8 +225,17 @@ def _start_auto(store: CacheStore, model: Model, prompt: Sequence[int]) -> Cache
     return CacheStart(cache=model.new_cache(), reused=0, use=use)
 
 
-def _reusable(cached: Sequence[int], prompt: Sequence[int]) -> int:
-    return min(common_prefix(cached, prompt), len(prompt) - 1)  # the last prompt token is always fed
+def _reusable(candidate: Candidate, prompt: Sequence[int]) -> int:
+    """How much of ``prompt`` a stored cache can give: the prefix they share, but never the
+    last prompt token (always fed), and only as far as the cache can be cut back."""
+    shared = min(common_prefix(candidate.tokens, prompt), len(prompt) - 1)
+    points = candidate.resume_points
+    return shared if points is None else max(p for p in points if p <= shared)
+
+
+def _can_resume(points: list[int] | None, lengths: Sequence[int]) -> bool:
+    """Whether a cache with these resume points can be cut back to each of ``lengths``."""
+    return points is None or set(lengths) <= set(points)
 
 
 def _worth_loading(reused: int, cached: int) -> bool:
@@ -229,8 +245,8 @@ def _worth_loading(reused: int, cached: int) -> bool:
 def _why_nothing_reused(candidates: list[Candidate], skipped: list[SkippedCache], prompt: Sequence[int]) -> str:
     if not candidates:
         return "no cache of this model is stored yet" + (" that could be read" if skipped else "")
-    best = max(candidates, key=lambda c: _reusable(c.tokens, prompt))
-    shared = _reusable(best.tokens, prompt)
+    best = max(candidates, key=lambda c: _reusable(c, prompt))
+    shared = _reusable(best, prompt)
     if shared == 0:
         return f"no stored cache of this model starts like this prompt ({len(candidates)} looked at)"
     if _worth_loading(shared, len(best.tokens)):

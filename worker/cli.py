@@ -20,6 +20,8 @@ from worker.stdio import claim_stdout
 from worker.transcript import Recorder
 from worker.writer import DEFAULT_OUTBOX_MESSAGES, Writer
 
+DEFAULT_MEMORY_CACHE_MAX_BYTES = 2 << 30
+
 EXAMPLE = '{"jsonrpc":"2.0","id":1,"method":"capabilities"}'
 HELP_EPILOG = f"""\
 The worker reads JSON-RPC 2.0 requests on stdin and answers on stdout; logs go
@@ -88,6 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="keep the cache directory under N bytes, deleting least recently used caches (default: no bound)",
     )
+    parser.add_argument(
+        "--memory-cache-max-bytes",
+        type=_positive_int,
+        default=DEFAULT_MEMORY_CACHE_MAX_BYTES,
+        metavar="N",
+        help="hold memory:// caches of at most N bytes together, letting go of least recently used ones "
+        f"(default {DEFAULT_MEMORY_CACHE_MAX_BYTES}, 2 GiB)",
+    )
     parser.add_argument("--record", metavar="FILE", help="write every message in and out to FILE as a transcript")
     parser.add_argument(
         "--drain",
@@ -130,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         data_dir=args.data_dir or default_data_dir(),
         cache_dir=args.cache_dir,
         cache_max_bytes=args.cache_max_bytes,
+        memory_cache_max_bytes=args.memory_cache_max_bytes,
     )
     server = Server(
         writer, handlers, max_message_bytes=args.max_message_bytes, recorder=recorder, drain_on_eof=args.drain

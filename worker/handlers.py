@@ -79,12 +79,14 @@ class Handlers:
         data_dir: Path,
         cache_dir: Path | None = None,
         cache_max_bytes: int | None = None,
+        memory_cache_max_bytes: int | None = None,
     ) -> None:
         self._registry = registry
         self._wire = wire
         self._data_dir = data_dir
         self._cache_dir = cache_dir or data_dir / "caches"
         self._cache_max_bytes = cache_max_bytes
+        self._memory_cache_max_bytes = memory_cache_max_bytes
         self._cache_store: CacheStore | None = None
         self._model: Model | None = None
 
@@ -119,6 +121,8 @@ class Handlers:
         model, self._model = self._model, None
         if model is None:
             return UnloadResult(unloaded=False, model=None)
+        if self._cache_store is not None:  # memory caches hold the model's tensors: let them go with it
+            self._cache_store.release_memory()
         model.close()
         return UnloadResult(unloaded=True, model=model.info.model)
 
@@ -188,7 +192,7 @@ class Handlers:
         if self._cache_store is None:  # imported on first use: capabilities stays fast
             from worker.kvcache.store import CacheStore
 
-            self._cache_store = CacheStore(self._cache_dir, self._cache_max_bytes)
+            self._cache_store = CacheStore(self._cache_dir, self._cache_max_bytes, self._memory_cache_max_bytes)
         return self._cache_store
 
     def close(self) -> None:

@@ -1,12 +1,22 @@
-"""Build the tiny offline test model: a byte-level BPE tokenizer and a 2-layer Llama.
+"""Build the tiny offline test models: a byte-level BPE tokenizer and a small random model.
 
-    python -m worker.tiny_model DIR
+    python -m worker.tiny_model DIR [--family llama|gemma3|qwen3_5]
+
+One model per family of cache layers the worker supports:
+
+- ``llama``: full attention in every layer (2 layers);
+- ``gemma3``: sliding-window layers (a window of 16 positions, shorter than the
+  test prompts) between full-attention ones, as Gemma 2, 3 and 4 have;
+- ``qwen3_5``: a linear-attention layer (conv and recurrent state) before a
+  full-attention one, as in Qwen3.5 and Qwen3-Next.
 
 Deterministic (same seed, same files for a given transformers version) and
-quick (well under a second once torch is imported). The weights are random with
-a large init range, so greedy output varies with the prompt; the tokenizer
-merges multi-byte characters partly, so streaming meets split UTF-8. The
-tokenizer adds a BOS token, which tests that BOS is added exactly once.
+quick (well under a second once torch is imported). Each family's init range is
+one whose greedy output varies with the prompt (a too large one makes some
+families repeat one token forever, so that no equality check on them could
+fail); the tokenizer merges multi-byte characters partly, so streaming meets
+split UTF-8. The tokenizer adds a BOS token, which tests that BOS is added
+exactly once.
 """
 
 from __future__ import annotations
@@ -39,11 +49,15 @@ def corpus(seed: int, sentences: int = 2000) -> list[str]:
     ]
 
 
-def build(directory: str | os.PathLike[str], *, seed: int = 0, vocab_size: int = 512) -> Path:
+FAMILIES = ("llama", "gemma3", "qwen3_5")
+SLIDING_WINDOW = 16
+
+
+def build(directory: str | os.PathLike[str], *, seed: int = 0, vocab_size: int = 512, family: str = "llama") -> Path:
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # tokenizer training stays deterministic
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -69,22 +83,8 @@ def build(directory: str | os.PathLike[str], *, seed: int = 0, vocab_size: int =
         chat_template=CHATML,
         model_max_length=CONTEXT_LENGTH,
     )
-    config = LlamaConfig(
-        vocab_size=len(fast),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=CONTEXT_LENGTH,
-        initializer_range=0.3,
-        bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id,
-        tie_word_embeddings=False,
-    )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    model = AutoModelForCausalLM.from_config(_config(family, fast)).eval()
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
@@ -92,12 +92,38 @@ def build(directory: str | os.PathLike[str], *, seed: int = 0, vocab_size: int =
     return out
 
 
+def _config(family: str, tokenizer):
+    from transformers import AutoConfig
+
+    common = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=CONTEXT_LENGTH, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+    )
+    if family == "llama":
+        return AutoConfig.for_model("llama", num_hidden_layers=2, initializer_range=0.3, **common)
+    if family == "gemma3":
+        return AutoConfig.for_model(
+            "gemma3_text", num_hidden_layers=4, head_dim=16, sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            initializer_range=0.1, **common,
+        )
+    if family == "qwen3_5":
+        return AutoConfig.for_model(
+            "qwen3_5_text", num_hidden_layers=2, head_dim=16, layer_types=["linear_attention", "full_attention"],
+            linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+            linear_num_value_heads=4, initializer_range=0.1, **common,
+        )
+    raise ValueError(f"unknown family {family!r}; one of {', '.join(FAMILIES)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m worker.tiny_model", description=__doc__.splitlines()[0])
     parser.add_argument("directory")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--family", choices=FAMILIES, default="llama")
     args = parser.parse_args(argv)
-    print(build(args.directory, seed=args.seed))
+    print(build(args.directory, seed=args.seed, family=args.family))
     return 0
 
 

@@ -80,8 +80,13 @@ class CachingModel(Model, Protocol):
         """How many positions ``cache`` covers."""
         ...
 
+    def reusable_tokens(self, cache: Any, tokens: int) -> int:
+        """The longest prefix, of at most ``tokens`` positions, that ``cache`` can be cut back to
+        (a cache of recurrent state can be cut back only to the positions it kept it at)."""
+        ...
+
     def crop_cache(self, cache: Any, keep_tokens: int) -> None:
-        """Keep the first ``keep_tokens`` positions."""
+        """Keep the first ``keep_tokens`` positions: a length that ``reusable_tokens`` gave."""
         ...
 
     def load_cache(self, loaded: LoadedCache) -> Any:

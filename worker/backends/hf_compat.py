@@ -43,8 +43,86 @@ sdpa_attention.use_gqa_in_sdpa = _use_gqa_in_sdpa
 
 
 def new_cache(config: transformers.PretrainedConfig) -> DynamicCache:
-    # With the config, sliding-window and hybrid models get the right layer types.
-    return DynamicCache(config=config)
+    """A cache with the model's layer kinds, whose sliding-window layers keep every position.
+
+    transformers keeps only the window in a sliding layer, which cannot be cut back past it.
+    Recording the past keeps every position while the layer still hands attention exactly
+    the window it would otherwise keep (the same tensors, so the same results, bit for bit)."""
+    cache = DynamicCache(config=config)
+    for layer in cache.layers:
+        if type(layer).__name__ == "DynamicSlidingWindowLayer":
+            layer.activate_past_recording()
+    return cache
+
+
+# transformers' cache layer classes, by the kind of state they keep (torch_adapter explains each).
+_LAYER_KINDS = {
+    "DynamicLayer": "full",
+    "DynamicSlidingWindowLayer": "sliding",  # sliding_attention and chunked_attention
+    "LinearAttentionLayer": "linear",  # conv and linear_attention
+    "LinearAttentionAndFullAttentionLayer": "full+linear",  # hybrid
+    "LinearAttentionAndSlidingWindowAttentionLayer": "sliding+linear",  # hybrid_sliding
+    "DummyLayer": "none",  # layers sharing another's cache, or without attention
+}
+
+
+def layer_kind(layer) -> str:
+    """The kind of a cache layer; "other" for a class lm-worker does not know."""
+    return _LAYER_KINDS.get(type(layer).__name__, "other")
+
+
+def keep_positions(layer, keep: int) -> None:
+    """Cut a full or (recording) sliding layer back to its first ``keep`` positions."""
+    layer.keys = layer.keys[..., :keep, :]
+    layer.values = layer.values[..., :keep, :]
+    if hasattr(layer, "cumulative_length"):
+        layer.cumulative_length = keep
+
+
+def set_positions(layer, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+    """Install keys and values of every position as a layer's cache, without the copy that
+    update() makes: tensors mapped from a file stay mapped until the first forward replaces them."""
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+    if hasattr(layer, "cumulative_length"):
+        layer.cumulative_length = length
+
+
+def set_linear_state(layer, state: int, conv: torch.Tensor | None, recurrent: torch.Tensor | None, flag: bool) -> None:
+    """Put copies of one conv/recurrent state into a linear-attention layer, as its forward left them."""
+    for tensor in (conv, recurrent):
+        if tensor is not None:  # a hybrid layer's attention part may have set the device alone
+            layer.device, layer.dtype = layer.device or tensor.device, layer.dtype or tensor.dtype
+    layer.conv_states[state] = None if conv is None else conv.clone()
+    layer.is_conv_states_initialized[state] = conv is not None
+    if conv is not None:
+        layer.conv_kernel_size[state] = conv.shape[-1]
+    layer.recurrent_states[state] = None if recurrent is None else recurrent.clone()
+    layer.is_recurrent_states_initialized[state] = recurrent is not None
+    layer.has_previous_state[state] = flag
+
+
+def rope_theta(config: transformers.PretrainedConfig) -> float | None:
+    """The RoPE base frequency: in ``rope_parameters`` from transformers 5 on (per layer type
+    for models that differ, where the full-attention layers' one is taken), else ``rope_theta``."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    if isinstance(parameters.get("full_attention"), dict):
+        parameters = parameters["full_attention"]
+    theta = parameters.get("rope_theta", getattr(config, "rope_theta", None))
+    return None if theta is None else float(theta)
+
+
+def config_digest(config: transformers.PretrainedConfig) -> str:
+    """SHA-256 of the configuration as transformers resolved it, less what does not change the
+    computation (where the model was loaded from, which transformers wrote it, the dtype,
+    which the identity holds separately)."""
+    import hashlib
+    import json
+
+    described = config.to_dict()
+    for key in ("_name_or_path", "transformers_version", "dtype", "torch_dtype"):
+        described.pop(key, None)
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=repr).encode()).hexdigest()
 
 
 def forward(model: torch.nn.Module, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
@@ -53,36 +131,9 @@ def forward(model: torch.nn.Module, input_ids: torch.Tensor, cache: DynamicCache
     return out.logits[:, -1, :]
 
 
-def crop(cache: DynamicCache, keep_tokens: int) -> None:
-    """Keep the first ``keep_tokens`` positions of ``cache``."""
-    drop = cache.get_seq_length() - keep_tokens
-    if drop > 0:
-        # From 5.20 on, crop() takes the (negative) number of tokens to remove;
-        # before, the length to keep.
-        cache.crop(-drop if VERSION >= (5, 20) else keep_tokens)
-
-
 def make_serializable(model: torch.nn.Module) -> None:
     """A model loaded from a gguf file is dense already, but carries a quantizer that
     refuses save_pretrained(); drop it."""
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
         quantizer.remove_quantization_config(model)
-
-
-def cache_layers(cache: DynamicCache) -> list:
-    return list(cache.layers)
-
-
-def full_attention_only(cache: DynamicCache) -> bool:
-    """Whether every layer keeps the whole sequence (sliding-window and linear-attention
-    layers keep something else, which a KVC1 file cannot represent)."""
-    return all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers)
-
-
-def set_layer(cache: DynamicCache, index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Install keys and values as a layer's whole cache, without the copy that update() makes:
-    tensors mapped from a file stay mapped until the first decode step replaces them."""
-    layer = cache.layers[index]
-    layer.lazy_initialization(keys, values)
-    layer.keys, layer.values = keys, values

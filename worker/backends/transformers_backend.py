@@ -12,6 +12,7 @@ This module imports nothing heavy itself; ``load`` imports torch.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -22,7 +23,8 @@ from protocol.errors import ErrorKind, RpcError
 from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo, SpecialToken
 
 if TYPE_CHECKING:
-    from worker.kvcache.container import Identity
+    from worker.kvcache.container import Identity, LoadedCache
+    from worker.kvcache.torch_adapter import TorchCache
 
 # Prompts are fed in chunks this long, so a cancel is seen within one chunk.
 PREFILL_CHUNK_TOKENS = 256
@@ -53,11 +55,15 @@ class TransformersBackend:
         path = _model_path(params.model, data_dir)
         dtype = _DEFAULT_DTYPES[device.split(":")[0]] if params.dtype == "auto" else params.dtype
         model, tokenizer = _load_pretrained(path, dtype, device, params.trust_remote_code)
-        return TransformersModel(params, path, model, tokenizer, device, dtype, started)
+        identity = _identity(path, model, tokenizer, dtype, data_dir / "digests")
+        return TransformersModel(params, path, model, tokenizer, identity, device, dtype, started)
 
 
 class TransformersModel:
-    def __init__(self, params: LoadParams, path: Path, model, tokenizer, device: str, dtype: str, started: float):
+    def __init__(
+        self, params: LoadParams, path: Path, model, tokenizer, identity: Identity, device: str, dtype: str,
+        started: float,
+    ):
         self._model = model
         self._tokenizer = tokenizer
         self._device = device
@@ -68,7 +74,7 @@ class TransformersModel:
         self.eos_token_ids = frozenset(_eos_ids(model, tokenizer))
         self._bos = tokenizer.bos_token_id
         self._adds_bos = self._bos is not None and tokenizer("a").input_ids[:1] == [self._bos]
-        self._identity = _identity(path, model, dtype)
+        self._identity = identity
         self.info = ModelInfo(
             model=params.model,
             backend="transformers",
@@ -140,15 +146,15 @@ class TransformersModel:
     def cache_identity(self) -> Identity:
         return self._identity
 
-    def new_cache(self) -> Any:
-        from worker.backends import hf_compat
+    def new_cache(self) -> TorchCache:
+        from worker.kvcache.torch_adapter import TorchCache
 
-        return hf_compat.new_cache(self._model.config)
+        return TorchCache(self._model.config)
 
     def extend_cache(
         self,
         tokens: Sequence[int],
-        cache: Any,
+        cache: TorchCache,
         should_stop: Callable[[], bool],
         progress: Callable[[int], None] | None = None,
     ) -> bool:
@@ -158,33 +164,41 @@ class TransformersModel:
         with torch.inference_mode():
             sequence = torch.tensor([list(tokens)], dtype=torch.long, device=self._device)
             self._prefill(sequence, cache, should_stop, progress)
-        return cache.get_seq_length() == len(tokens)
+        return cache.length == len(tokens)
 
-    def cached_tokens(self, cache: Any) -> int:
-        return cache.get_seq_length()
+    def cached_tokens(self, cache: TorchCache) -> int:
+        return cache.length
 
-    def crop_cache(self, cache: Any, keep_tokens: int) -> None:
-        from worker.backends import hf_compat
+    def reusable_tokens(self, cache: TorchCache, tokens: int) -> int:
+        return cache.reusable(tokens)
 
-        hf_compat.crop(cache, keep_tokens)
+    def crop_cache(self, cache: TorchCache, keep_tokens: int) -> None:
+        cache.crop(keep_tokens)
 
-    def load_cache(self, loaded: Any) -> Any:
-        from worker.kvcache.torch_adapter import from_loaded
+    def load_cache(self, loaded: LoadedCache) -> TorchCache:
+        from worker.kvcache.torch_adapter import TorchCache
 
-        return from_loaded(loaded, self._model.config, self._device)
+        return TorchCache.from_file(loaded, self._model.config, self._device)
 
-    def _prefill(self, sequence, cache, should_stop: Callable[[], bool], progress=None):
+    def _prefill(self, sequence, cache: TorchCache, should_stop: Callable[[], bool], progress=None):
         """Feed ``sequence`` past what ``cache`` covers, in chunks; the last logits, or None
-        if cancelled (or nothing was left to feed)."""
-        from worker.backends import hf_compat
+        if cancelled (or nothing was left to feed).
 
+        A cache with linear-attention states keeps them at the last two positions (a later
+        request can then reuse the whole sequence, or all of it but the last token, which a
+        prompt equal to this one feeds again): the last chunk is cut before the last token."""
+        end = sequence.shape[1]
+        chunks = set(range(cache.length, end, PREFILL_CHUNK_TOKENS))
+        cuts = chunks | {end - 1} if cache.has_states and end - 1 > cache.length else chunks
         logits = None
-        for start in range(cache.get_seq_length(), sequence.shape[1], PREFILL_CHUNK_TOKENS):
+        for start, stop in itertools.pairwise(sorted(cuts) + [end]):
             if should_stop():
                 return None
-            logits = hf_compat.forward(self._model, sequence[:, start : start + PREFILL_CHUNK_TOKENS], cache)
-            if progress is not None:
-                progress(cache.get_seq_length())
+            logits = cache.feed(self._model, sequence[:, start:stop])
+            if stop >= end - 1:
+                cache.checkpoint()
+            if progress is not None and (stop in chunks or stop == end):
+                progress(cache.length)
         return logits
 
     def generate(
@@ -199,14 +213,14 @@ class TransformersModel:
         sampler = Sampler(params, self._device)
         with torch.inference_mode():
             sequence = torch.tensor([list(prompt)], dtype=torch.long, device=self._device)
-            cache = cache if cache is not None else hf_compat.new_cache(self._model.config)
+            cache = cache if cache is not None else self.new_cache()
             logits = self._prefill(sequence, cache, should_stop)
             while logits is not None and not should_stop():
                 token = sampler.next_token(sequence, logits)
                 yield token
                 step = torch.tensor([[token]], dtype=torch.long, device=self._device)
                 sequence = torch.cat([sequence, step], dim=1)
-                logits = hf_compat.forward(self._model, step, cache)
+                logits = cache.feed(self._model, step)
 
     def close(self) -> None:
         self._model = None
@@ -215,43 +229,46 @@ class TransformersModel:
         gc.collect()
 
 
-def _identity(path: Path, model, dtype: str) -> Identity:
+# The files a tokenizer is made of, beside those named tokenizer*; a model directory's other
+# files (weights, configuration, read-me) are not the tokenizer's.
+_TOKENIZER_FILES = frozenset(
+    {"special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json",
+     "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model"}
+)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+
+
+def _identity(path: Path, model, tokenizer, dtype: str, memo_dir: Path) -> Identity:
+    """Everything that decides what the model computes for a token: every byte of the
+    weights and tokenizer files (a .gguf file holds both), the chat template, and the
+    whole configuration. Digests of big files are remembered (worker.fingerprint)."""
+    from worker.backends import hf_compat
+    from worker.fingerprint import files_sha256
     from worker.kvcache.container import Identity
+    from worker.kvcache.torch_adapter import TorchCache
 
     config = model.config
-    heads = config.num_attention_heads
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    weights = [p for p in files if p.suffix in _WEIGHT_SUFFIXES]
+    tokenizer_files = [p for p in files if p.name.startswith("tokenizer") or p.name in _TOKENIZER_FILES]
+    template = getattr(tokenizer, "chat_template", None)
+    kinds = set(TorchCache(config).kinds) - {"none"}
+    heads = getattr(config, "num_attention_heads", None) or 0  # a model of linear layers alone has none
     return Identity(
         model_id=path.name,  # the directory or file name: a copied model keeps its caches
-        weights_fingerprint=_fingerprint(sorted(p for p in _files(path) if p.suffix in (".safetensors", ".bin", ".gguf"))),
-        tokenizer_sha256=_fingerprint(sorted(p for p in _files(path) if p.name.startswith("tokenizer")) or [path]),
-        rope_theta=float(getattr(config, "rope_theta", 0.0) or 0.0),
+        weights_sha256=files_sha256(weights, memo_dir),
+        tokenizer_sha256=files_sha256(
+            tokenizer_files, memo_dir, extra=f"{type(tokenizer).__name__}\0{template if isinstance(template, str) else ''}"
+        ),
+        rope_theta=hf_compat.rope_theta(config),
+        config_sha256=hf_compat.config_digest(config),
         layers=config.num_hidden_layers,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        head_dim=getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0),
         dtype=dtype,
         cache_class="DynamicCache",
-        attention_type="full" if getattr(config, "sliding_window", None) is None else "sliding",
+        attention_type=kinds.pop() if len(kinds) == 1 else "hybrid",
     )
-
-
-def _files(path: Path) -> list[Path]:
-    return [path] if path.is_file() else [p for p in path.iterdir() if p.is_file()]
-
-
-def _fingerprint(files: list[Path], samples: int = 16, block: int = 1 << 16) -> str:
-    """A digest of files' sizes and of evenly spaced blocks of their bytes: fast for big
-    weights, and different for any two checkpoints that differ in more than a few bytes."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for file in files:
-        size = file.stat().st_size
-        digest.update(f"{file.name}:{size};".encode())
-        with open(file, "rb") as handle:
-            for i in range(samples):
-                handle.seek(max(0, (size - block) * i // max(1, samples - 1)))
-                digest.update(handle.read(block))
-    return digest.hexdigest()
 
 
 def _check_device(device: str) -> str:

@@ -1,16 +1,18 @@
-"""KVC1: the file format of a persistent KV prompt cache. Torch-free.
+"""KVC2: the file format of a persistent KV prompt cache. Torch-free.
 
 Layout (docs/CACHE_FORMAT.md is the byte-level specification)::
 
-    magic            8 bytes   b"KVC1\\r\\n\\x1a\\n"
+    magic            8 bytes   b"KVC2\\r\\n\\x1a\\n"
     header_length    8 bytes   unsigned little-endian
     header_sha256   32 bytes   of the header bytes
     header           JSON, UTF-8, header_length bytes
     zero padding     to the next multiple of ALIGNMENT
     tensors          each at an ALIGNMENT-aligned offset, zero padding between
 
-The header names every tensor with its offset, size and CRC-32, so that any
-damaged byte is found: the header by its SHA-256, padding by being zero,
+The header describes every layer of the model (full attention, sliding window,
+linear-attention state, or none) and names every tensor with its offset, size
+and CRC-32. Every field a reader uses is checked against the others before a
+tensor is handed out, and any damaged byte is found: the header by its SHA-256, padding by being zero,
 tensors by their CRC, and the file by its exact expected size. Reading maps
 the file and hands out memoryviews of it: no copy is made; the pages under a
 view are given back once nothing uses it any more. Writing goes to a
@@ -23,6 +25,7 @@ id, so that one left behind by a killed writer can be recognised and removed
 from __future__ import annotations
 
 import hashlib
+import math
 import mmap
 import os
 import struct
@@ -35,8 +38,10 @@ from typing import Literal
 
 import msgspec
 
-MAGIC = b"KVC1\r\n\x1a\n"
-FORMAT = "KVC1"
+MAGIC = b"KVC2\r\n\x1a\n"
+FORMAT = "KVC2"
+# Files of earlier formats are recognised, listed and refused as written for another identity.
+OLD_MAGICS = {b"KVC1\r\n\x1a\n": "KVC1"}
 ALIGNMENT = 64
 LAYOUT = "layer-major-k-then-v"
 _PREFIX = struct.Struct("<8sQ32s")  # magic, header length, header sha256
@@ -49,7 +54,7 @@ CHECK_THREADS = min(8, os.cpu_count() or 1)
 
 
 class CacheFormatError(Exception):
-    """The file is not a sound KVC1 cache. ``reason`` says what is wrong, for a person."""
+    """The file is not a sound KVC2 cache. ``reason`` says what is wrong, for a person."""
 
     def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
         super().__init__(f"{os.fspath(path)}: {reason}")
@@ -62,7 +67,7 @@ class CacheMissing(CacheFormatError):
 
 
 class IdentityMismatch(Exception):
-    """A sound cache computed by another model, tokenizer or configuration."""
+    """A sound cache computed by another model, tokenizer, configuration or file format."""
 
     def __init__(self, path: str | os.PathLike[str], field: str, expected: object, found: object) -> None:
         super().__init__(f"{os.fspath(path)}: {field} is {found!r} in the cache, {expected!r} here")
@@ -73,25 +78,55 @@ class IdentityMismatch(Exception):
 
 
 class Identity(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What must match for a cache to be valid for a model: all of it."""
+    """What must match for a cache to be valid for a model: all of it. The digests cover
+    every byte of the weights and tokenizer files and the whole resolved configuration;
+    the other fields repeat parts of them so that a mismatch can be named plainly."""
 
     model_id: str
-    weights_fingerprint: str  # a revision, or a digest of the weights files
-    tokenizer_sha256: str
+    weights_sha256: str  # of every weights file, in full
+    tokenizer_sha256: str  # of the tokenizer's files and its chat template, in full
     rope_theta: float | None
+    config_sha256: str  # of the model's configuration as transformers resolves it
     layers: int
     kv_heads: int
     head_dim: int
     dtype: str
     layout: str = LAYOUT
     cache_class: str
-    attention_type: str
+    attention_type: str  # "full", "sliding", "linear" or "hybrid": the kinds of layers there are
+
+
+LayerKind = Literal["full", "sliding", "linear", "full+linear", "sliding+linear", "none"]
+TensorKind = Literal["key", "value", "conv", "recurrent"]
+_KV_KINDS = ("full", "sliding", "full+linear", "sliding+linear")
+_STATE_KINDS = ("linear", "full+linear", "sliding+linear")
+
+
+class LayerEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One layer of the model. Layers with keys and values hold them for every position of
+    the sequence, sliding-window layers too (they attend to their window only); layers with
+    a linear-attention state hold it at each checkpoint position (``states``)."""
+
+    index: int
+    kind: LayerKind
+    sliding_window: int | None = None
+
+
+class StateEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A linear-attention state (conv and/or recurrent tensors) of one layer after ``position`` tokens."""
+
+    layer: int
+    state: int  # a layer may keep several states
+    position: int
+    has_previous_state: bool
 
 
 class TensorEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: str
-    kind: Literal["key", "value"]
+    kind: TensorKind
     layer: int
+    state: int = 0  # for conv and recurrent tensors: which state of the layer
+    position: int | None = None  # for conv and recurrent tensors: the StateEntry's position
     shape: list[int]
     strides: list[int]  # in bytes, C order
     offset: int  # from the start of the file
@@ -108,18 +143,58 @@ class Header(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     tokens: list[int]
     prefix_offsets: list[int]
     prefix_hashes: list[str]
+    layers: list[LayerEntry]
+    states: list[StateEntry]
     tensors: list[TensorEntry]
     created_by: str
+
+    @property
+    def resume_points(self) -> list[int] | None:
+        """The prefix lengths this cache can be cut back to: None when any (every layer
+        keeps every position), else 0 and the positions of its stored states."""
+        if not self.states:
+            return None
+        return sorted({0, *(entry.position for entry in self.states)})
+
+
+class UnsupportedCache(Exception):
+    """A cache whose layers a KVC2 file cannot represent."""
+
+
+class OldIdentity(msgspec.Struct, frozen=True):
+    model_id: str
+
+
+class OldHeader(msgspec.Struct, frozen=True):
+    """What cache/list shows of a file of an earlier format; it is never used."""
+
+    format: str
+    identity: OldIdentity
+    tokens: list[int]
+    prefix_offsets: list[int] = []
+    prefix_hashes: list[str] = []
+    created_by: str = ""
+
+
+class OutdatedCache(Exception):
+    """A file of an earlier format: written for another identity, so never used."""
+
+    def __init__(self, path: str | os.PathLike[str], header: OldHeader) -> None:
+        super().__init__(f"{os.fspath(path)}: a {header.format} cache, this worker reads {FORMAT}")
+        self.path = os.fspath(path)
+        self.header = header
 
 
 class TensorSpec(msgspec.Struct, frozen=True, kw_only=True):
     """A tensor to write: its description and a C-contiguous buffer of its bytes."""
 
     name: str
-    kind: Literal["key", "value"]
+    kind: TensorKind
     layer: int
     shape: tuple[int, ...]
     dtype: str
+    state: int = 0
+    position: int | None = None
 
 
 def _umask() -> int:
@@ -140,26 +215,31 @@ def _c_strides(shape: Iterable[int], itemsize: int) -> list[int]:
     return strides[::-1]
 
 
-def write(
-    path: str | os.PathLike[str],
-    *,
-    identity: Identity,
-    tokens: list[int],
-    tensors: list[tuple[TensorSpec, memoryview]],
-    sequence_start: int = 0,
-    prefix_offsets: list[int] | None = None,
-    prefix_hashes: list[str] | None = None,
-    created_by: str = "lm-worker",
-) -> int:
-    """Write a cache atomically; returns the file size. Tensors are written one by one."""
+class Contents(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a cache file holds but the layout of its bytes."""
+
+    identity: Identity
+    tokens: list[int]
+    layers: list[LayerEntry]
+    states: list[StateEntry] = []
+    sequence_start: int = 0
+    prefix_offsets: list[int] = []
+    prefix_hashes: list[str] = []
+    created_by: str = "lm-worker"
+
+
+def write(path: str | os.PathLike[str], contents: Contents, tensors: list[tuple[TensorSpec, memoryview]]) -> int:
+    """Write a cache atomically; returns the file size. Tensors are written one by one.
+    A cache whose header would not pass the reader's checks is refused (ValueError)."""
     views = [memoryview(buffer).cast("B") for _, buffer in tensors]
     # Offsets depend on the header's length, which depends on the offsets: first lay out a
     # header whose numbers are as long as they can get, and put the data after it.
-    longest = _layout(identity, tokens, tensors, views, sequence_start, prefix_offsets, prefix_hashes,
-                      created_by, data_start=10**15)
+    longest = _layout(contents, tensors, views, data_start=10**15)
     data_start = _align(_PREFIX.size + len(msgspec.json.encode(longest)))
-    header = _layout(identity, tokens, tensors, views, sequence_start, prefix_offsets, prefix_hashes,
-                     created_by, data_start=data_start)
+    header = _layout(contents, tensors, views, data_start=data_start)
+    problem = manifest_problem(header)
+    if problem is not None:
+        raise ValueError(f"not a sound cache: {problem}")
     header_bytes = msgspec.json.encode(header)
     if _PREFIX.size + len(header_bytes) > data_start:
         raise AssertionError("header outgrew its reserved space")
@@ -222,21 +302,19 @@ def _running(pid: int) -> bool:
     return True
 
 
-def _layout(identity, tokens, tensors, views, sequence_start, prefix_offsets, prefix_hashes, created_by,
-            *, data_start: int) -> Header:
+def _layout(contents: Contents, tensors, views, *, data_start: int) -> Header:
     entries, offset = [], data_start
     for (spec, _), view in zip(tensors, views, strict=True):
         itemsize = DTYPE_SIZES[spec.dtype]
-        expected = itemsize
-        for size in spec.shape:
-            expected *= size
-        if view.nbytes != expected:
+        if view.nbytes != math.prod(spec.shape) * itemsize:
             raise ValueError(f"tensor {spec.name}: {view.nbytes} bytes for shape {spec.shape} of {spec.dtype}")
         entries.append(
             TensorEntry(
                 name=spec.name,
                 kind=spec.kind,
                 layer=spec.layer,
+                state=spec.state,
+                position=spec.position,
                 shape=list(spec.shape),
                 strides=_c_strides(spec.shape, itemsize),
                 offset=offset,
@@ -248,19 +326,22 @@ def _layout(identity, tokens, tensors, views, sequence_start, prefix_offsets, pr
         offset = _align(offset + view.nbytes)
     return Header(
         format=FORMAT,
-        identity=identity,
-        sequence_start=sequence_start,
-        sequence_length=len(tokens),
-        tokens=tokens,
-        prefix_offsets=prefix_offsets or [],
-        prefix_hashes=prefix_hashes or [],
+        identity=contents.identity,
+        sequence_start=contents.sequence_start,
+        sequence_length=len(contents.tokens),
+        tokens=contents.tokens,
+        prefix_offsets=contents.prefix_offsets,
+        prefix_hashes=contents.prefix_hashes,
+        layers=contents.layers,
+        states=contents.states,
         tensors=entries,
-        created_by=created_by,
+        created_by=contents.created_by,
     )
 
 
 def read_header(path: str | os.PathLike[str]) -> Header:
-    """The header, verified, without touching the tensors (for listing and info)."""
+    """The header, verified, without touching the tensors (for listing and info).
+    Raises OutdatedCache for a file of an earlier format."""
     try:
         with open(path, "rb") as file:
             prefix = file.read(_PREFIX.size)
@@ -321,7 +402,10 @@ def load(path: str | os.PathLike[str], expected: Identity | None = None) -> Load
     header_end = _PREFIX.size + header_length
     if header_end > size:
         raise CacheFormatError(path, f"truncated: the header needs {header_end} bytes, the file has {size}")
-    header = _parse_header(path, mapping[: _PREFIX.size], mapping[_PREFIX.size : header_end])
+    try:
+        header = _parse_header(path, mapping[: _PREFIX.size], mapping[_PREFIX.size : header_end])
+    except OutdatedCache as exc:
+        raise IdentityMismatch(path, "format", FORMAT, exc.header.format) from exc
     if expected is not None:
         check_identity(path, header.identity, expected)
     _check_layout(path, header, mapping, header_end, size)
@@ -338,28 +422,107 @@ def _check_prefix(path: str | os.PathLike[str], prefix: bytes) -> int:
     if len(prefix) < _PREFIX.size:
         raise CacheFormatError(path, f"truncated: {len(prefix)} bytes is shorter than the fixed prefix")
     magic, header_length, _ = _PREFIX.unpack(prefix)
-    if magic != MAGIC:
-        raise CacheFormatError(path, "not a KVC1 cache file (wrong magic bytes)")
+    if magic != MAGIC and magic not in OLD_MAGICS:
+        raise CacheFormatError(path, f"not a {FORMAT} cache file (wrong magic bytes)")
     if header_length > MAX_HEADER_BYTES:
         raise CacheFormatError(path, f"header length {header_length} is beyond any real cache: damaged")
     return header_length
 
 
 def _parse_header(path: str | os.PathLike[str], prefix: bytes, header_bytes: bytes) -> Header:
-    _, header_length, digest = _PREFIX.unpack(prefix)
+    magic, header_length, digest = _PREFIX.unpack(prefix)
     if len(header_bytes) != header_length:
         raise CacheFormatError(path, f"truncated inside the header ({len(header_bytes)} of {header_length} bytes)")
     if hashlib.sha256(header_bytes).digest() != digest:
         raise CacheFormatError(path, "header checksum mismatch: the header is damaged")
+    if magic in OLD_MAGICS:
+        try:
+            old = msgspec.json.decode(header_bytes, type=OldHeader)
+        except msgspec.DecodeError as exc:
+            raise CacheFormatError(path, f"header is not a {OLD_MAGICS[magic]} header: {exc}") from exc
+        raise OutdatedCache(path, old)
     try:
         header = msgspec.json.decode(header_bytes, type=Header)
     except msgspec.DecodeError as exc:  # a sound checksum over an unreadable header: a foreign writer
-        raise CacheFormatError(path, f"header is not a KVC1 header: {exc}") from exc
+        raise CacheFormatError(path, f"header is not a {FORMAT} header: {exc}") from exc
     if header.format != FORMAT or header.identity.layout != LAYOUT:
         raise CacheFormatError(path, f"unsupported format {header.format!r} / layout {header.identity.layout!r}")
-    if header.sequence_length != len(header.tokens):
-        raise CacheFormatError(path, "sequence_length does not match the token list")
+    problem = manifest_problem(header)
+    if problem is not None:
+        raise CacheFormatError(path, problem)
     return header
+
+
+def manifest_problem(header: Header) -> str | None:
+    """What makes the header's description of the cache inconsistent, or None. Everything a
+    reader builds tensors from is checked here, so that a header with a sound checksum but
+    made-up numbers is refused before any tensor exists."""
+    length = header.sequence_length
+    if length != len(header.tokens):
+        return "sequence_length does not match the token list"
+    if any(not 0 <= token < 2**32 for token in header.tokens):
+        return "a token id is out of range"
+    if header.sequence_start != 0:
+        return f"sequence_start {header.sequence_start}: only caches of a whole prefix (0) are read"
+    if [layer.index for layer in header.layers] != list(range(header.identity.layers)):
+        return f"the layer list is not layers 0 to {header.identity.layers - 1} in order"
+    kinds = [layer.kind for layer in header.layers]
+    for layer in header.layers:
+        if (layer.kind in ("sliding", "sliding+linear")) != (layer.sliding_window is not None):
+            return f"layer {layer.index}: a sliding window goes with sliding layers, and only with them"
+        if layer.sliding_window is not None and layer.sliding_window < 1:
+            return f"layer {layer.index}: sliding window {layer.sliding_window}"
+    states = set()
+    for state in header.states:
+        if not 0 <= state.layer < len(kinds) or kinds[state.layer] not in _STATE_KINDS:
+            return f"a state of layer {state.layer}, which keeps no linear-attention state"
+        if not 0 < state.position <= length or state.state < 0:
+            return f"a state of layer {state.layer} at position {state.position} of a {length}-token sequence"
+        key = (state.layer, state.state, state.position)
+        if key in states:
+            return f"two states {key} of layer {state.layer}"
+        states.add(key)
+    if length and any(
+        kind in _STATE_KINDS and not any(s.layer == i and s.position == length for s in header.states)
+        for i, kind in enumerate(kinds)
+    ):
+        return "a linear-attention layer has no state at the end of the sequence"
+    seen, names, used_states = set(), set(), set()
+    for entry in header.tensors:
+        where = f"tensor {entry.name}"
+        if entry.name in names:
+            return f"{where} is listed twice"
+        names.add(entry.name)
+        if entry.dtype not in DTYPE_SIZES:
+            return f"{where}: unknown dtype {entry.dtype!r}"
+        itemsize = DTYPE_SIZES[entry.dtype]
+        if any(size < 0 for size in entry.shape) or entry.nbytes != math.prod(entry.shape) * itemsize:
+            return f"{where}: shape {entry.shape} of {entry.dtype} is not {entry.nbytes} bytes"
+        if entry.strides != _c_strides(entry.shape, itemsize):
+            return f"{where}: strides {entry.strides} are not those of C order"
+        if not 0 <= entry.layer < len(kinds):
+            return f"{where}: there is no layer {entry.layer}"
+        if entry.kind in ("key", "value"):
+            if kinds[entry.layer] not in _KV_KINDS:
+                return f"{where}: layer {entry.layer} ({kinds[entry.layer]}) keeps no keys and values"
+            if len(entry.shape) != 4 or entry.shape[0] != 1 or entry.shape[2] != length or entry.position is not None:
+                return f"{where}: shape {entry.shape} is not [1, heads, {length}, head_dim]"
+            key = (entry.layer, entry.kind)
+        else:
+            state = (entry.layer, entry.state, entry.position)
+            if state not in states:
+                return f"{where}: no state {entry.state} of layer {entry.layer} at position {entry.position}"
+            used_states.add(state)
+            key = (entry.layer, entry.kind, entry.state, entry.position)
+        if key in seen:
+            return f"{where}: a second {entry.kind} tensor of layer {entry.layer}"
+        seen.add(key)
+    for i, kind in enumerate(kinds):
+        if length and kind in _KV_KINDS and not {(i, "key"), (i, "value")} <= seen:
+            return f"layer {i} ({kind}) lacks its keys or values"
+    if states - used_states:
+        return f"states without tensors: {sorted(states - used_states)[:3]}"
+    return None
 
 
 def _check_layout(path, header: Header, mapping: mmap.mmap, header_end: int, size: int) -> None:

@@ -11,13 +11,12 @@ the directory.
 
 from __future__ import annotations
 
-import copy
 import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from protocol.errors import ErrorKind, RpcError
 from protocol.methods import CacheInfo, SkippedCache
@@ -26,35 +25,63 @@ from worker.kvcache import container
 from worker.kvcache.container import (
     CacheFormatError,
     CacheMissing,
+    Contents,
     Header,
     Identity,
     IdentityMismatch,
+    LayerEntry,
     LoadedCache,
+    OldHeader,
+    OutdatedCache,
+    StateEntry,
+    TensorSpec,
+    UnsupportedCache,
 )
 
 MEMORY = "memory://"
 SUFFIX = ".kvc"
 
 
+class StorableCache(Protocol):
+    """What the store needs of a backend's cache object."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def resume_points(self) -> list[int] | None:
+        """The prefix lengths it can be cut back to; None when any."""
+        ...
+
+    def copy(self) -> StorableCache: ...
+
+    def to_file(self) -> tuple[list[LayerEntry], list[StateEntry], list[tuple[TensorSpec, memoryview]]]:
+        """Its layers, states and tensors as a file holds them; raises UnsupportedCache."""
+        ...
+
+
 class _MemoryCache:
-    def __init__(self, identity: Identity, tokens: list[int], cache: Any, offsets: list[int], hashes: list[str]):
+    def __init__(self, identity: Identity, tokens: list[int], cache: StorableCache, offsets: list[int],
+                 hashes: list[str]):
         self.identity, self.tokens, self.cache = identity, tokens, cache
         self.offsets, self.hashes = offsets, hashes
         self.last_used = time.time()
-        self.nbytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+        self.nbytes = cache.nbytes
 
 
 class Candidate(NamedTuple):
-    """A stored cache of the model in use, as auto sees it: its ref and the tokens it covers."""
+    """A stored cache of the model in use, as auto sees it: its ref, the tokens it covers and
+    the prefix lengths it can be cut back to (None: any)."""
 
     ref: str
     tokens: list[int]
+    resume_points: list[int] | None
 
 
 class CacheStore:
-    def __init__(self, directory: Path, max_bytes: int | None = None) -> None:
+    def __init__(self, directory: Path, max_bytes: int | None = None, memory_max_bytes: int | None = None) -> None:
         self.directory = directory
         self.max_bytes = max_bytes  # disk caches beyond it are evicted, least recently used first
+        self.memory_max_bytes = memory_max_bytes  # and memory:// caches beyond this
         self._memory: dict[str, _MemoryCache] = {}
         self._pending_writes: dict[str, int] = {}  # tokens a prefill computed, reported by the next generate
         self._headers: dict[str, tuple[tuple[int, int], Header]] = {}  # ref -> ((inode, size), header)
@@ -64,32 +91,60 @@ class CacheStore:
     # --- writing ------------------------------------------------------------------
 
     def save(
-        self, ref: str, identity: Identity, tokens: list[int], cache: Any, *,
+        self, ref: str, identity: Identity, tokens: list[int], cache: StorableCache, *,
         offsets: list[int], hashes: list[str], written_tokens: int | None,
     ) -> int:
         """Store ``cache`` (covering ``tokens``) under ``ref``; returns its size in bytes.
         ``written_tokens``, if given, is reported by the next generate from ``ref``."""
-        from worker.kvcache.torch_adapter import UnsupportedCache, to_tensors
-
         if ref.startswith(MEMORY):
-            entry = _MemoryCache(identity, list(tokens), copy.deepcopy(cache), offsets, hashes)
-            with self._lock:
-                self._memory[ref] = entry
+            entry = _MemoryCache(identity, list(tokens), cache.copy(), offsets, hashes)
+            self._keep_in_memory(ref, entry)
             self._note_writes(ref, written_tokens)
             return entry.nbytes
         try:
-            tensors = to_tensors(cache, len(tokens))
+            layers, states, tensors = cache.to_file()
         except UnsupportedCache as exc:
             raise RpcError(ErrorKind.UNSUPPORTED, f"Cannot store {ref!r}: {exc}; use a memory:// ref.") from exc
         self.directory.mkdir(parents=True, exist_ok=True)
-        size = container.write(
-            self._path(ref), identity=identity, tokens=list(tokens), tensors=tensors,
+        contents = Contents(
+            identity=identity, tokens=list(tokens), layers=layers, states=states,
             prefix_offsets=offsets, prefix_hashes=hashes, created_by=f"lm-worker {__version__}",
         )
+        size = container.write(self._path(ref), contents, tensors)
         _touch(self._path(ref))
         self._note_writes(ref, written_tokens)
         self._evict(keep=ref)
         return size
+
+    def _keep_in_memory(self, ref: str, entry: _MemoryCache) -> None:
+        """Hold ``entry``, first letting go of the least recently used memory caches it does not fit beside."""
+        budget = self.memory_max_bytes
+        if budget is not None and entry.nbytes > budget:
+            raise RpcError(
+                ErrorKind.CACHE_TOO_LARGE,
+                f"Cache {ref!r} takes {entry.nbytes} bytes, more than all memory caches may together "
+                f"(--memory-cache-max-bytes {budget}); store it on disk (a ref without memory://) or raise the limit.",
+                field="params.cache",
+                limit=budget,
+            )
+        with self._lock:
+            self._memory.pop(ref, None)
+            held = sum(e.nbytes for e in self._memory.values())
+            for old in sorted(self._memory, key=lambda r: self._memory[r].last_used):
+                if budget is None or held + entry.nbytes <= budget:
+                    break
+                held -= self._memory.pop(old).nbytes
+                self._pending_writes.pop(old, None)
+            self._memory[ref] = entry
+
+    def release_memory(self) -> int:
+        """Forget every memory:// cache (the model they belong to is unloaded); returns how many."""
+        with self._lock:
+            refs = list(self._memory)
+            self._memory.clear()
+            for ref in refs:
+                self._pending_writes.pop(ref, None)
+        return len(refs)
 
     def _note_writes(self, ref: str, written_tokens: int | None) -> None:
         with self._lock:
@@ -135,7 +190,7 @@ class CacheStore:
             except IdentityMismatch as exc:
                 raise _mismatch(ref, exc, field) from exc
             entry.last_used = time.time()
-            return list(entry.tokens), copy.deepcopy(entry.cache)
+            return list(entry.tokens), entry.cache.copy()
         path = self._path(ref)
         if not path.is_file():
             raise _not_found(ref, field)
@@ -158,7 +213,10 @@ class CacheStore:
         """Every stored cache of ``identity`` (memory and disk), and the disk files passed over
         because their header is damaged. Headers are read once per file version."""
         with self._lock:
-            found = [Candidate(ref, e.tokens) for ref, e in self._memory.items() if e.identity == identity]
+            found = [
+                Candidate(ref, e.tokens, e.cache.resume_points()) for ref, e in self._memory.items()
+                if e.identity == identity
+            ]
         skipped = []
         for path in self._files():
             ref = path.name[: -len(SUFFIX)]
@@ -167,14 +225,14 @@ class CacheStore:
                 version = (stat.st_ino, stat.st_size)  # a rewrite is a new file (atomic rename)
                 known = self._headers.get(ref)
                 header = known[1] if known and known[0] == version else container.read_header(path)
-            except (FileNotFoundError, CacheMissing):  # deleted by another worker meanwhile
+            except (FileNotFoundError, CacheMissing, OutdatedCache):  # deleted meanwhile, or of another format
                 continue
             except CacheFormatError as exc:
                 skipped.append(SkippedCache(ref=ref, reason=f"damaged: {exc.reason}"))
                 continue
             self._headers[ref] = (version, header)
             if header.identity == identity:
-                found.append(Candidate(ref, header.tokens))
+                found.append(Candidate(ref, header.tokens, header.resume_points))
         return found, skipped
 
     def take_pending_writes(self, ref: str) -> int:
@@ -198,14 +256,16 @@ class CacheStore:
         if not path.is_file():
             raise _not_found(ref)
         try:
-            header = container.read_header(path)
             stat = path.stat()
+            header: Header | OldHeader = container.read_header(path)
+        except OutdatedCache as exc:  # listed, so that it can be seen and deleted; never used
+            header = exc.header
         except (CacheMissing, FileNotFoundError) as exc:  # deleted by another worker meanwhile
             raise _not_found(ref) from exc
         except CacheFormatError as exc:
             raise RpcError(ErrorKind.CACHE_CORRUPT, f"Cache {ref!r} is damaged: {exc.reason}.", field="params.cache") from exc
         return CacheInfo(
-            cache=ref, token_count=header.sequence_length, bytes=stat.st_size, model_id=header.identity.model_id,
+            cache=ref, token_count=len(header.tokens), bytes=stat.st_size, model_id=header.identity.model_id,
             created_by=header.created_by, last_used=stat.st_mtime,
             prefix_offsets=header.prefix_offsets, prefix_hashes=header.prefix_hashes,
         )

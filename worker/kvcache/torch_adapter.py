@@ -1,48 +1,220 @@
-"""DynamicCache ⇄ KVC1 tensors. Imports torch: use only from the transformers backend."""
+"""A model's cache as lm-worker keeps it, and its KVC2 tensors. Imports torch: use only
+from the transformers backend.
+
+transformers builds one cache layer per model layer, of one of a few kinds
+(hf_compat.layer_kind). What each kind allows decides how far a cache can be cut
+back, and so how much of it a later prompt can reuse:
+
+- full attention keeps every position: cut anywhere;
+- sliding window: transformers keeps only the window, which could not be cut back
+  past it. lm-worker has these layers record every position (they still attend to
+  their window only, with bit-identical results), so they cut anywhere too;
+- linear attention (conv and recurrent states): a state summarises every position
+  before it and cannot be cut at all. ``TorchCache`` therefore keeps copies of these
+  states at chosen positions (checkpoints): the cache can be cut back to those;
+- no state (layers that share another's cache, or have no attention): nothing to do.
+"""
 
 from __future__ import annotations
+
+import copy
+from typing import NamedTuple
 
 import torch
 
 from worker.backends import hf_compat
-from worker.kvcache.container import LoadedCache, TensorSpec
+from worker.kvcache.container import LayerEntry, LoadedCache, StateEntry, TensorSpec, UnsupportedCache
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 _TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
+# Each request keeps two (before and after its prompt's last token), so a cache carries the
+# checkpoints of its last few turns.
+MAX_CHECKPOINTS = 16
 
 
-class UnsupportedCache(Exception):
-    """A cache whose layers a KVC1 file cannot represent."""
+class LayerState(NamedTuple):
+    """One linear-attention layer's states at one position: per state index, the conv and
+    recurrent tensors (None where the layer keeps no such tensor) and the flag the model reads."""
+
+    conv: dict[int, torch.Tensor | None]
+    recurrent: dict[int, torch.Tensor | None]
+    has_previous_state: dict[int, bool]
 
 
-def to_tensors(cache, keep_tokens: int | None = None) -> list[tuple[TensorSpec, memoryview]]:
-    """The cache's tensors as KVC1 specs and byte views (layer-major, key then value).
-    ``keep_tokens`` limits them to the first positions of the sequence."""
-    if not hf_compat.full_attention_only(cache):
-        raise UnsupportedCache(
-            "this model's cache has sliding-window or linear-attention layers, which KVC1 cannot store yet"
-        )
-    out = []
-    for index, layer in enumerate(hf_compat.cache_layers(cache)):
-        for kind, tensor in (("key", layer.keys), ("value", layer.values)):
-            if keep_tokens is not None:
-                tensor = tensor[..., :keep_tokens, :]
-            tensor = tensor.detach().to("cpu").contiguous()
-            spec = TensorSpec(
-                name=f"layers.{index}.{kind}", kind=kind, layer=index, shape=tuple(tensor.shape),
-                dtype=_DTYPES[tensor.dtype],
+class TorchCache:
+    """transformers' DynamicCache for one sequence, and the linear-attention states at the
+    positions it can be cut back to (``checkpoints``; empty for a model without such layers).
+
+    Every forward goes through ``feed``, so ``length`` is always the number of positions
+    the cache covers, whatever kinds of layers it has."""
+
+    def __init__(self, config) -> None:
+        self._config = config
+        self.kv = hf_compat.new_cache(config)
+        self.length = 0
+        self.checkpoints: dict[int, dict[int, LayerState]] = {}  # position -> layer index -> its states
+        self.kinds = [hf_compat.layer_kind(layer) for layer in self.kv.layers]
+
+    @property
+    def has_states(self) -> bool:
+        return any("linear" in kind for kind in self.kinds)
+
+    def feed(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits of the last of ``input_ids``, which the cache then covers too."""
+        logits = hf_compat.forward(model, input_ids, self.kv)
+        self.length += input_ids.shape[1]
+        return logits
+
+    def checkpoint(self) -> None:
+        """Remember the linear-attention states at the current position, so the cache can be cut
+        back here. The newest MAX_CHECKPOINTS are kept: a long conversation's file stays bounded."""
+        if self.has_states and self.length > 0:
+            self.checkpoints[self.length] = {
+                index: _snapshot(layer) for index, layer in enumerate(self.kv.layers) if "linear" in self.kinds[index]
+            }
+            for position in sorted(self.checkpoints)[:-MAX_CHECKPOINTS]:
+                del self.checkpoints[position]
+
+    def resume_points(self) -> list[int] | None:
+        """The lengths the cache can be cut back to: None when any."""
+        if all(kind in ("full", "sliding", "none") for kind in self.kinds):
+            return None
+        if any(kind in ("sliding+linear", "other") for kind in self.kinds):
+            return sorted({0, self.length})  # no checkpoints of a sliding window's contents
+        return sorted({0, self.length, *self.checkpoints})
+
+    def reusable(self, tokens: int) -> int:
+        """The longest prefix of at most ``tokens`` positions that the cache can be cut back to."""
+        points = self.resume_points()
+        tokens = min(tokens, self.length)
+        return tokens if points is None else max(p for p in points if p <= tokens)
+
+    def crop(self, keep: int) -> None:
+        """Keep the first ``keep`` positions; ``keep`` must be one that ``reusable`` gives."""
+        if keep == self.length:
+            return
+        if self.reusable(keep) != keep:
+            raise ValueError(f"this cache cannot be cut back to {keep} positions (it can to {self.resume_points()})")
+        if keep == 0:
+            self.kv, self.length, self.checkpoints = hf_compat.new_cache(self._config), 0, {}
+            return
+        for index, layer in enumerate(self.kv.layers):
+            kind = self.kinds[index]
+            if kind.startswith(("full", "sliding")):
+                hf_compat.keep_positions(layer, keep)
+            if "linear" in kind:
+                _restore(layer, self.checkpoints[keep][index])
+        self.length = keep
+        self.checkpoints = {p: states for p, states in self.checkpoints.items() if p <= keep}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(view.nbytes for _, view in self._tensors())
+
+    def copy(self) -> TorchCache:
+        return copy.deepcopy(self)
+
+    # --- to and from a file ----------------------------------------------------------
+
+    def layer_entries(self) -> list[LayerEntry]:
+        return [
+            LayerEntry(index=i, kind=kind, sliding_window=getattr(layer, "sliding_window", None) if "sliding" in kind else None)
+            for i, (kind, layer) in enumerate(zip(self.kinds, self.kv.layers))
+        ]
+
+    def to_file(self) -> tuple[list[LayerEntry], list[StateEntry], list[tuple[TensorSpec, memoryview]]]:
+        """The layers, the states at every resume point, and the tensors, as a KVC2 file holds them."""
+        if "sliding+linear" in self.kinds or "other" in self.kinds:
+            raise UnsupportedCache(
+                "this model has cache layers that a cache file cannot hold yet (a sliding window and a "
+                "linear-attention state in one layer, or a class lm-worker does not know)"
             )
-            out.append((spec, memoryview(tensor.view(torch.uint8).numpy()).cast("B")))
-    return out
+        states = [
+            StateEntry(layer=layer, state=state, position=position, has_previous_state=flag)
+            for position, layers in sorted(self._states_by_position().items())
+            for layer, snapshot in layers.items()
+            for state, flag in snapshot.has_previous_state.items()
+            if snapshot.conv[state] is not None or snapshot.recurrent[state] is not None
+        ]
+        return self.layer_entries(), states, self._tensors()
+
+    def _states_by_position(self) -> dict[int, dict[int, LayerState]]:
+        if not self.has_states or self.length == 0:
+            return {}
+        current = {i: _snapshot(layer, clone=False) for i, layer in enumerate(self.kv.layers) if "linear" in self.kinds[i]}
+        return {**self.checkpoints, self.length: current}
+
+    def _tensors(self) -> list[tuple[TensorSpec, memoryview]]:
+        out = []
+        for index, (kind, layer) in enumerate(zip(self.kinds, self.kv.layers)):
+            if kind.startswith(("full", "sliding")) and self.length:
+                for name, tensor in (("key", layer.keys), ("value", layer.values)):
+                    out.append(_spec(f"layers.{index}.{name}", name, index, tensor))
+        for position, layers in sorted(self._states_by_position().items()):
+            for index, snapshot in layers.items():
+                for state in snapshot.has_previous_state:
+                    for name, tensor in (("conv", snapshot.conv[state]), ("recurrent", snapshot.recurrent[state])):
+                        if tensor is not None:
+                            label = f"layers.{index}.{name}.{state}@{position}"
+                            out.append(_spec(label, name, index, tensor, state=state, position=position))
+        return out
+
+    @classmethod
+    def from_file(cls, loaded: LoadedCache, config, device: str) -> TorchCache:
+        """The cache of a verified, mapped file. Keys and values stay views of the mapping (no
+        copy on the CPU) until the first forward replaces them; states are copied, as the model
+        updates them in place."""
+        cache = cls(config)
+        header = loaded.header
+        if [entry.kind for entry in header.layers] != cache.kinds:
+            raise UnsupportedCache("the file's layer kinds are not this model's")  # the identity rules this out
+        kv: dict[int, dict[str, torch.Tensor]] = {}
+        states: dict[int, dict[int, LayerState]] = {}
+        flags = {(s.layer, s.state, s.position): s.has_previous_state for s in header.states}
+        for entry, view in zip(header.tensors, loaded.tensors, strict=True):
+            tensor = torch.frombuffer(view, dtype=_TORCH_DTYPES[entry.dtype]).reshape(entry.shape).to(device)
+            if entry.kind in ("key", "value"):
+                kv.setdefault(entry.layer, {})[entry.kind] = tensor
+                continue
+            assert entry.position is not None  # the reader checked it
+            snapshot = states.setdefault(entry.position, {}).setdefault(entry.layer, LayerState({}, {}, {}))
+            snapshot.has_previous_state[entry.state] = flags[(entry.layer, entry.state, entry.position)]
+            getattr(snapshot, entry.kind)[entry.state] = tensor
+            other = "recurrent" if entry.kind == "conv" else "conv"
+            getattr(snapshot, other).setdefault(entry.state, None)
+        for index, pair in kv.items():
+            hf_compat.set_positions(cache.kv.layers[index], pair["key"], pair["value"], header.sequence_length)
+        cache.length = header.sequence_length
+        for index, snapshot in states.get(cache.length, {}).items():
+            _restore(cache.kv.layers[index], snapshot)
+        cache.checkpoints = states  # the end too: once fed further, the cache can still come back to it
+        return cache
 
 
-def from_loaded(loaded: LoadedCache, config, device: str):
-    """A DynamicCache whose tensors are views of the mapped file (no copy on the CPU)."""
-    cache = hf_compat.new_cache(config)
-    pairs: dict[int, dict[str, torch.Tensor]] = {}
-    for entry, view in zip(loaded.header.tensors, loaded.tensors, strict=True):
-        tensor = torch.frombuffer(view, dtype=_TORCH_DTYPES[entry.dtype]).reshape(entry.shape)
-        pairs.setdefault(entry.layer, {})[entry.kind] = tensor.to(device)
-    for index, pair in sorted(pairs.items()):
-        hf_compat.set_layer(cache, index, pair["key"], pair["value"])
-    return cache
+def _spec(name: str, kind: str, layer: int, tensor: torch.Tensor, *, state: int = 0, position: int | None = None):
+    tensor = tensor.detach().to("cpu").contiguous()
+    spec = TensorSpec(
+        name=name, kind=kind, layer=layer, shape=tuple(tensor.shape), dtype=_DTYPES[tensor.dtype],
+        state=state, position=position,
+    )
+    return spec, memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+
+
+def _snapshot(layer, *, clone: bool = True) -> LayerState:
+    def take(tensors: dict, initialized: dict) -> dict[int, torch.Tensor | None]:
+        return {
+            i: (tensor.clone() if clone else tensor) if initialized[i] else None for i, tensor in tensors.items()
+        }
+
+    return LayerState(
+        conv=take(layer.conv_states, layer.is_conv_states_initialized),
+        recurrent=take(layer.recurrent_states, layer.is_recurrent_states_initialized),
+        has_previous_state=dict(layer.has_previous_state),
+    )
+
+
+def _restore(layer, snapshot: LayerState) -> None:
+    """Put a layer's linear-attention states back as they were at the snapshot (copies: the
+    model updates them in place, and the snapshot may be restored again)."""
+    for state, flag in snapshot.has_previous_state.items():
+        hf_compat.set_linear_state(layer, state, snapshot.conv.get(state), snapshot.recurrent.get(state), flag)

@@ -1,0 +1,39 @@
+"""Small, sound KVC2 files for tests of the container and the store, made without a model."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from worker.kvcache import container
+
+IDENTITY = container.Identity(
+    model_id="tiny", weights_sha256="w" * 64, tokenizer_sha256="t" * 64, rope_theta=10000.0,
+    config_sha256="c" * 64, layers=2, kv_heads=2, head_dim=4, dtype="float32", cache_class="DynamicCache",
+    attention_type="full",
+)
+TOKENS = [1, 5, 9, 200, 7]
+
+
+def full_attention_tensors(
+    tokens: list[int] = TOKENS, identity: container.Identity = IDENTITY, seed: int = 0
+) -> list[tuple[container.TensorSpec, bytes]]:
+    """Random keys and values, layer by layer, for a model of full-attention layers."""
+    rng = random.Random(seed)
+    shape = (1, identity.kv_heads, len(tokens), identity.head_dim)
+    return [
+        (container.TensorSpec(name=f"layers.{layer}.{kind}", kind=kind, layer=layer, shape=shape, dtype="float32"),
+         rng.randbytes(4 * identity.kv_heads * len(tokens) * identity.head_dim))
+        for layer in range(identity.layers)
+        for kind in ("key", "value")
+    ]
+
+
+def contents(tokens: list[int] = TOKENS, identity: container.Identity = IDENTITY, **extra) -> container.Contents:
+    layers = [container.LayerEntry(index=i, kind="full") for i in range(identity.layers)]
+    return container.Contents(identity=identity, tokens=tokens, layers=layers, **extra)
+
+
+def write_small_cache(path: Path, tokens: list[int] = TOKENS, seed: int = 0, **extra) -> int:
+    tensors = [(spec, memoryview(data)) for spec, data in full_attention_tensors(tokens, seed=seed)]
+    return container.write(path, contents(tokens, **extra), tensors)

@@ -1,0 +1,63 @@
+"""SHA-256 digests of model files, computed in full once and remembered.
+
+A cache is valid only for the exact weights that computed it, so the identity
+holds a digest of every byte of them. Hashing a gigabyte takes about half a
+second here, too slow for every load: the digest of each file is remembered under
+the data directory, keyed by what changes whenever the file's bytes can have
+changed (device, inode, size, modification and status-change times). A file
+rewritten in place gets a new status-change time, which nobody can set back, so
+its digest is computed again. Torch-free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def file_sha256(path: Path, memo_dir: Path) -> str:
+    """The SHA-256 of ``path``'s bytes, from the memo when this version of the file was hashed before."""
+    stat = path.stat()
+    memo = memo_dir / f"{stat.st_dev}-{stat.st_ino}-{stat.st_size}-{stat.st_mtime_ns}-{stat.st_ctime_ns}.sha256"
+    try:
+        remembered = memo.read_text().strip()
+    except OSError:  # not hashed yet, or an unreadable memo: hash again
+        remembered = ""
+    if len(remembered) == 64 and set(remembered) <= _HEX:
+        return remembered
+    started = time.perf_counter()
+    with open(path, "rb") as file:
+        digest = hashlib.file_digest(file, "sha256").hexdigest()
+    log.info("hashed %s (%.1f MB) in %.0f ms", path.name, stat.st_size / 1e6, (time.perf_counter() - started) * 1e3)
+    _remember(memo, digest)
+    return digest
+
+
+def files_sha256(files: Iterable[Path], memo_dir: Path, *, extra: str = "") -> str:
+    """One digest over several files' names and digests (in the order given) and ``extra``."""
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(f"{path.name}\0{file_sha256(path, memo_dir)}\0".encode())
+    digest.update(extra.encode())
+    return digest.hexdigest()
+
+
+def _remember(memo: Path, digest: str) -> None:
+    """Write the memo atomically; a data directory that cannot be written only costs a rehash."""
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(prefix=f".{memo.name}.", dir=memo.parent)
+        with os.fdopen(fd, "w") as file:
+            file.write(digest + "\n")
+        os.replace(temporary, memo)
+    except OSError as exc:
+        log.warning("could not remember the digest of a model file in %s: %s", memo.parent, exc)
