@@ -18,17 +18,35 @@ TORCH_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLE
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny offline test model (worker.tiny_model), built once per session."""
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The tiny offline test model of a family (worker.tiny_model), each built once per session."""
     from worker.tiny_model import build
 
-    return build(tmp_path_factory.mktemp("tiny-model"))
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = build(tmp_path_factory.mktemp(f"tiny-{family}"), family=family)
+        return built[family]
+
+    return get
 
 
-@pytest.fixture(params=["tiny", pytest.param("default", marks=pytest.mark.slow)])
-def cache_model(request: pytest.FixtureRequest, tiny_model_dir: Path) -> str:
-    """The model a cache exactness test loads: the tiny one, and (slow tier) the default SmolLM2."""
-    return str(tiny_model_dir) if request.param == "tiny" else "default"
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_models: Callable[[str], Path]) -> Path:
+    """The tiny full-attention (Llama) test model."""
+    return tiny_models("llama")
+
+
+# Every family of cache layers: full attention, sliding window, linear attention; then (slow
+# tier) the default SmolLM2.
+CACHE_MODELS = ["llama", "gemma3", "qwen3_5", pytest.param("default", marks=pytest.mark.slow)]
+
+
+@pytest.fixture(params=CACHE_MODELS)
+def cache_model(request: pytest.FixtureRequest, tiny_models: Callable[[str], Path]) -> str:
+    """The model a cache exactness test loads: a tiny one of each family, and the default SmolLM2."""
+    return "default" if request.param == "default" else str(tiny_models(request.param))
 
 
 @pytest.fixture(scope="session")

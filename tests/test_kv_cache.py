@@ -30,7 +30,11 @@ def cache_dir(tmp_path: Path) -> Path:
 
 
 async def test_every_kind_of_cache_gives_the_greedy_output_of_no_cache(cache_model, cache_dir):
-    system = [{"role": "system", "content": "You are a helpful assistant. Answer in one short sentence."}]
+    """On every family of cache layers. The system prompt is longer than the sliding window of the
+    tiny gemma3 model; "other" extends "system", so that it can be cut back to the system prompt
+    also on a model with linear-attention state (where a cache is cut back only to positions it
+    kept that state at)."""
+    system = [{"role": "system", "content": "You are a helpful assistant. Answer in one short sentence. " * 2}]
     chat = system + [{"role": "user", "content": "Which river flows through Paris?"}]
     other = system + [{"role": "user", "content": "Which river flows through Rome?"}]
     first = await worker(cache_model, cache_dir)
@@ -39,7 +43,7 @@ async def test_every_kind_of_cache_gives_the_greedy_output_of_no_cache(cache_mod
         made = await first.call("prefill", {"messages": system, "add_generation_prompt": False, "cache": "system"})
         await first.call("prefill", {"messages": system, "add_generation_prompt": False, "cache": "memory://s"})
         await first.call("prefill", {"messages": chat, "cache": "whole"})
-        await first.call("prefill", {"messages": other, "cache": "other"})
+        await first.call("prefill", {"messages": other, "cache": "other", "base": "system"})
         extended = await first.call(
             "prefill", {"messages": chat, "cache": "turn", "base": "other", "trim_to_tokens": made["token_count"]}
         )
@@ -58,7 +62,8 @@ async def test_every_kind_of_cache_gives_the_greedy_output_of_no_cache(cache_mod
         )
     finally:
         await second.close()
-    assert extended["cache_read_tokens"] == made["token_count"] > 0
+    assert extended["cache_read_tokens"] == made["token_count"] > 16  # past the tiny sliding window
+    assert len(set(plain)) >= 4, f"the model repeats itself, so equality proves little: {plain}"
     for kind, tokens in outputs.items():
         assert tokens == plain, kind
 
@@ -149,6 +154,72 @@ async def test_a_cache_of_another_prompt_is_refused_naming_where_it_differs(tiny
         assert (await greedy(host, QUESTION))["finish_reason"] in ("stop", "length")
     finally:
         await host.close()
+
+
+async def test_a_model_changed_in_its_configuration_or_anywhere_in_its_weights_refuses_the_old_caches(
+    tiny_model_dir, cache_dir, tmp_path
+):
+    """Copies of the model under the same name: one with only RoPE's base frequency changed in
+    config.json, one with weight bytes changed where no sampled fingerprint would have looked."""
+    import json
+    import shutil
+
+    roped, rewritten = tmp_path / "a" / tiny_model_dir.name, tmp_path / "b" / tiny_model_dir.name
+    for copy in (roped, rewritten):
+        shutil.copytree(tiny_model_dir, copy)
+    config = json.loads((roped / "config.json").read_text())
+    config.setdefault("rope_parameters", {})["rope_theta"] = 20000.0
+    (roped / "config.json").write_text(json.dumps(config))
+    weights = rewritten / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    middle = len(data) // 2 + 12345  # inside a tensor, away from any evenly spaced sample
+    data[middle : middle + 4] = bytes(4) if data[middle : middle + 4] != bytes(4) else b"\x00\x00\x80\x3f"
+    weights.write_bytes(data)
+    host = await worker(tiny_model_dir, cache_dir)
+    try:
+        await host.call("prefill", {"prompt": SYSTEM, "cache": "system"})
+        await host.call("prefill", {"prompt": SYSTEM, "cache": "memory://system"})
+        await greedy(host, SYSTEM, cache="auto")
+        for model, field in ((roped, "rope_theta"), (rewritten, "weights_sha256")):
+            await host.call("load", {"model": str(model)}, timeout=120)
+            with pytest.raises(WorkerError) as caught:
+                await greedy(host, SYSTEM + QUESTION, cache="system")
+            assert caught.value.kind == "cache_identity_mismatch" and f"{field} is " in caught.value.message
+            with pytest.raises(WorkerError) as caught:  # memory caches went with the model they belong to
+                await greedy(host, SYSTEM + QUESTION, cache="memory://system")
+            assert caught.value.kind == "cache_not_found"
+            auto = await greedy(host, SYSTEM + QUESTION, cache="auto")
+            assert auto["cache"]["ref"] is None and auto["cache"]["reused_tokens"] == 0
+    finally:
+        await host.close()
+
+
+async def test_the_weights_digest_is_computed_once_and_remembered_across_workers(tiny_model_dir, cache_dir, tmp_path):
+    data_dir = tmp_path / "data"
+    first = await Host.spawn("--cache-dir", str(cache_dir), "--data-dir", str(data_dir), env=TORCH_ENV)
+    try:
+        await first.call("load", {"model": str(tiny_model_dir)}, timeout=120)
+        await first.call("load", {"model": str(tiny_model_dir)}, timeout=120)
+        await first.call("prefill", {"prompt": SYSTEM, "cache": "system"})
+    finally:
+        await first.close()
+    hashed = first.stderr.decode().count("hashed model.safetensors")
+    memos = {memo.read_text().strip(): memo for memo in (data_dir / "digests").iterdir()}
+    assert hashed == 1, first.stderr.decode()
+    # The remembered digest is what the next worker uses: a forged one makes the caches foreign.
+    import hashlib
+
+    real = hashlib.sha256((tiny_model_dir / "model.safetensors").read_bytes()).hexdigest()
+    memos[real].write_text("0" * 64 + "\n")
+    second = await Host.spawn("--cache-dir", str(cache_dir), "--data-dir", str(data_dir), env=TORCH_ENV)
+    try:
+        await second.call("load", {"model": str(tiny_model_dir)}, timeout=120)
+        with pytest.raises(WorkerError) as caught:
+            await greedy(second, SYSTEM + QUESTION, cache="system")
+        assert caught.value.kind == "cache_identity_mismatch" and "weights_sha256" in caught.value.message
+    finally:
+        await second.close()
+    assert "hashed model.safetensors" not in second.stderr.decode()
 
 
 async def test_damaged_foreign_missing_and_other_model_caches_are_refused(tiny_model_dir, cache_dir, tmp_path):
@@ -285,3 +356,31 @@ async def test_the_cache_directory_is_bounded_by_evicting_the_least_recently_use
         await host.close()
     assert sorted(p.stem for p in cache_dir.glob("*.kvc")) == ["one", "three"]
     assert listed["max_bytes"] == 2 * size + size // 2 and listed["total_bytes"] <= listed["max_bytes"]
+
+
+async def test_memory_caches_keep_within_their_budget_dropping_the_least_recently_used(cache_model, cache_dir):
+    probe = await worker(cache_model, cache_dir)
+    try:
+        size = (await probe.call("prefill", {"prompt": SYSTEM, "cache": "memory://probe"}))["bytes"]
+    finally:
+        await probe.close()
+    host = await Host.spawn("--cache-dir", str(cache_dir), "--memory-cache-max-bytes", str(2 * size), env=TORCH_ENV)
+    try:
+        await host.call("load", {"model": str(cache_model)}, timeout=300)
+        for ref in ("memory://a", "memory://b"):
+            await host.call("prefill", {"prompt": SYSTEM, "cache": ref})
+        await greedy(host, SYSTEM + QUESTION, cache="memory://a")  # a is now used more recently than b
+        await host.call("prefill", {"prompt": SYSTEM, "cache": "memory://c"})
+        listed = {c["cache"] for c in (await host.call("cache/list"))["caches"]}
+        with pytest.raises(WorkerError) as too_large:
+            await host.call("prefill", {"prompt": SYSTEM * 4, "cache": "memory://big"})
+        assert (await greedy(host, SYSTEM + QUESTION, cache="memory://c"))["usage"]["cache_read_tokens"] > 0
+        await host.call("unload")
+        await host.call("load", {"model": str(cache_model)}, timeout=300)
+        after_unload = (await host.call("cache/list"))["caches"]
+    finally:
+        await host.close()
+    assert listed == {"memory://a", "memory://c"}
+    assert too_large.value.kind == "cache_too_large" and too_large.value.data["limit"] == 2 * size
+    assert "--memory-cache-max-bytes" in too_large.value.message
+    assert after_unload == []

@@ -1,4 +1,5 @@
-"""A DynamicCache written to KVC1 and mapped back continues exactly where it left off."""
+"""A model's cache (TorchCache) written to KVC2 and mapped back continues exactly where it left
+off, on every family of cache layers, and is cut back only where that is exact."""
 
 from __future__ import annotations
 
@@ -7,70 +8,109 @@ from pathlib import Path
 
 import pytest
 
-from worker.kvcache.container import Identity, load, write
+from tests.cache_samples import IDENTITY
+from worker.kvcache.container import Contents, Identity, load, write
 
-PROMPT = "the cat sat on the mat and the dog runs quickly to the river"
+PROMPT = "the cat sat on the mat and the dog runs quickly to the river " * 2
 
 
 def identity(model) -> Identity:
-    config = model.config
-    return Identity(
-        model_id="tiny", weights_fingerprint="test", tokenizer_sha256="test",
-        rope_theta=float(getattr(config, "rope_theta", 0.0) or 0.0), layers=config.num_hidden_layers,
-        kv_heads=config.num_key_value_heads, head_dim=config.hidden_size // config.num_attention_heads,
-        dtype="float32", cache_class="DynamicCache", attention_type="full",
-    )
+    return Identity(**{**{f: getattr(IDENTITY, f) for f in IDENTITY.__struct_fields__},
+                       "layers": model.config.num_hidden_layers})
 
 
-def greedy_from(model, cache, last_token: int, steps: int) -> list[int]:
+def save(path: Path, model, cache, tokens: list[int]) -> None:
+    layers, states, tensors = cache.to_file()
+    write(path, Contents(identity=identity(model), tokens=tokens, layers=layers, states=states), tensors)
+
+
+def feed(model, cache, tokens: list[int]) -> None:
     import torch
 
-    from worker.backends import hf_compat
+    with torch.inference_mode():
+        cache.feed(model, torch.tensor([tokens]))
 
-    tokens, step = [], torch.tensor([[last_token]])
+
+def greedy_from(model, cache, fed: list[int], steps: int) -> list[int]:
+    """Feed ``fed`` (the prompt past what ``cache`` covers), then decode greedily."""
+    import torch
+
+    tokens, step = [], torch.tensor([fed])
     with torch.inference_mode():
         for _ in range(steps):
-            token = int(hf_compat.forward(model, step, cache).argmax(-1))
+            token = int(cache.feed(model, step).argmax(-1))
             tokens.append(token)
             step = torch.tensor([[token]])
     return tokens
 
 
-@pytest.mark.parametrize("keep", [None, 6], ids=["whole-prefix", "trimmed-to-6"])
-def test_a_cache_restored_from_a_file_continues_greedy_decoding_exactly(tiny_hf, tmp_path: Path, keep):
+@pytest.fixture(scope="module", params=["llama", "gemma3", "qwen3_5"])
+def family_hf(request, tiny_models):
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from worker.backends import hf_compat
-    from worker.kvcache.torch_adapter import from_loaded, to_tensors
+    torch.set_num_threads(1)
+    directory = tiny_models(request.param)
+    return AutoModelForCausalLM.from_pretrained(directory).eval(), AutoTokenizer.from_pretrained(directory)
 
-    model, tokenizer = tiny_hf
+
+@pytest.mark.parametrize("keep", [None, 6], ids=["whole-prefix", "cut-back-to-6"])
+def test_a_cache_restored_from_a_file_continues_greedy_decoding_exactly(family_hf, tmp_path: Path, keep):
+    """The prefix is longer than the tiny gemma3 model's sliding window; a model with linear
+    state is cut back to a position where the prefill kept it (a checkpoint)."""
+    from worker.kvcache.torch_adapter import TorchCache
+
+    model, tokenizer = family_hf
     ids = tokenizer(PROMPT).input_ids
-    prefix = ids[:keep] if keep else ids[:-1]
-    with torch.inference_mode():
-        reference = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12)[0, len(ids):].tolist()
-        cache = hf_compat.new_cache(model.config)
-        hf_compat.forward(model, torch.tensor([ids[:-1]]), cache)
+    reference = greedy_from(model, TorchCache(model.config), ids, 12)
+    prefix = ids[:-1]
+    cache = TorchCache(model.config)
+    feed(model, cache, ids[:6])
+    cache.checkpoint()  # at 6
+    feed(model, cache, prefix[6:])
     path = tmp_path / "prefix.kvc"
-    write(path, identity=identity(model), tokens=prefix, tensors=to_tensors(cache, keep_tokens=len(prefix)))
-    restored = from_loaded(load(path, identity(model)), model.config, "cpu")
-    assert restored.get_seq_length() == len(prefix)
-    with torch.inference_mode():
-        if len(prefix) < len(ids) - 1:  # extend the trimmed cache up to the last prompt token
-            hf_compat.forward(model, torch.tensor([ids[len(prefix) : -1]]), restored)
-    assert greedy_from(model, restored, ids[-1], 12) == reference
+    save(path, model, cache, prefix)
+    restored = TorchCache.from_file(load(path, identity(model)), model.config, "cpu")
+    assert restored.length == len(prefix)
+    if keep is not None:
+        assert restored.reusable(keep) == keep
+        restored.crop(keep)
+    assert greedy_from(model, restored, ids[restored.length :], 12) == reference
+    assert len(set(reference)) >= 4, reference
 
 
-def test_a_cache_with_sliding_window_layers_is_refused_not_stored_wrongly(tiny_hf):
-    from transformers import DynamicCache, MistralConfig
+def test_a_sliding_window_cache_is_cut_back_past_its_window_exactly(tiny_models):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from worker.kvcache.torch_adapter import UnsupportedCache, to_tensors
+    from worker.kvcache.torch_adapter import TorchCache
+    from worker.tiny_model import SLIDING_WINDOW
 
-    config = MistralConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                           intermediate_size=128, vocab_size=100, sliding_window=16)
-    cache = DynamicCache(config=config)
-    assert any(type(layer).__name__ != "DynamicLayer" for layer in cache.layers)
-    with pytest.raises(UnsupportedCache, match="sliding-window"):
-        to_tensors(cache)
+    directory = tiny_models("gemma3")
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(directory).eval(), AutoTokenizer.from_pretrained(directory)
+    ids = tokenizer(PROMPT).input_ids
+    assert len(ids) > 3 * SLIDING_WINDOW
+    cache = TorchCache(model.config)
+    greedy_from(model, cache, ids, 4)
+    assert cache.resume_points() is None and cache.reusable(10) == 10
+    assert all(layer.keys.shape[-2] == cache.length for layer in cache.kv.layers)  # every position kept
+    cache.crop(10)
+    assert greedy_from(model, cache, ids[10:], 8) == greedy_from(model, TorchCache(model.config), ids, 8)
+
+
+def test_a_linear_attention_cache_is_cut_back_only_to_its_checkpoints(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    from worker.kvcache.torch_adapter import TorchCache
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models("qwen3_5")).eval()
+    cache = TorchCache(model.config)
+    feed(model, cache, list(range(3, 13)))
+    cache.checkpoint()
+    feed(model, cache, list(range(13, 20)))
+    assert cache.resume_points() == [0, 10, 17]
+    assert [cache.reusable(n) for n in (5, 10, 16, 17, 40)] == [0, 10, 10, 17, 17]
+    with pytest.raises(ValueError, match="cannot be cut back to 12"):
+        cache.crop(12)
 
 
 def resident_from(path: Path) -> int | None:
@@ -92,21 +132,22 @@ def test_a_restored_layer_leaves_memory_as_soon_as_its_tensors_are_replaced(tiny
 
     import torch
 
-    from worker.backends import hf_compat
-    from worker.kvcache.torch_adapter import from_loaded, to_tensors
+    from worker.kvcache.torch_adapter import TorchCache
 
     model, _ = tiny_hf
     config = model.config
     shape = (1, config.num_key_value_heads, 512, config.hidden_size // config.num_attention_heads)
-    computed = hf_compat.new_cache(config)
+    computed = TorchCache(config)
     for index in range(config.num_hidden_layers):
-        computed.update(torch.randn(shape), torch.randn(shape), index)
+        computed.kv.update(torch.randn(shape), torch.randn(shape), index)
+    computed.length = 512
     path = tmp_path / "long.kvc"
-    write(path, identity=identity(model), tokens=list(range(512)), tensors=to_tensors(computed))
+    save(path, model, computed, list(range(512)))
+    computed = computed.kv
     layer_bytes = 2 * computed.layers[0].keys.nbytes
     layers = config.num_hidden_layers
 
-    restored = from_loaded(load(path, identity(model)), config, "cpu")
+    restored = TorchCache.from_file(load(path, identity(model)), config, "cpu").kv
     assert resident_from(path) >= layers * layer_bytes  # every byte was read to check it
     step = torch.randn(shape[:2] + (1,) + shape[3:])
     restored.update(step, step, 0)  # as a decode step does: layer 0 becomes a copy, one position longer
