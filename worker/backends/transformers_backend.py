@@ -296,17 +296,19 @@ def _check_device(device: str) -> str:
 
 
 def _model_path(model: str, data_dir: Path) -> Path:
-    if model == "default":
+    from worker.default_model import SHIPPED
+
+    if model in SHIPPED:
         from worker.default_model import converted_path
 
         try:
-            return converted_path(data_dir)
+            return converted_path(data_dir, model)
         except RpcError:
             raise
         except Exception as exc:
             raise RpcError(
                 ErrorKind.MODEL_LOAD_FAILED,
-                f"Could not prepare the default model in {str(data_dir)!r}: {type(exc).__name__}: {exc}. "
+                f"Could not prepare the model {model!r} in {str(data_dir)!r}: {type(exc).__name__}: {exc}. "
                 "Check that the data directory is writable (--data-dir).",
                 field="params.model",
             ) from exc
@@ -315,7 +317,7 @@ def _model_path(model: str, data_dir: Path) -> Path:
         raise RpcError(
             ErrorKind.MODEL_LOAD_FAILED,
             f"No model at {model!r}: no such file or directory. Give a local model directory or .gguf file "
-            "(model hubs are not used), or 'default'.",
+            "(model hubs are not used), or a shipped model: 'default' or 'gemma3-270m'.",
             field="params.model",
         )
     if path.is_dir() and not (path / "config.json").is_file():

@@ -256,10 +256,11 @@ class CacheStore:
         if not path.is_file():
             raise _not_found(ref)
         try:
+            try:
+                header: Header | OldHeader = container.read_header(path)
+            except OutdatedCache as exc:  # listed, so that it can be seen and deleted; never used
+                header = exc.header
             stat = path.stat()
-            header: Header | OldHeader = container.read_header(path)
-        except OutdatedCache as exc:  # listed, so that it can be seen and deleted; never used
-            header = exc.header
         except (CacheMissing, FileNotFoundError) as exc:  # deleted by another worker meanwhile
             raise _not_found(ref) from exc
         except CacheFormatError as exc:
