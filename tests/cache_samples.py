@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 from pathlib import Path
+
+import msgspec
 
 from worker.kvcache import container
 
@@ -37,3 +40,13 @@ def contents(tokens: list[int] = TOKENS, identity: container.Identity = IDENTITY
 def write_small_cache(path: Path, tokens: list[int] = TOKENS, seed: int = 0, **extra) -> int:
     tensors = [(spec, memoryview(data)) for spec, data in full_attention_tensors(tokens, seed=seed)]
     return container.write(path, contents(tokens, **extra), tensors)
+
+
+def write_kvc1_file(path: Path, tokens: list[int], model_id: str = "tiny") -> None:
+    """A cache as the previous format (KVC1) wrote it: a sound header, here without tensors."""
+    header = msgspec.json.encode({
+        "format": "KVC1", "identity": {"model_id": model_id, "weights_fingerprint": "x", "rope_theta": 0.0},
+        "sequence_start": 0, "sequence_length": len(tokens), "tokens": tokens, "prefix_offsets": [],
+        "prefix_hashes": [], "tensors": [], "created_by": "lm-worker 0.1.0",
+    })
+    path.write_bytes(b"KVC1\r\n\x1a\n" + len(header).to_bytes(8, "little") + hashlib.sha256(header).digest() + header)

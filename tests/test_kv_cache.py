@@ -384,3 +384,25 @@ async def test_memory_caches_keep_within_their_budget_dropping_the_least_recentl
     assert too_large.value.kind == "cache_too_large" and too_large.value.data["limit"] == 2 * size
     assert "--memory-cache-max-bytes" in too_large.value.message
     assert after_unload == []
+
+
+async def test_a_cache_of_the_previous_file_format_is_listed_refused_by_name_and_passed_over_by_auto(
+    tiny_model_dir, cache_dir
+):
+    from tests.cache_samples import write_kvc1_file
+
+    host = await worker(tiny_model_dir, cache_dir)
+    try:
+        prompt = (await host.call("tokenize", {"text": SYSTEM + QUESTION}))["tokens"]
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        write_kvc1_file(cache_dir / "old.kvc", prompt[:-4], model_id=tiny_model_dir.name)
+        listed = (await host.call("cache/list"))["caches"]
+        with pytest.raises(WorkerError) as caught:
+            await greedy(host, SYSTEM + QUESTION, cache="old")
+        auto = await greedy(host, SYSTEM + QUESTION, cache="auto")
+        plain = await greedy(host, SYSTEM + QUESTION)
+    finally:
+        await host.close()
+    assert [(c["cache"], c["token_count"]) for c in listed] == [("old", len(prompt) - 4)]
+    assert caught.value.kind == "cache_identity_mismatch" and "format is 'KVC1'" in caught.value.message
+    assert auto["cache"]["ref"] is None and auto["cache"]["skipped"] == [] and auto["tokens"] == plain["tokens"]

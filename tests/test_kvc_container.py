@@ -11,7 +11,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tests.cache_samples import IDENTITY, TOKENS, contents, full_attention_tensors, write_small_cache
+from tests.cache_samples import IDENTITY, contents, full_attention_tensors, write_kvc1_file, write_small_cache
 from worker.kvcache import container
 from worker.kvcache.container import (
     ALIGNMENT,
@@ -187,13 +187,8 @@ def test_a_header_with_a_sound_checksum_but_inconsistent_fields_is_refused_befor
 
 
 def test_a_cache_of_the_previous_format_is_listed_but_refused_as_another_identity(tmp_path: Path):
-    header = msgspec.json.encode({
-        "format": "KVC1", "identity": {"model_id": "tiny", "weights_fingerprint": "x", "rope_theta": 0.0},
-        "sequence_start": 0, "sequence_length": 3, "tokens": [1, 2, 3], "prefix_offsets": [], "prefix_hashes": [],
-        "tensors": [], "created_by": "lm-worker 0.1.0",
-    })
     path = tmp_path / "old.kvc"
-    path.write_bytes(b"KVC1\r\n\x1a\n" + len(header).to_bytes(8, "little") + hashlib.sha256(header).digest() + header)
+    write_kvc1_file(path, [1, 2, 3])
     with pytest.raises(OutdatedCache) as outdated:
         read_header(path)
     assert outdated.value.header.tokens == [1, 2, 3] and outdated.value.header.identity.model_id == "tiny"

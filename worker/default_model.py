@@ -83,8 +83,6 @@ def _assembled_gemma(staging: Path) -> Path:
             f"`{GEMMA_INSTALL_HINT}` (or `make setup`).",
             field="params.model",
         )
-    import importlib
-
     package = importlib.import_module(GEMMA_PACKAGE)
     gguf = staging / "gguf" / package.MODEL_NAME
     package.assemble(gguf)

@@ -112,7 +112,7 @@ class TorchCache:
         return sum(view.nbytes for _, view in self._tensors())
 
     def copy(self) -> TorchCache:
-        return copy.deepcopy(self)
+        return copy.deepcopy(self, {id(self._config): self._config})  # the tensors, not the model's config
 
     # --- to and from a file ----------------------------------------------------------
 
