@@ -35,6 +35,7 @@ class ErrorKind(enum.StrEnum):
     CACHE_CORRUPT = "cache_corrupt"
     CACHE_PREFIX_MISMATCH = "cache_prefix_mismatch"
     CACHE_TOO_LARGE = "cache_too_large"
+    CACHE_STORAGE_FAILED = "cache_storage_failed"
 
 
 CODES: dict[ErrorKind, int] = {
@@ -59,6 +60,7 @@ CODES: dict[ErrorKind, int] = {
     ErrorKind.CACHE_CORRUPT: -32009,
     ErrorKind.CACHE_PREFIX_MISMATCH: -32010,
     ErrorKind.CACHE_TOO_LARGE: -32011,
+    ErrorKind.CACHE_STORAGE_FAILED: -32012,
 }
 
 

@@ -19,9 +19,11 @@ PROTOCOL_VERSION = "1.0"
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 # "name" is a file name.kvc in the cache directory; "memory://name" lives in this process only.
 # "auto" is reserved for automatic reuse.
+# "$(?!\n)": in Python, "$" also matches before a final newline ("evil\n" would pass); in
+# JSON Schema's regular expressions it matches at the end alone, and the lookahead changes nothing.
 _NAME = r"(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}"
-CacheRef = Annotated[str, Meta(pattern=rf"^(?!auto$){_NAME}$")]
-CacheRefOrAuto = Annotated[str, Meta(pattern=rf"^(auto|{_NAME})$")]  # generate's cache: a ref or "auto"
+CacheRef = Annotated[str, Meta(pattern=rf"^(?!auto$){_NAME}$(?!\n)")]
+CacheRefOrAuto = Annotated[str, Meta(pattern=rf"^(auto|{_NAME})$(?!\n)")]  # generate's cache: a ref or "auto"
 TokenId = Annotated[int, Meta(ge=0)]
 
 

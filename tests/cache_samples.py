@@ -50,3 +50,15 @@ def write_kvc1_file(path: Path, tokens: list[int], model_id: str = "tiny") -> No
         "prefix_hashes": [], "tensors": [], "created_by": "lm-worker 0.1.0",
     })
     path.write_bytes(b"KVC1\r\n\x1a\n" + len(header).to_bytes(8, "little") + hashlib.sha256(header).digest() + header)
+
+
+def forge(path: Path, edit) -> None:
+    """Rewrite a cache's header through ``edit`` (a function of the decoded header) with a valid SHA-256."""
+    data = path.read_bytes()
+    header = msgspec.json.decode(data[48 : 48 + int.from_bytes(data[8:16], "little")])
+    data_start = header["tensors"][0]["offset"]
+    edit(header)
+    encoded = msgspec.json.encode(header)
+    assert 48 + len(encoded) <= data_start  # the tensors stay where the header says they are
+    prefix = data[:8] + len(encoded).to_bytes(8, "little") + hashlib.sha256(encoded).digest()
+    path.write_bytes(prefix + encoded + bytes(data_start - 48 - len(encoded)) + data[data_start:])

@@ -369,12 +369,12 @@ async def test_memory_caches_keep_within_their_budget_dropping_the_least_recentl
         await host.call("load", {"model": str(cache_model)}, timeout=300)
         for ref in ("memory://a", "memory://b"):
             await host.call("prefill", {"prompt": SYSTEM, "cache": ref})
-        await greedy(host, SYSTEM + QUESTION, cache="memory://a")  # a is now used more recently than b
+        await greedy(host, SYSTEM, cache="memory://a")  # a is now used more recently than b
         await host.call("prefill", {"prompt": SYSTEM, "cache": "memory://c"})
         listed = {c["cache"] for c in (await host.call("cache/list"))["caches"]}
         with pytest.raises(WorkerError) as too_large:
             await host.call("prefill", {"prompt": SYSTEM * 4, "cache": "memory://big"})
-        assert (await greedy(host, SYSTEM + QUESTION, cache="memory://c"))["usage"]["cache_read_tokens"] > 0
+        assert (await greedy(host, SYSTEM, cache="memory://c"))["usage"]["cache_read_tokens"] > 0
         await host.call("unload")
         await host.call("load", {"model": str(cache_model)}, timeout=300)
         after_unload = (await host.call("cache/list"))["caches"]

@@ -11,7 +11,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tests.cache_samples import IDENTITY, contents, full_attention_tensors, write_kvc1_file, write_small_cache
+from tests.cache_samples import (
+    IDENTITY, TOKENS, contents, forge, full_attention_tensors, write_kvc1_file, write_small_cache,
+)
 from worker.kvcache import container
 from worker.kvcache.container import (
     ALIGNMENT,
@@ -134,18 +136,6 @@ def test_a_cache_lacking_a_layers_tensors_is_refused_when_written(tmp_path: Path
     with pytest.raises(ValueError, match="layer 1 .full. lacks its keys or values"):
         write(tmp_path / "x.kvc", contents(), [(s, memoryview(d)) for s, d in tensors()[:2]])
     assert list(tmp_path.iterdir()) == []
-
-
-def forge(path: Path, edit) -> None:
-    """Rewrite a cache's header through ``edit`` (a function of the decoded header) with a valid SHA-256."""
-    data = path.read_bytes()
-    header = msgspec.json.decode(data[48 : 48 + int.from_bytes(data[8:16], "little")])
-    data_start = header["tensors"][0]["offset"]
-    edit(header)
-    encoded = msgspec.json.encode(header)
-    assert 48 + len(encoded) <= data_start  # the tensors stay where the header says they are
-    prefix = data[:8] + len(encoded).to_bytes(8, "little") + hashlib.sha256(encoded).digest()
-    path.write_bytes(prefix + encoded + bytes(data_start - 48 - len(encoded)) + data[data_start:])
 
 
 def _set(path: list, value):

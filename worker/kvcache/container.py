@@ -17,21 +17,23 @@ tensors by their CRC, and the file by its exact expected size. Reading maps
 the file and hands out memoryviews of it: no copy is made; the pages under a
 view are given back once nothing uses it any more. Writing goes to a
 temporary file in the same directory, is flushed to disk and renamed, so a
-reader never sees half a file. The temporary's name carries the writer's process
-id, so that one left behind by a killed writer can be recognised and removed
+reader never sees half a file. The writer holds its temporary locked, so that one
+left behind by a killed writer can be recognised and removed
 (``remove_stale_temporaries``). Nothing here unpickles anything.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import mmap
 import os
+import stat
 import struct
 import weakref
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
@@ -243,11 +245,8 @@ def write(path: str | os.PathLike[str], contents: Contents, tensors: list[tuple[
     header_bytes = msgspec.json.encode(header)
     if _PREFIX.size + len(header_bytes) > data_start:
         raise AssertionError("header outgrew its reserved space")
-    import tempfile
-
     target = Path(path)
-    prefix = f".{target.name}.{os.getpid()}."  # the writer's pid: remove_stale_temporaries reads it
-    fd, temporary = tempfile.mkstemp(prefix=prefix, suffix=TEMPORARY_SUFFIX, dir=target.parent)
+    fd, temporary = _locked_temporary(target)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # as open() would: others sharing the directory can read it
         with os.fdopen(fd, "wb") as file:
@@ -267,39 +266,56 @@ def write(path: str | os.PathLike[str], contents: Contents, tensors: list[tuple[
     return position
 
 
+def _locked_temporary(target: Path) -> tuple[int, str]:
+    """A new temporary beside ``target``, locked (flock) for as long as its writer lives: the
+    lock, not the process id in its name, is what tells others that it is still being
+    written. It holds across PID namespaces, and across hosts where the filesystem carries
+    locks (NFS does). Should a cleaner take the new file in the moment before it is locked,
+    the writer sees it unlinked and makes another."""
+    import fcntl
+    import tempfile
+
+    for _ in range(3):
+        fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=TEMPORARY_SUFFIX,
+                                         dir=target.parent)
+        with contextlib.suppress(OSError):  # a filesystem without locks: cleaners there cannot lock it either
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.fstat(fd).st_nlink > 0:
+            return fd, temporary
+        os.close(fd)
+    raise OSError(f"temporaries in {target.parent} keep vanishing before they can be locked")
+
+
 def remove_stale_temporaries(directory: str | os.PathLike[str]) -> list[str]:
-    """Delete the temporaries in ``directory`` whose writer process no longer runs (a writer
-    killed mid-write leaves its temporary behind); returns their names. The temporaries of
-    live writers, and files not named as this module names temporaries, are left alone."""
+    """Delete the temporaries in ``directory`` that no writer holds any more (a writer killed
+    mid-write leaves its temporary behind, unlocked); returns their names. Those a live
+    writer holds locked, any this process cannot lock (another user's, a filesystem without
+    locks), and files not named as this module names temporaries are left alone."""
+    import fcntl
+
     removed = []
     try:
         candidates = [entry for entry in os.scandir(directory) if entry.name.startswith(".")]
-    except FileNotFoundError:
+    except OSError:
         return removed
     for entry in candidates:
         if not entry.name.endswith(TEMPORARY_SUFFIX):
             continue
-        parts = entry.name[1 : -len(TEMPORARY_SUFFIX)].rsplit(".", 2)  # target name, pid, random
-        if len(parts) != 3 or not parts[1].isdigit() or _running(int(parts[1])):
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:  # gone already, a symbolic link, not ours to read
             continue
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # taken: no writer holds it
             os.unlink(entry.path)
-        except FileNotFoundError:  # another process removed it first
+        except OSError:  # held by a live writer (or no locks here), or removed by another cleaner first
             continue
+        finally:
+            os.close(fd)
         removed.append(entry.name)
     return removed
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it runs, as another user
-        return True
-    except (OverflowError, ValueError):
-        return False
-    return True
 
 
 def _layout(contents: Contents, tensors, views, *, data_start: int) -> Header:
@@ -342,20 +358,41 @@ def _layout(contents: Contents, tensors, views, *, data_start: int) -> Header:
 def read_header(path: str | os.PathLike[str]) -> Header:
     """The header, verified, without touching the tensors (for listing and info).
     Raises OutdatedCache for a file of an earlier format."""
-    try:
-        with open(path, "rb") as file:
-            prefix = file.read(_PREFIX.size)
-            header_length = _check_prefix(path, prefix)
-            header_bytes = file.read(header_length)
-    except FileNotFoundError as exc:
-        raise CacheMissing(path, "cannot be read: no such file") from exc
-    except OSError as exc:
-        raise CacheFormatError(path, f"cannot be read: {exc.strerror or exc}") from exc
+    with _open_regular(path) as fd:
+        prefix = _pread(path, fd, _PREFIX.size, 0)
+        header_length = _check_prefix(path, prefix)
+        header_bytes = _pread(path, fd, header_length, _PREFIX.size)
     return _parse_header(path, prefix, header_bytes)
 
 
+@contextlib.contextmanager
+def _open_regular(path: str | os.PathLike[str]) -> Iterator[int]:
+    """A descriptor of ``path`` if it is a regular file (following symbolic links). Opening
+    never blocks (a FIFO named like a cache would wait for a writer forever) and anything
+    that is not a regular file is refused as not a cache."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError as exc:
+        raise CacheMissing(path, "cannot be read: no such file") from exc
+    except OSError as exc:  # a symbolic link loop, no permission, ...
+        raise CacheFormatError(path, f"cannot be read: {exc.strerror or exc}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CacheFormatError(path, "not a regular file (a FIFO, device or directory named like a cache)")
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _pread(path: str | os.PathLike[str], fd: int, size: int, offset: int) -> bytes:
+    try:
+        return os.pread(fd, size, offset)
+    except OSError as exc:
+        raise CacheFormatError(path, f"cannot be read: {exc.strerror or exc}") from exc
+
+
 class LoadedCache:
-    """A verified cache mapped into memory. ``tensors`` are memoryviews of the mapping.
+    """A verified cache in memory. ``tensors`` are memoryviews of it (no copy).
 
     When a tensor's view is no longer used (whatever was built on it, a torch tensor say,
     is gone too), its pages leave the process: a restored cache whose layers are replaced
@@ -377,8 +414,7 @@ class LoadedCache:
 
 
 def _release(mapping: mmap.mmap, offset: int, nbytes: int) -> None:
-    """Unmap the pages wholly inside these bytes, which nothing uses any more. The mapping is
-    private: its pages leave the process (read again, they would come from the file)."""
+    """Give back the pages wholly inside these bytes, which nothing uses any more."""
     start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
     end = (offset + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
     if end > start and hasattr(mmap, "MADV_DONTNEED"):
@@ -386,30 +422,51 @@ def _release(mapping: mmap.mmap, offset: int, nbytes: int) -> None:
 
 
 def load(path: str | os.PathLike[str], expected: Identity | None = None) -> LoadedCache:
-    """Map and verify a cache: header, identity (if given), padding and every tensor's CRC."""
-    try:
-        with open(path, "rb") as file:
-            size = os.fstat(file.fileno()).st_size
-            if size < _PREFIX.size:
-                raise CacheFormatError(path, f"truncated: {size} bytes is shorter than the fixed prefix")
-            # Copy-on-write: a tensor written in place gets private pages instead of a segfault.
-            mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
-    except FileNotFoundError as exc:
-        raise CacheMissing(path, "cannot be read: no such file") from exc
-    except OSError as exc:
-        raise CacheFormatError(path, f"cannot be read: {exc.strerror or exc}") from exc
-    header_length = _check_prefix(path, mapping[: _PREFIX.size])
-    header_end = _PREFIX.size + header_length
-    if header_end > size:
-        raise CacheFormatError(path, f"truncated: the header needs {header_end} bytes, the file has {size}")
-    try:
-        header = _parse_header(path, mapping[: _PREFIX.size], mapping[_PREFIX.size : header_end])
-    except OutdatedCache as exc:
-        raise IdentityMismatch(path, "format", FORMAT, exc.header.format) from exc
-    if expected is not None:
-        check_identity(path, header.identity, expected)
-    _check_layout(path, header, mapping, header_end, size)
-    return LoadedCache(header, mapping)
+    """Read and verify a cache: header, identity (if given), padding and every tensor's CRC.
+
+    The file is read into memory of this process, not mapped: a mapped file that someone
+    truncates or rewrites in place (``cp backup.kvc x.kvc``) kills the reader with SIGBUS.
+    What was read is checked as a whole, so a file that changed while it was read is
+    refused as damaged, never used half old and half new."""
+    with _open_regular(path) as fd:
+        prefix = _pread(path, fd, _PREFIX.size, 0)
+        header_length = _check_prefix(path, prefix)
+        header_bytes = _pread(path, fd, header_length, _PREFIX.size)
+        try:
+            header = _parse_header(path, prefix, header_bytes)
+        except OutdatedCache as exc:
+            raise IdentityMismatch(path, "format", FORMAT, exc.header.format) from exc
+        if expected is not None:  # before reading the tensors: a foreign cache costs only its header
+            check_identity(path, header.identity, expected)
+        size = max((e.offset + e.nbytes for e in header.tensors), default=_PREFIX.size + header_length)
+        on_disk = os.fstat(fd).st_size
+        if on_disk < size:
+            raise CacheFormatError(path, f"truncated: the header describes {size} bytes, the file has {on_disk}")
+        if on_disk > size:
+            raise CacheFormatError(path, f"{on_disk - size} unexpected bytes after the last tensor")
+        # Private anonymous memory: its pages can be given back one tensor at a time (shared ones could not).
+        buffer = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        read = _read_into(path, fd, memoryview(buffer)[:size])
+        if read != size or _pread(path, fd, 1, size):
+            raise CacheFormatError(path, "changed while being read (its size is not what its header says)")
+    if buffer[: _PREFIX.size] != prefix or buffer[_PREFIX.size : _PREFIX.size + header_length] != header_bytes:
+        raise CacheFormatError(path, "changed while being read (the header is not the one checked)")
+    _check_layout(path, header, buffer, _PREFIX.size + header_length, size)
+    return LoadedCache(header, buffer)
+
+
+def _read_into(path: str | os.PathLike[str], fd: int, view: memoryview) -> int:
+    """Fill ``view`` from the start of the file; the bytes read (fewer at the end of the file)."""
+    done = 0
+    while done < len(view):
+        try:
+            count = os.preadv(fd, [view[done : done + (64 << 20)]], done)
+        except OSError as exc:
+            raise CacheFormatError(path, f"cannot be read: {exc.strerror or exc}") from exc
+        if count == 0:
+            break
+        done += count
+    return done
 
 
 def check_identity(path: str | os.PathLike[str], found: Identity, expected: Identity) -> None:

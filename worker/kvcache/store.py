@@ -105,12 +105,15 @@ class CacheStore:
             layers, states, tensors = cache.to_file()
         except UnsupportedCache as exc:
             raise RpcError(ErrorKind.UNSUPPORTED, f"Cannot store {ref!r}: {exc}; use a memory:// ref.") from exc
-        self.directory.mkdir(parents=True, exist_ok=True)
         contents = Contents(
             identity=identity, tokens=list(tokens), layers=layers, states=states,
             prefix_offsets=offsets, prefix_hashes=hashes, created_by=f"lm-worker {__version__}",
         )
-        size = container.write(self._path(ref), contents, tensors)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            size = container.write(self._path(ref), contents, tensors)
+        except OSError as exc:  # a full disk, a read-only directory, no permission: nothing was stored
+            raise _storage_failed(f"Could not store cache {ref!r} as {self._path(ref)}", exc) from exc
         _touch(self._path(ref))
         self._note_writes(ref, written_tokens)
         self._evict(keep=ref)
@@ -192,13 +195,11 @@ class CacheStore:
             entry.last_used = time.time()
             return list(entry.tokens), entry.cache.copy()
         path = self._path(ref)
-        if not path.is_file():
-            raise _not_found(ref, field)
         try:
             loaded = container.load(path, identity)
         except IdentityMismatch as exc:
             raise _mismatch(ref, exc, field) from exc
-        except CacheMissing as exc:  # deleted by another worker since is_file()
+        except CacheMissing as exc:  # there is none, or another worker deleted it
             raise _not_found(ref, field) from exc
         except CacheFormatError as exc:
             raise RpcError(
@@ -222,13 +223,17 @@ class CacheStore:
             ref = path.name[: -len(SUFFIX)]
             try:
                 stat = path.stat()
-                version = (stat.st_ino, stat.st_size)  # a rewrite is a new file (atomic rename)
+                # A rewrite by rename is a new inode; one in place changes the times.
+                version = (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
                 known = self._headers.get(ref)
                 header = known[1] if known and known[0] == version else container.read_header(path)
             except (FileNotFoundError, CacheMissing, OutdatedCache):  # deleted meanwhile, or of another format
                 continue
             except CacheFormatError as exc:
                 skipped.append(SkippedCache(ref=ref, reason=f"damaged: {exc.reason}"))
+                continue
+            except OSError as exc:  # a symbolic link loop, no permission to look: not a cache to use
+                skipped.append(SkippedCache(ref=ref, reason=f"cannot be read: {exc.strerror or exc}"))
                 continue
             self._headers[ref] = (version, header)
             if header.identity == identity:
@@ -253,8 +258,6 @@ class CacheStore:
                 prefix_offsets=entry.offsets, prefix_hashes=entry.hashes,
             )
         path = self._path(ref)
-        if not path.is_file():
-            raise _not_found(ref)
         try:
             try:
                 header: Header | OldHeader = container.read_header(path)
@@ -290,6 +293,8 @@ class CacheStore:
             self._path(ref).unlink()
         except FileNotFoundError:
             return False
+        except OSError as exc:  # a read-only directory, no permission
+            raise _storage_failed(f"Could not delete cache {ref!r} ({self._path(ref)})", exc) from exc
         return True
 
     def _files(self) -> list[Path]:
@@ -304,12 +309,23 @@ class CacheStore:
 
 def _touch(path: Path) -> None:
     """Mark a cache as just used: eviction goes by modification time. An explicit
-    nanosecond time, not the kernel's coarse clock, keeps uses in their real order."""
+    nanosecond time, not the kernel's coarse clock, keeps uses in their real order.
+    A cache this worker may not change (another user's, a read-only mount) is used all
+    the same; its use is simply not recorded."""
     now = time.time_ns()
     try:
         os.utime(path, ns=(now, now))
-    except FileNotFoundError:  # deleted by another worker meanwhile
+    except OSError:  # deleted by another worker meanwhile, or not ours to change
         pass
+
+
+def _storage_failed(what: str, exc: OSError) -> RpcError:
+    return RpcError(
+        ErrorKind.CACHE_STORAGE_FAILED,
+        f"{what}: {exc.strerror or exc}. Free some space, or give the worker a cache directory it can write "
+        "(--cache-dir).",
+        field="params.cache",
+    )
 
 
 def _not_found(ref: str, field: str = "params.cache") -> RpcError:
