@@ -444,29 +444,73 @@ def load(path: str | os.PathLike[str], expected: Identity | None = None) -> Load
             raise CacheFormatError(path, f"truncated: the header describes {size} bytes, the file has {on_disk}")
         if on_disk > size:
             raise CacheFormatError(path, f"{on_disk - size} unexpected bytes after the last tensor")
-        # Private anonymous memory: its pages can be given back one tensor at a time (shared ones could not).
-        buffer = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        read = _read_into(path, fd, memoryview(buffer)[:size])
-        if read != size or _pread(path, fd, 1, size):
-            raise CacheFormatError(path, "changed while being read (its size is not what its header says)")
-    if buffer[: _PREFIX.size] != prefix or buffer[_PREFIX.size : _PREFIX.size + header_length] != header_bytes:
-        raise CacheFormatError(path, "changed while being read (the header is not the one checked)")
-    _check_layout(path, header, buffer, _PREFIX.size + header_length, size)
+        buffer = _anonymous(size)
+        header_end = _PREFIX.size + header_length
+        if _read_span(path, fd, buffer, 0, header_end) != header_end:
+            raise CacheFormatError(path, "changed while being read (it is shorter than when it was opened)")
+        if buffer[:header_end] != prefix + header_bytes:
+            raise CacheFormatError(path, "changed while being read (the header is not the one checked)")
+        _read_and_check(path, fd, header, buffer, header_end)
+        if _pread(path, fd, 1, size):
+            raise CacheFormatError(path, "changed while being read (it is longer than its header says)")
     return LoadedCache(header, buffer)
 
 
-def _read_into(path: str | os.PathLike[str], fd: int, view: memoryview) -> int:
-    """Fill ``view`` from the start of the file; the bytes read (fewer at the end of the file)."""
-    done = 0
-    while done < len(view):
+def _anonymous(size: int) -> mmap.mmap:
+    """Private anonymous memory: its pages can be given back one tensor at a time (shared ones
+    could not). Huge pages make filling it several times faster (a few dozen page faults
+    instead of tens of thousands)."""
+    buffer = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return buffer
+
+
+def _read_span(path: str | os.PathLike[str], fd: int, buffer: mmap.mmap, start: int, end: int) -> int:
+    """Read the file's bytes start..end into the same place of ``buffer``; how many were read."""
+    view, done = memoryview(buffer), start
+    while done < end:
         try:
-            count = os.preadv(fd, [view[done : done + (64 << 20)]], done)
+            count = os.preadv(fd, [view[done:end]], done)
         except OSError as exc:
             raise CacheFormatError(path, f"cannot be read: {exc.strerror or exc}") from exc
         if count == 0:
             break
         done += count
-    return done
+    return done - start
+
+
+def _read_and_check(path, fd: int, header: Header, buffer: mmap.mmap, header_end: int) -> None:
+    """Read each tensor (with the padding before it) and check it: its place in file order,
+    the padding, its CRC-32. Tensors are read and checked on several threads (reads and zlib
+    let go of the GIL); the first failure in file order is the one reported."""
+    position, placed, failure = header_end, [], None
+    for entry in header.tensors:
+        if entry.offset % ALIGNMENT or entry.offset < position:
+            failure = f"tensor {entry.name}: bad offset {entry.offset}"
+            break
+        placed.append((position, entry))
+        position = entry.offset + entry.nbytes
+    view = memoryview(buffer)
+
+    def read_and_sum(span: tuple[int, TensorEntry]) -> int | None:
+        start, entry = span
+        end = entry.offset + entry.nbytes
+        if _read_span(path, fd, buffer, start, end) != end - start:
+            return None
+        return zlib.crc32(view[entry.offset : end])
+
+    with ThreadPoolExecutor(CHECK_THREADS) as pool:
+        crcs = list(pool.map(read_and_sum, placed))
+    for (start, entry), crc in zip(placed, crcs):
+        if crc is None:
+            raise CacheFormatError(path, "changed while being read (it is shorter than when it was opened)")
+        if buffer[start : entry.offset].count(0) != entry.offset - start:
+            raise CacheFormatError(path, f"damaged padding before tensor {entry.name}")
+        if crc != entry.crc32:
+            raise CacheFormatError(path, f"tensor {entry.name}: checksum mismatch, the data is damaged")
+    if failure is not None:
+        raise CacheFormatError(path, failure)
 
 
 def check_identity(path: str | os.PathLike[str], found: Identity, expected: Identity) -> None:
@@ -580,31 +624,3 @@ def manifest_problem(header: Header) -> str | None:
     if states - used_states:
         return f"states without tensors: {sorted(states - used_states)[:3]}"
     return None
-
-
-def _check_layout(path, header: Header, mapping: mmap.mmap, header_end: int, size: int) -> None:
-    """Offsets, sizes and padding in file order, then the tensors' CRC-32s on several threads;
-    the first failure in file order is the one reported."""
-    position, placed, failure = header_end, [], None
-    for entry in header.tensors:
-        if entry.offset % ALIGNMENT or entry.offset < position or entry.nbytes < 0:
-            failure = f"tensor {entry.name}: bad offset {entry.offset}"
-        elif entry.offset + entry.nbytes > size:
-            failure = f"truncated: tensor {entry.name} ends past the end of the file"
-        elif mapping[position : entry.offset].count(0) != entry.offset - position:
-            failure = f"damaged padding before tensor {entry.name}"
-        if failure is not None:
-            break
-        placed.append(entry)
-        position = entry.offset + entry.nbytes
-    else:
-        if size != position:
-            failure = f"{size - position} unexpected bytes after the last tensor"
-    view = memoryview(mapping)
-    with ThreadPoolExecutor(CHECK_THREADS) as pool:
-        crcs = list(pool.map(lambda e: zlib.crc32(view[e.offset : e.offset + e.nbytes]), placed))
-    for entry, crc in zip(placed, crcs):
-        if crc != entry.crc32:
-            raise CacheFormatError(path, f"tensor {entry.name}: checksum mismatch, the data is damaged")
-    if failure is not None:
-        raise CacheFormatError(path, failure)
