@@ -67,7 +67,9 @@ def parse_incoming(body: bytes) -> Incoming:
     try:
         obj = _decoder.decode(body)
     except msgspec.DecodeError as exc:
-        return Rejected(None, RpcError(ErrorKind.PARSE_ERROR, f"Parse error: {exc}; send one valid JSON object."))
+        obj = _with_lone_surrogates_replaced(body)
+        if obj is None:
+            return Rejected(None, RpcError(ErrorKind.PARSE_ERROR, f"Parse error: {exc}; send one valid JSON object."))
     except RecursionError:
         return Rejected(
             None, RpcError(ErrorKind.PARSE_ERROR, "Parse error: JSON nested too deeply; send a flatter message.")
@@ -82,6 +84,9 @@ def parse_incoming(body: bytes) -> Incoming:
         )
     if not isinstance(obj, dict):
         return Rejected(None, _invalid(f"a message must be a JSON object, got {_json_type(obj)}"))
+    if "method" not in obj and ("result" in obj or "error" in obj):
+        # A response, whatever its id: answering it could start two peers answering each other forever.
+        return Response(obj.get("id") if _is_valid_id(obj.get("id")) else None)
     has_id = "id" in obj  # 0 and "" are valid ids: test the key, not the value
     msg_id = obj.get("id")
     if has_id and not _is_valid_id(msg_id):
@@ -91,8 +96,6 @@ def parse_incoming(body: bytes) -> Incoming:
         got = "it is missing" if "jsonrpc" not in obj else f"got {obj['jsonrpc']!r}"
         return Rejected(reply_id, _invalid(f"'jsonrpc' must be \"2.0\" ({got})", "jsonrpc"))
     if "method" not in obj:
-        if has_id and ("result" in obj or "error" in obj):
-            return Response(msg_id)
         return Rejected(reply_id, _invalid("'method' is missing", "method"))
     method = obj["method"]
     if not isinstance(method, str):
@@ -120,6 +123,42 @@ def encode_error(msg_id: RequestId | None, error: RpcError) -> bytes:
 
 def encode_notification(method: str, params: Any) -> bytes:
     return _encoder.encode(OutgoingNotification(method=method, params=params))
+
+
+def _with_lone_surrogates_replaced(body: bytes) -> Any | None:
+    """``body`` decoded with every lone UTF-16 surrogate escape replaced by U+FFFD, or None if it
+    is not JSON at all. JavaScript's JSON.stringify writes a string cut inside an emoji with
+    such an escape ("\\ud83d"); it is no character, so the stricter decoder refuses it."""
+    import json  # only on this error path
+    import math
+    import re
+
+    if not re.search(rb"\\u[dD][89a-fA-F]", body):  # no surrogate escape: some other fault
+        return None
+
+    def refuse(constant: str) -> None:  # NaN and Infinity are not JSON
+        raise ValueError(constant)
+
+    def finite(text: str) -> float:
+        if not math.isfinite(number := float(text)):
+            raise ValueError(text)
+        return number
+
+    try:
+        obj = json.loads(body.decode("utf-8"), parse_constant=refuse, parse_float=finite)
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None
+    return _replace_surrogates(obj)
+
+
+def _replace_surrogates(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(value, list):
+        return [_replace_surrogates(item) for item in value]
+    if isinstance(value, dict):
+        return {_replace_surrogates(key): _replace_surrogates(item) for key, item in value.items()}
+    return value
 
 
 def _is_valid_id(value: object) -> bool:

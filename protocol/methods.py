@@ -171,7 +171,7 @@ class GenerateParams(PromptParams):
     top_k: NonNegativeInt = 0  # 0 is off
     min_p: Annotated[float, Meta(ge=0, le=1)] = 0.0
     repetition_penalty: Annotated[float, Meta(gt=0)] = 1.0
-    seed: int | None = None
+    seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None  # a signed 64-bit integer
     stop: list[Annotated[str, Meta(min_length=1)]] = []
     stream: bool = True  # send generate/chunk notifications
     # A cache ref ("name" on disk, "memory://name" in this process) whose tokens

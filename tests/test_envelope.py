@@ -123,13 +123,28 @@ def test_invalid_json_is_parse_error_with_id_null(body):
         b'{"jsonrpc":"2.0","id":1,"method":"\xff"}',
         b'{"jsonrpc":"2.0","id":"\xc3","method":"x"}',
         b'{"jsonrpc":"2.0","id":1,"method":"x","params":{"t":"\xed\xa0\x80"}}',  # an encoded surrogate
-        b'{"jsonrpc":"2.0","id":1,"method":"x","params":{"t":"\\ud800"}}',  # a lone escaped surrogate
+        b'{"jsonrpc":"2.0","id":1,"method":"x","params":{"t":"\xed\xa0\x80 \\ud800"}}',  # and an escaped one
     ],
 )
 def test_invalid_utf8_is_parse_error(body):
     message = rejected(body)
     assert message.id is None
     assert message.error.kind is ErrorKind.PARSE_ERROR
+
+
+@pytest.mark.parametrize(
+    ("escaped", "decoded"),
+    [("\\ud800", "\ufffd"), ("a\\udc00b", "a\ufffdb"), ("\\ud83d\\ud83d\\ude00", "\ufffd\U0001F600"),
+     ("\\uDBFF", "\ufffd")],
+)
+def test_a_lone_escaped_surrogate_is_read_as_the_replacement_character(escaped, decoded):
+    body = f'{{"jsonrpc":"2.0","id":1,"method":"x","params":{{"{escaped}":"{escaped}"}}}}'.encode()
+    assert parse_incoming(body) == Request(1, "x", {decoded: decoded})
+
+
+def test_a_lone_surrogate_does_not_let_other_invalid_json_through():
+    for body in (b'{"id":1,"method":"x","params":{"t":"\\ud800","n":NaN}}', b'{"t":"\\ud800","n":1e999}'):
+        assert rejected(body).error.kind is ErrorKind.PARSE_ERROR
 
 
 def test_valid_utf8_and_escapes_are_decoded():
@@ -237,8 +252,11 @@ def test_result_or_error_with_id_is_a_response(body):
     assert message.id == json.loads(body)["id"]
 
 
-def test_result_without_id_is_invalid_request():
-    assert rejected(b'{"jsonrpc":"2.0","result":1}').error.kind is ErrorKind.INVALID_REQUEST
+@pytest.mark.parametrize(
+    "body", [b'{"jsonrpc":"2.0","result":1}', b'{"jsonrpc":"2.0","id":null,"error":{}}', b'{"id":{},"result":1}']
+)
+def test_a_response_without_a_usable_id_is_still_a_response_and_never_answered(body):
+    assert parse_incoming(body) == Response(None)
 
 
 # --- encoding ---------------------------------------------------------------------------

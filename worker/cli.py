@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run language models for a host process over JSON-RPC 2.0 on stdio.",
         epilog=HELP_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # options are spelled out, so a transcript's arguments read unambiguously
     )
     parser.add_argument("--version", action="version", version=f"lm-worker {__version__}")
     parser.add_argument(
@@ -111,6 +112,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _without_record(argv: list[str]) -> list[str]:
+    """The arguments a replay starts its worker with: all but --record's, in both its forms
+    (a replay that recorded too would overwrite the transcript it replays)."""
+    kept, skip_next = [], False
+    for arg in argv:
+        if skip_next:
+            skip_next = False
+        elif arg == "--record":
+            skip_next = True
+        elif not arg.startswith("--record="):
+            kept.append(arg)
+    return kept
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -119,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     out_fd = claim_stdout()
     recorder = None
     if args.record:
-        replay_args = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in (args.record, "--record")]
+        replay_args = _without_record(argv if argv is not None else sys.argv[1:])
         recorder = Recorder(args.record, worker_version=__version__, args=replay_args)
     writer = Writer(
         out_fd,

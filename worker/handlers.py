@@ -108,6 +108,9 @@ class Handlers:
 
     def load(self, ctx: Context, params: LoadParams) -> ModelInfo:
         backend = self._registry.get(params.backend)
+        check = getattr(backend, "check", None)  # before unloading: a typo leaves the current model working
+        if check is not None:
+            check(params, data_dir=self._data_dir)
         self.unload(ctx, NoParams())
         started = time.perf_counter()
         model = backend.load(params, data_dir=self._data_dir)

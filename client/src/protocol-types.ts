@@ -142,13 +142,13 @@ export interface GenerateParams {
   min_p?: number;
   /** exclusiveMinimum 0. Default `1`. */
   repetition_penalty?: number;
-  /** Default `null`. */
+  /** minimum -9223372036854776000; maximum 9223372036854776000. Default `null`. */
   seed?: number | null;
   /** items: minLength 1. Default `[]`. */
   stop?: string[];
   /** Default `true`. */
   stream?: boolean;
-  /** pattern `^(auto|(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127})$`. Default `null`. */
+  /** pattern `^(auto|(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127})$(?!\n)`. Default `null`. */
   cache?: string | null;
   /** minimum 0. Default `null`. */
   cache_trim_tokens?: number | null;
@@ -215,9 +215,9 @@ export interface PrefillParams {
   add_special_tokens?: boolean;
   /** Default `true`. */
   add_generation_prompt?: boolean;
-  /** pattern `^(?!auto$)(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$`. */
+  /** pattern `^(?!auto$)(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$(?!\n)`. */
   cache: string;
-  /** pattern `^(?!auto$)(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$`. Default `null`. */
+  /** pattern `^(?!auto$)(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$(?!\n)`. Default `null`. */
   base?: string | null;
   /** minimum 0. Default `null`. */
   trim_to_tokens?: number | null;
@@ -254,7 +254,7 @@ export interface CacheInfo {
 }
 
 export interface CacheRefParams {
-  /** pattern `^(?!auto$)(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$`. */
+  /** pattern `^(?!auto$)(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$(?!\n)`. */
   cache: string;
 }
 

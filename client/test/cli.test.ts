@@ -3,6 +3,8 @@
 
 import assert from "node:assert/strict";
 import { spawnSync } from "node:child_process";
+import { existsSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { test } from "node:test";
 
@@ -36,4 +38,18 @@ test("lm-worker without a known command prints its usage and fails for an unknow
   const badOption = run(["setup", "--frob"]);
   assert.equal(badOption.status, 1);
   assert.match(badOption.stderr, /unknown argument "--frob"/);
+});
+
+test("lm-worker setup refuses a Python older than 3.11, saying which it needs", () => {
+  const dir = mkdtempSync(join(tmpdir(), "lm-worker-old-python-"));
+  const old = join(dir, "python3.10");
+  writeFileSync(old, "#!/bin/sh\necho 3 10\n", { mode: 0o755 });
+  try {
+    const done = run(["setup", "--python", old, "--venv", join(dir, "venv")]);
+    assert.equal(done.status, 1);
+    assert.match(done.stderr, /needs Python 3\.11 or newer; found .*python3\.10 \(3\.10\)/);
+    assert.equal(existsSync(join(dir, "venv")), false);
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
+  }
 });

@@ -4,6 +4,10 @@
 import assert from "node:assert/strict";
 import { getEventListeners } from "node:events";
 import { after, before, describe, test } from "node:test";
+import { mkdirSync, rmSync, writeFileSync } from "node:fs";
+import { mkdtemp } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { setTimeout as sleep } from "node:timers/promises";
 
 import { LmWorker, RpcError, WorkerExitedError, WorkerStartError, type GenerateChunk } from "../src/index.js";
@@ -110,6 +114,18 @@ describe("with the echo backend", () => {
     assert.equal(getEventListeners(controller.signal, "abort").length, 0);
   });
 
+  test("a consumer that awaits another call inside its for-await loop gets its answers", async () => {
+    const stream = worker.generate({ prompt: "y".repeat(3_000), max_tokens: 3_001 }, { highWaterMark: 4 });
+    let chunks = 0;
+    for await (const chunk of stream) {
+      chunks += 1;
+      if (chunks % 500 === 1) {
+        assert.equal((await worker.tokenize({ text: chunk.text })).count, chunk.text.length + 1);
+      }
+    }
+    assert.equal((await stream.result).tokens.length, 3_001);
+  });
+
   test("a slow consumer holds the worker back instead of buffering the whole generation", async () => {
     const stream = worker.generate({ prompt: "z".repeat(20_000), max_tokens: 20_001 }, { highWaterMark: 16 });
     let consumed = 0;
@@ -191,6 +207,22 @@ describe("lifecycle", () => {
       assert.match(error.message, /--no-such-flag/);
       return true;
     });
+  });
+
+  test("a worker/ or protocol/ in the host's working directory does not shadow the worker", async () => {
+    const cwd = await mkdtemp(join(tmpdir(), "lm-worker-cwd-"));
+    for (const name of ["worker", "protocol"]) {
+      mkdirSync(join(cwd, name));
+      writeFileSync(join(cwd, name, "__init__.py"), "raise SystemExit('the host directory was imported')\n");
+      writeFileSync(join(cwd, name, "__main__.py"), "raise SystemExit('the host directory was run')\n");
+    }
+    const shadowed = await start({ cwd });
+    try {
+      assert.equal((await shadowed.tokenize({ text: "x" }).catch((e: RpcError) => e.kind)), "model_not_loaded");
+    } finally {
+      await shadowed.close();
+      rmSync(cwd, { recursive: true, force: true });
+    }
   });
 
   test("Content-Length framing carries large messages and multi-byte text", async () => {

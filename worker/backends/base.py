@@ -109,6 +109,12 @@ class Backend(Protocol):
         Must be cheap: capabilities calls it, before any heavy import."""
         ...
 
+    def check(self, params: LoadParams, *, data_dir: Path) -> None:
+        """Raises ``RpcError`` for load params that cannot work, found cheaply (a model path
+        that does not exist, an unknown device). The worker calls it before it unloads the
+        model it has; a backend without this method is not checked first."""
+        ...
+
     def load(self, params: LoadParams, *, data_dir: Path) -> Model:
         """Raises ``RpcError`` with a precise kind when the model cannot be loaded.
         ``data_dir`` is where the worker keeps converted models and other state."""

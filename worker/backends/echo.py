@@ -97,6 +97,9 @@ class EchoBackend:
     def unavailable_reason(self) -> str | None:
         return None
 
+    def check(self, params: LoadParams, *, data_dir: Path) -> None:
+        pass  # every load params work
+
     def load(self, params: LoadParams, *, data_dir: Path) -> EchoModel:
         started = time.perf_counter()
         return EchoModel(params, (time.perf_counter() - started) * 1000.0)

@@ -49,4 +49,11 @@ class Sampler:
         if self.greedy:
             return int(scores.argmax(dim=-1))
         probabilities = torch.softmax(scores, dim=-1)
+        if not torch.isfinite(probabilities).all():
+            # A temperature or penalty so small that the scores overflow (1e-45, say): in the limit,
+            # sampling chooses among the highest-scoring tokens alone.
+            best = torch.nan_to_num(scores, nan=float("-inf"))
+            if torch.isneginf(best.max()):
+                return int(logits.argmax(dim=-1))
+            probabilities = (best == best.max()).float()
         return int(torch.multinomial(probabilities, 1, generator=self._generator))

@@ -41,17 +41,27 @@ class TransformersBackend:
             return f"{' and '.join(missing)} not installed; run `make setup` (or pip install lm-worker)"
         return None
 
-    def load(self, params: LoadParams, *, data_dir: Path) -> TransformersModel:
+    def check(self, params: LoadParams, *, data_dir: Path) -> None:
+        """The mistakes found without loading anything: the worker makes these checks before
+        it unloads the model it has, so a typo leaves that model working."""
         if params.token_delay_ms:
             raise RpcError(
                 ErrorKind.INVALID_PARAMS,
                 "token_delay_ms is for the echo backend; omit it for transformers.",
                 field="params.token_delay_ms",
             )
+        _check_device(params.device)
+        from worker.default_model import SHIPPED
+
+        if params.model not in SHIPPED:
+            _local_model_path(params.model)
+
+    def load(self, params: LoadParams, *, data_dir: Path) -> TransformersModel:
+        self.check(params, data_dir=data_dir)
         started = time.perf_counter()
         from worker.backends import hf_compat  # noqa: F401  (offline mode before transformers loads)
 
-        device = _check_device(params.device)
+        device = params.device
         path = _model_path(params.model, data_dir)
         dtype = _DEFAULT_DTYPES[device.split(":")[0]] if params.dtype == "auto" else params.dtype
         model, tokenizer = _load_pretrained(path, dtype, device, params.trust_remote_code)
@@ -312,6 +322,10 @@ def _model_path(model: str, data_dir: Path) -> Path:
                 "Check that the data directory is writable (--data-dir).",
                 field="params.model",
             ) from exc
+    return _local_model_path(model)
+
+
+def _local_model_path(model: str) -> Path:
     path = Path(model).expanduser()
     if not path.exists():
         raise RpcError(

@@ -1,0 +1,114 @@
+"""What hosts do that the protocol allows or that a host gets wrong: each is answered precisely,
+loses nothing, and leaves the worker serving."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TORCH_ENV, SpawnWorker
+from worker import transcript
+from worker.host import Host, WorkerError
+from worker.replay import replay
+
+
+async def test_a_response_from_the_host_gets_no_reply_whatever_its_id(echo_worker: Host):
+    for response in (
+        b'{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"no"}}\n',
+        b'{"jsonrpc":"2.0","id":[1],"result":1}\n',
+        b'{"jsonrpc":"1.0","id":7,"result":null}\n',
+    ):
+        await echo_worker.send_raw(response)
+    await echo_worker.call("capabilities")
+    assert [m for m in echo_worker.messages if "error" in m] == []
+
+
+async def test_two_workers_wired_to_each_other_fall_silent(spawn_worker: SpawnWorker):
+    """Each answers the other's error once at most: nothing to answer then, so no loop."""
+    a, b = await spawn_worker(), await spawn_worker()
+    await a.send_raw(b'{"jsonrpc":"2.0","id":null}\n{"jsonrpc":"2.0","id":"x"}\n')
+    await a.wait_for(lambda m: m.get("id") == "x")
+    assert len(a.messages) == 2 and all("error" in m for m in a.messages)
+    for message in a.messages:  # a's error responses, fed to b, as a pipe between them would
+        await b.send(message)
+    await b.call("capabilities")
+    assert [m for m in b.messages if "error" in m] == []
+
+
+async def test_a_lone_surrogate_escape_is_replaced_and_the_request_answered_with_its_id(echo_worker: Host):
+    """JSON.stringify writes a string cut inside an emoji as a lone "\\ud83d"."""
+    request = b'{"jsonrpc":"2.0","id":"cut","method":"tokenize","params":{"text":"a\\ud83d b \\ud83d\\ude00"}}\n'
+    await echo_worker.send_raw(request)
+    answer = await echo_worker.wait_for(lambda m: m.get("id") == "cut")
+    assert answer["result"]["tokens"][1:] == list("a\ufffd b \U0001F600".encode())
+
+
+async def test_a_body_that_is_not_json_even_leniently_is_still_a_parse_error(echo_worker: Host):
+    await echo_worker.send_raw(b'{"jsonrpc":"2.0","id":3,"method":"tokenize","params":{"text":NaN}}\n')
+    error = await echo_worker.wait_for(lambda m: "error" in m)
+    assert error["id"] is None and error["error"]["code"] == -32700
+    await echo_worker.call("capabilities")
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"temperature": 1e-45, "seed": 1}, {"temperature": 1.0, "repetition_penalty": 1e-300, "seed": 2},
+     {"temperature": 1.0, "seed": -(2**63)}, {"temperature": 1.0, "seed": 2**63 - 1}],
+    ids=["tiny-temperature", "tiny-penalty", "lowest-seed", "highest-seed"],
+)
+async def test_extreme_sampling_values_that_pass_validation_generate(spawn_worker: SpawnWorker, tiny_model_dir, params):
+    host = await spawn_worker(env=TORCH_ENV)
+    await host.call("load", {"model": str(tiny_model_dir)}, timeout=120)
+    result = await host.call("generate", {"prompt": "the cat sat", "max_tokens": 6, **params}, timeout=120)
+    assert len(result["tokens"]) == 6
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**64, -(2**63) - 1])
+async def test_a_seed_outside_64_bits_is_refused_naming_the_field(echo_worker: Host, seed: int):
+    with pytest.raises(WorkerError) as caught:
+        await echo_worker.call("generate", {"prompt": "x", "temperature": 1.0, "seed": seed})
+    assert caught.value.kind == "invalid_params" and caught.value.data["field"] == "params.seed"
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [({"device": "cdua"}, "params.device"), ({"model": "/no/such/model"}, "params.model"),
+     ({"token_delay_ms": 5}, "params.token_delay_ms")],
+)
+async def test_a_load_with_a_mistake_leaves_the_loaded_model_working(
+    spawn_worker: SpawnWorker, tiny_model_dir, params, field
+):
+    host = await spawn_worker(env=TORCH_ENV)
+    await host.call("load", {"model": str(tiny_model_dir)}, timeout=120)
+    with pytest.raises(WorkerError) as caught:
+        await host.call("load", {"model": str(tiny_model_dir), **params}, timeout=120)
+    assert caught.value.data["field"] == field
+    assert (await host.call("capabilities"))["model"]["model"] == str(tiny_model_dir)
+    assert len((await host.call("generate", {"prompt": "the cat", "max_tokens": 3}))["tokens"]) == 3
+
+
+async def test_replaying_a_session_recorded_with_record_equals_leaves_the_transcript_alone(tmp_path: Path):
+    record = tmp_path / "session.jsonl"
+    host = await Host.spawn(f"--record={record}")
+    await host.call("load", {"backend": "echo"})
+    await host.call("generate", {"prompt": "once", "max_tokens": 3})
+    await host.close()
+    recorded = record.read_bytes()
+    assert transcript.read(str(record))[0].args == []
+    assert await replay(record) == []
+    assert record.read_bytes() == recorded
+
+
+async def test_a_huge_unknown_method_name_is_answered_quickly_and_cancel_still_works(spawn_worker: SpawnWorker):
+    host = await spawn_worker()
+    await host.call("load", {"backend": "echo", "token_delay_ms": 20})
+    msg_id, done = host.start("generate", {"prompt": "x" * 200, "max_tokens": 200})
+    await host.wait_for(lambda m: m.get("method") == "generate/chunk")
+    await host.send({"jsonrpc": "2.0", "id": "big", "method": "m" * (8 << 20)})
+    await host.send({"jsonrpc": "2.0", "id": "c", "method": "cancel", "params": {"id": msg_id}})
+    result = (await asyncio.wait_for(done, 20))["result"]
+    error = await host.wait_for(lambda m: m.get("id") == "big")
+    assert result["finish_reason"] == "cancelled" and len(result["tokens"]) < 200
+    assert error["error"]["code"] == -32601 and len(error["error"]["message"]) < 2000
