@@ -62,3 +62,16 @@ def forge(path: Path, edit) -> None:
     assert 48 + len(encoded) <= data_start  # the tensors stay where the header says they are
     prefix = data[:8] + len(encoded).to_bytes(8, "little") + hashlib.sha256(encoded).digest()
     path.write_bytes(prefix + encoded + bytes(data_start - 48 - len(encoded)) + data[data_start:])
+
+
+def header_edit(*path_and_value):
+    """An edit for ``forge`` that sets the field at a path of keys and indices: ("tensors", 0, "dtype", "int8")."""
+    *path, value = path_and_value
+
+    def edit(header):
+        target = header
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+
+    return edit

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cache_samples import forge
+from tests.cache_samples import forge, header_edit
 from tests.conftest import TORCH_ENV
 from tests.test_kv_cache import QUESTION, SYSTEM, cache_dir, greedy, worker  # noqa: F401 (fixture)
 from worker.host import Host, WorkerError
@@ -52,14 +52,17 @@ async def test_a_cache_rewritten_in_place_while_it_is_read_never_kills_the_worke
         target = cache_dir / "sys.kvc"
         backup = target.read_bytes()
         stop = threading.Event()
+        rewrites = 0
 
         def rewrite_in_place() -> None:  # as cp does: truncate the same file, then write it again
+            nonlocal rewrites
             rng = random.Random(7)
             while not stop.is_set():
                 with open(target, "r+b") as file:
                     file.truncate(rng.randrange(len(backup)))
                     file.seek(0)
                     file.write(backup)
+                rewrites += 1
 
         writer = threading.Thread(target=rewrite_in_place)
         writer.start()
@@ -78,6 +81,7 @@ async def test_a_cache_rewritten_in_place_while_it_is_read_never_kills_the_worke
     finally:
         await host.close()
     assert set(outcomes) <= {True} | CLEAN_CACHE_ERRORS, outcomes
+    assert rewrites > len(outcomes), rewrites  # the file kept changing under every read
 
 
 async def test_a_fifo_a_symlink_loop_and_a_directory_named_like_caches_are_skipped_without_blocking(
@@ -109,25 +113,13 @@ async def test_a_fifo_a_symlink_loop_and_a_directory_named_like_caches_are_skipp
     assert not listed & {"fifo", "loop", "dir"}
 
 
-def _set(*path_and_value):
-    *path, value = path_and_value
-
-    def edit(header):
-        target = header
-        for key in path[:-1]:
-            target = target[key]
-        target[path[-1]] = value
-
-    return edit
-
-
 FORGERIES = {
-    "shape x dtype is not nbytes": _set("tensors", 0, "shape", [1, 2, 3, 3]),
-    "dtype int8": _set("tensors", 0, "dtype", "int8"),
-    "layer 99": _set("tensors", 0, "layer", 99),
+    "shape x dtype is not nbytes": header_edit("tensors", 0, "shape", [1, 2, 3, 3]),
+    "dtype int8": header_edit("tensors", 0, "dtype", "int8"),
+    "layer 99": header_edit("tensors", 0, "layer", 99),
     "missing value": lambda h: h["tensors"].pop(1),
-    "duplicate layer": _set("tensors", 2, "layer", 0),
-    "1 TB shape": _set("tensors", 0, "shape", [1, 2, 1 << 36, 16]),
+    "duplicate layer": header_edit("tensors", 2, "layer", 0),
+    "1 TB shape": header_edit("tensors", 0, "shape", [1, 2, 1 << 36, 16]),
 }
 
 

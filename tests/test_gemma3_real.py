@@ -4,7 +4,6 @@ the greedy tokens of no cache. It is a base model without a chat template: promp
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from worker.host import Host, WorkerError
-from tests.conftest import TORCH_ENV
 from tests.test_kv_cache import QUESTION, SYSTEM, cache_dir, greedy, worker  # noqa: F401 (fixture)
 
 

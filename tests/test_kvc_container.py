@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import re
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from tests.cache_samples import (
-    IDENTITY, TOKENS, contents, forge, full_attention_tensors, write_kvc1_file, write_small_cache,
+    IDENTITY, TOKENS, contents, forge, full_attention_tensors, header_edit, write_kvc1_file, write_small_cache,
 )
 from worker.kvcache import container
 from worker.kvcache.container import (
@@ -138,32 +136,22 @@ def test_a_cache_lacking_a_layers_tensors_is_refused_when_written(tmp_path: Path
     assert list(tmp_path.iterdir()) == []
 
 
-def _set(path: list, value):
-    def edit(header):
-        target = header
-        for key in path[:-1]:
-            target = target[key]
-        target[path[-1]] = value
-
-    return edit
-
-
 @pytest.mark.parametrize(
     ("edit", "reason"),
     [
-        (_set(["tensors", 0, "shape"], [1, 2, 5, 5]), "is not 160 bytes"),
-        (_set(["tensors", 0, "dtype"], "int8"), "unknown dtype 'int8'"),
-        (_set(["tensors", 0, "layer"], 99), "there is no layer 99"),
-        (_set(["tensors", 1, "kind"], "key"), "a second key tensor of layer 0"),
-        (_set(["tensors", 1, "name"], "layers.0.key"), "is listed twice"),
-        (_set(["tensors", 0, "shape"], [1, 2, 1 << 40, 4]), "is not 160 bytes"),
-        (_set(["tensors", 0, "strides"], [4, 4, 4, 4]), "strides"),
-        (_set(["layers", 1, "kind"], "linear"), "has no state at the end of the sequence"),
-        (_set(["layers", 1, "kind"], "none"), "keeps no keys and values"),
-        (_set(["layers", 0, "sliding_window"], 4), "a sliding window goes with sliding layers"),
-        (_set(["identity", "layers"], 3), "not layers 0 to 2"),
-        (_set(["tokens", 0], -1), "token id is out of range"),
-        (_set(["states"], [{"layer": 0, "state": 0, "position": 3, "has_previous_state": True}]),
+        (header_edit("tensors", 0, "shape", [1, 2, 5, 5]), "is not 160 bytes"),
+        (header_edit("tensors", 0, "dtype", "int8"), "unknown dtype 'int8'"),
+        (header_edit("tensors", 0, "layer", 99), "there is no layer 99"),
+        (header_edit("tensors", 1, "kind", "key"), "a second key tensor of layer 0"),
+        (header_edit("tensors", 1, "name", "layers.0.key"), "is listed twice"),
+        (header_edit("tensors", 0, "shape", [1, 2, 1 << 40, 4]), "is not 160 bytes"),
+        (header_edit("tensors", 0, "strides", [4, 4, 4, 4]), "strides"),
+        (header_edit("layers", 1, "kind", "linear"), "has no state at the end of the sequence"),
+        (header_edit("layers", 1, "kind", "none"), "keeps no keys and values"),
+        (header_edit("layers", 0, "sliding_window", 4), "a sliding window goes with sliding layers"),
+        (header_edit("identity", "layers", 3), "not layers 0 to 2"),
+        (header_edit("tokens", 0, -1), "token id is out of range"),
+        (header_edit("states", [{"layer": 0, "state": 0, "position": 3, "has_previous_state": True}]),
          "keeps no linear-attention state"),
     ],
 )

@@ -217,7 +217,6 @@ class TransformersModel:
         """``cache``, if given, covers a prefix of ``prompt`` shorter than the whole of it."""
         import torch
 
-        from worker.backends import hf_compat
         from worker.backends.sampling import Sampler
 
         sampler = Sampler(params, self._device)
