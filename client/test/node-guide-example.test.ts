@@ -1,5 +1,5 @@
-// The README's "Using it from Node" example, run as written (on the tiny model) through the
-// package's own name, as a Node project that installed it would.
+// The example of docs/NODE.md, run as written (on the tiny model) through the package's own
+// name, as a Node project that installed it would.
 
 import assert from "node:assert/strict";
 import { execFile } from "node:child_process";
@@ -11,20 +11,19 @@ import { promisify } from "node:util";
 
 import { python, repoRoot, tinyModel, workerEnv } from "./support.js";
 
-async function readmeExample(): Promise<string> {
-  const readme = await readFile(join(repoRoot, "README.md"), "utf8");
-  const section = readme.slice(readme.indexOf("## Using it from Node"));
-  const match = /```js\n([\s\S]*?)```/.exec(section);
-  assert.ok(match, "the README's Node section has a ```js example");
+async function nodeExample(): Promise<string> {
+  const guide = await readFile(join(repoRoot, "docs", "NODE.md"), "utf8");
+  const match = /```js\n([\s\S]*?)```/.exec(guide);
+  assert.ok(match, "docs/NODE.md has a ```js example");
   return match[1]!;
 }
 
-test("the README's Node example runs as written and its second turn starts from the first", async () => {
+test("the Node guide's example runs as written and its second turn starts from the first", async () => {
   const dataDir = await mkdtemp(join(tmpdir(), "lm-worker-readme-"));
   // Inside the package, so that `import ... from "lm-worker"` resolves to this package by its name.
-  const script = join(repoRoot, "client", "dist", "test", "readme-example.mjs");
+  const script = join(repoRoot, "client", "dist", "test", "node-guide-example.mjs");
   try {
-    await writeFile(script, await readmeExample());
+    await writeFile(script, await nodeExample());
     const env = {
       ...workerEnv(),
       LM_WORKER_PYTHON: python(),
