@@ -112,3 +112,19 @@ async def test_a_huge_unknown_method_name_is_answered_quickly_and_cancel_still_w
     error = await host.wait_for(lambda m: m.get("id") == "big")
     assert result["finish_reason"] == "cancelled" and len(result["tokens"]) < 200
     assert error["error"]["code"] == -32601 and len(error["error"]["message"]) < 2000
+
+
+async def test_a_huge_tokenize_does_not_keep_a_cancel_from_being_read(spawn_worker: SpawnWorker, tiny_model_dir):
+    """Text requests run on their own lane: the reader goes on reading (and answering `cancel`)
+    while a tokenize of megabytes runs."""
+    host = await spawn_worker(env=TORCH_ENV)
+    await host.call("load", {"model": str(tiny_model_dir)}, timeout=120)
+    gen_id, generation = host.start("generate", {"prompt": "the cat", "max_tokens": 1500})
+    await host.wait_for(lambda m: m.get("method") == "generate/chunk")
+    await host.send({"jsonrpc": "2.0", "id": "huge", "method": "tokenize", "params": {"text": "the cat sat. " * 400_000}})
+    await host.send({"jsonrpc": "2.0", "id": "stop", "method": "cancel", "params": {"id": gen_id}})
+    await host.wait_for(lambda m: m.get("id") == "huge", timeout=120)
+    result = (await asyncio.wait_for(generation, 60))["result"]
+    order = [m["id"] for m in host.messages if m.get("id") in ("huge", "stop")]
+    assert order == ["stop", "huge"]
+    assert result["finish_reason"] == "cancelled"

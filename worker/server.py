@@ -1,8 +1,10 @@
 """Dispatch: bytes from the host in, replies to the writer out.
 
-Two threads do the work. The reader thread (whoever calls :meth:`Server.feed`)
+Three threads do the work. The reader thread (whoever calls :meth:`Server.feed`)
 decodes frames and answers quick requests at once. Requests that use the model
-go to the model lane, one thread that runs them one at a time, in order. So
+go to the model lane, one thread that runs them one at a time, in order. Text
+requests (``tokenize``, ``detokenize``, ``render``) go to the text lane, so that
+a huge one delays neither the reading of a ``cancel`` nor a generation. So
 ``cancel``, ``capabilities`` and ``tokenize`` are answered while a generation
 streams, and a cancel only has to set an event that the generation checks
 between decode steps.
@@ -55,8 +57,8 @@ _STOPPABLE_WHILE_RUNNING = frozenset({"generate", "prefill"})
 
 class Lane(enum.Enum):
     INLINE = enum.auto()  # answered by the reader thread at once
+    TEXT = enum.auto()  # the text lane, unless a load or unload is still ahead of it (then the model lane)
     MODEL = enum.auto()  # queued for the model thread, in order
-    AFTER_LOADS = enum.auto()  # inline, unless a load or unload is still ahead of it
     AFTER_CACHE_USE = enum.auto()  # inline, unless a prefill, or a generate from a cache, is ahead of it
 
 
@@ -73,7 +75,7 @@ class Job(msgspec.Struct):
 # so that it sees their effect (the model they load, the cache they write or read).
 _WAITS_FOR: dict[Lane, Callable[[Job], bool]] = {
     Lane.INLINE: lambda job: False,
-    Lane.AFTER_LOADS: lambda job: job.method in ("load", "unload"),
+    Lane.TEXT: lambda job: job.method in ("load", "unload"),
     Lane.AFTER_CACHE_USE: lambda job: job.method == "prefill" or getattr(job.params, "cache", None) is not None,
 }
 
@@ -97,9 +99,9 @@ class Server:
             "capabilities": (handlers.capabilities, Lane.INLINE),
             "load": (handlers.load, Lane.MODEL),
             "unload": (handlers.unload, Lane.MODEL),
-            "tokenize": (handlers.tokenize, Lane.AFTER_LOADS),
-            "detokenize": (handlers.detokenize, Lane.AFTER_LOADS),
-            "render": (handlers.render, Lane.AFTER_LOADS),
+            "tokenize": (handlers.tokenize, Lane.TEXT),
+            "detokenize": (handlers.detokenize, Lane.TEXT),
+            "render": (handlers.render, Lane.TEXT),
             "generate": (handlers.generate, Lane.MODEL),
             "prefill": (handlers.prefill, Lane.MODEL),
             "cache/list": (handlers.cache_list, Lane.AFTER_CACHE_USE),
@@ -110,15 +112,20 @@ class Server:
         }
         assert self._routes.keys() == METHODS.keys(), "every protocol method needs a route"
         self._lock = threading.Condition()
-        self._jobs: dict[RequestId, Job] = {}  # queued or running on the model lane
-        self._queue: deque[Job] = deque()
+        self._jobs: dict[RequestId, Job] = {}  # queued or running on a lane
+        self._queue: deque[Job] = deque()  # the model lane's
+        self._text_queue: deque[Job] = deque()
         self._shutdown_requested = False
         self._stopping = False  # no more input is read; the lane finishes its queue
         self._cancelled_at: float | None = None  # when end() cancelled everything
         self.ended = threading.Event()
         self.exit_code = 0
-        self._lane = threading.Thread(target=self._run_lane, name="lm-worker-model", daemon=True)
-        self._lane.start()
+        self._lanes = [
+            threading.Thread(target=self._run_lane, args=(queue,), name=name, daemon=True)
+            for queue, name in ((self._queue, "lm-worker-model"), (self._text_queue, "lm-worker-text"))
+        ]
+        for lane in self._lanes:
+            lane.start()
 
     @staticmethod
     def method_names() -> list[str]:
@@ -191,11 +198,13 @@ class Server:
                 )
             else:
                 error = None
-                queue_it = lane is Lane.MODEL or any(map(_WAITS_FOR[lane], self._jobs.values()))
-                if queue_it:
+                behind = lane is Lane.MODEL or any(map(_WAITS_FOR[lane], self._jobs.values()))
+                queue = self._queue if behind else self._text_queue if lane is Lane.TEXT else None
+                queue_it = queue is not None
+                if queue is not None:
                     job = Job(request.id, request.method, params, time.perf_counter())
                     self._jobs[request.id] = job
-                    self._queue.append(job)
+                    queue.append(job)
                     self._lock.notify_all()
                 if request.method == "shutdown":
                     self._shutdown_requested = True
@@ -238,16 +247,16 @@ class Server:
         for job in self._jobs.values():
             job.cancelled.set()
 
-    # --- the model lane -------------------------------------------------------
+    # --- the lanes ---------------------------------------------------------------
 
-    def _run_lane(self) -> None:
+    def _run_lane(self, queue: deque[Job]) -> None:
         while True:
             with self._lock:
-                while not self._queue and not self._stopping:
+                while not queue and not self._stopping:
                     self._lock.wait()
-                if not self._queue:
+                if not queue:
                     return
-                job = self._queue.popleft()
+                job = queue.popleft()
                 job.running = True
             queued_ms = (time.perf_counter() - job.queued_at) * 1000.0
             handler = self._routes[job.method][0]
@@ -308,11 +317,12 @@ class Server:
         self.ended.set()
 
     def wait_stopped(self, grace_s: float) -> bool:
-        """Wait for the model lane to finish its queue. Once everything is cancelled,
-        wait at most ``grace_s`` more; False if it did not stop in time."""
+        """Wait for the lanes to finish their queues. Once everything is cancelled,
+        wait at most ``grace_s`` more; False if they did not stop in time."""
         while True:
-            self._lane.join(0.1)
-            if not self._lane.is_alive():
+            for lane in self._lanes:
+                lane.join(0.05)
+            if not any(lane.is_alive() for lane in self._lanes):
                 return True
             cancelled_at = self._cancelled_at
             if cancelled_at is not None and time.monotonic() - cancelled_at > grace_s:
