@@ -345,3 +345,17 @@ async def test_three_workers_and_a_vandal_share_a_directory_without_a_crash_or_a
         for host in hosts:
             assert await host.close() == 0, host.stderr_tail()
     assert outcomes.get("auto ok", 0) > 0 and outcomes.get("named ok", 0) + outcomes.get("auto ok", 0) > 10, outcomes
+
+
+async def test_eviction_passes_over_entries_that_are_not_cache_files(tiny_model_dir, cache_dir):
+    cache_dir.mkdir()
+    (cache_dir / "loop.kvc").symlink_to(cache_dir / "loop.kvc")
+    os.mkfifo(cache_dir / "fifo.kvc")
+    host = await Host.spawn("--cache-dir", str(cache_dir), "--cache-max-bytes", "1", env=TORCH_ENV)
+    try:
+        await host.call("load", {"model": str(tiny_model_dir)}, timeout=300)
+        for ref in ("one", "two"):
+            await host.call("prefill", {"prompt": SYSTEM, "cache": ref})
+    finally:
+        await host.close()
+    assert sorted(p.name for p in cache_dir.iterdir()) == ["fifo.kvc", "loop.kvc", "two.kvc"]

@@ -11,7 +11,9 @@ the directory.
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +39,8 @@ from worker.kvcache.container import (
     TensorSpec,
     UnsupportedCache,
 )
+
+log = logging.getLogger(__name__)
 
 MEMORY = "memory://"
 SUFFIX = ".kvc"
@@ -163,17 +167,22 @@ class CacheStore:
         files = []
         for path in self._files():
             try:
-                stat = path.stat()
-            except FileNotFoundError:  # another worker deleted it meanwhile
+                info = path.lstat()
+            except OSError:  # another worker deleted it meanwhile
                 continue
-            files.append((stat.st_mtime, stat.st_size, path))
+            if stat.S_ISREG(info.st_mode):  # caches only: not links, FIFOs or directories named like them
+                files.append((info.st_mtime, info.st_size, path))
         total = sum(size for _, size, _ in files)
         for _, size, path in sorted(files):
             if total <= self.max_bytes:
                 break
             if path.name == f"{keep}{SUFFIX}":
                 continue
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:  # a directory this worker may not change: the bound cannot be kept
+                log.warning("could not evict %s to keep the cache directory bounded: %s", path.name, exc)
+                return
             total -= size
 
     # --- reading ------------------------------------------------------------------
@@ -222,9 +231,9 @@ class CacheStore:
         for path in self._files():
             ref = path.name[: -len(SUFFIX)]
             try:
-                stat = path.stat()
+                found_stat = path.stat()
                 # A rewrite by rename is a new inode; one in place changes the times.
-                version = (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+                version = (found_stat.st_ino, found_stat.st_size, found_stat.st_mtime_ns, found_stat.st_ctime_ns)
                 known = self._headers.get(ref)
                 header = known[1] if known and known[0] == version else container.read_header(path)
             except (FileNotFoundError, CacheMissing, OutdatedCache):  # deleted meanwhile, or of another format
@@ -263,14 +272,14 @@ class CacheStore:
                 header: Header | OldHeader = container.read_header(path)
             except OutdatedCache as exc:  # listed, so that it can be seen and deleted; never used
                 header = exc.header
-            stat = path.stat()
+            file_stat = path.stat()
         except (CacheMissing, FileNotFoundError) as exc:  # deleted by another worker meanwhile
             raise _not_found(ref) from exc
         except CacheFormatError as exc:
             raise RpcError(ErrorKind.CACHE_CORRUPT, f"Cache {ref!r} is damaged: {exc.reason}.", field="params.cache") from exc
         return CacheInfo(
-            cache=ref, token_count=len(header.tokens), bytes=stat.st_size, model_id=header.identity.model_id,
-            created_by=header.created_by, last_used=stat.st_mtime,
+            cache=ref, token_count=len(header.tokens), bytes=file_stat.st_size, model_id=header.identity.model_id,
+            created_by=header.created_by, last_used=file_stat.st_mtime,
             prefix_offsets=header.prefix_offsets, prefix_hashes=header.prefix_hashes,
         )
 
