@@ -120,6 +120,7 @@ FORGERIES = {
     "missing value": lambda h: h["tensors"].pop(1),
     "duplicate layer": header_edit("tensors", 2, "layer", 0),
     "1 TB shape": header_edit("tensors", 0, "shape", [1, 2, 1 << 36, 16]),
+    "layer kinds of another model": lambda h: h["layers"][0].update(kind="sliding", sliding_window=4),
 }
 
 

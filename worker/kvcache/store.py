@@ -216,8 +216,16 @@ class CacheStore:
                 f"Cache {ref!r} is damaged and was not used: {exc.reason}. Delete it (cache/delete) and prefill again.",
                 field=field,
             ) from exc
+        try:
+            cache = restore(loaded)
+        except UnsupportedCache as exc:  # its layers are not this model's: a header forged to pass
+            raise RpcError(
+                ErrorKind.CACHE_CORRUPT,
+                f"Cache {ref!r} was not used: {exc}. Delete it (cache/delete) and prefill again.",
+                field=field,
+            ) from exc
         _touch(path)
-        return list(loaded.header.tokens), restore(loaded)
+        return list(loaded.header.tokens), cache
 
     def candidates(self, identity: Identity) -> tuple[list[Candidate], list[SkippedCache]]:
         """Every stored cache of ``identity`` (memory and disk), and the disk files passed over
