@@ -128,3 +128,20 @@ async def test_a_huge_tokenize_does_not_keep_a_cancel_from_being_read(spawn_work
     order = [m["id"] for m in host.messages if m.get("id") in ("huge", "stop")]
     assert order == ["stop", "huge"]
     assert result["finish_reason"] == "cancelled"
+
+
+async def test_a_text_request_sees_the_model_as_it_was_when_it_arrived(spawn_worker: SpawnWorker):
+    """tokenize runs on the text lane, load on the model lane: a load sent right after a
+    tokenize waits for it, so the tokenize never sees the model loaded after it."""
+    host = await spawn_worker()
+    outcomes = set()
+    for round_no in range(40):
+        await host.send_raw(
+            b'{"jsonrpc":"2.0","id":"t%d","method":"tokenize","params":{"text":"x"}}\n'
+            b'{"jsonrpc":"2.0","id":"l%d","method":"load","params":{"backend":"echo"}}\n' % (round_no, round_no)
+        )
+        answer = await host.wait_for(lambda m, r=round_no: m.get("id") == f"t{r}")
+        await host.wait_for(lambda m, r=round_no: m.get("id") == f"l{r}")
+        await host.call("unload")
+        outcomes.add(answer.get("error", {}).get("data", {}).get("kind"))
+    assert outcomes == {"model_not_loaded"}

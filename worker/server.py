@@ -67,6 +67,7 @@ class Job(msgspec.Struct):
     method: str
     params: Params
     queued_at: float
+    text_lane: bool = False
     cancelled: threading.Event = msgspec.field(default_factory=threading.Event)
     running: bool = False
 
@@ -202,7 +203,7 @@ class Server:
                 queue = self._queue if behind else self._text_queue if lane is Lane.TEXT else None
                 queue_it = queue is not None
                 if queue is not None:
-                    job = Job(request.id, request.method, params, time.perf_counter())
+                    job = Job(request.id, request.method, params, time.perf_counter(), queue is self._text_queue)
                     self._jobs[request.id] = job
                     queue.append(job)
                     self._lock.notify_all()
@@ -257,6 +258,11 @@ class Server:
                 if not queue:
                     return
                 job = queue.popleft()
+                if job.method in ("load", "unload"):
+                    # Text requests received before it see the model as it was: they finish first.
+                    earlier = [j for j in self._jobs.values() if j.text_lane]
+                    while any(self._jobs.get(j.id) is j for j in earlier):
+                        self._lock.wait()
                 job.running = True
             queued_ms = (time.perf_counter() - job.queued_at) * 1000.0
             handler = self._routes[job.method][0]
@@ -293,6 +299,7 @@ class Server:
         if job is not None:  # the id is free again before the host can see the answer
             with self._lock:
                 del self._jobs[job.id]
+                self._lock.notify_all()
         self._writer.send(body)
 
     def _send_error(self, msg_id: RequestId | None, error: RpcError) -> None:
