@@ -145,3 +145,14 @@ async def test_a_text_request_sees_the_model_as_it_was_when_it_arrived(spawn_wor
         await host.call("unload")
         outcomes.add(answer.get("error", {}).get("data", {}).get("kind"))
     assert outcomes == {"model_not_loaded"}
+
+
+async def test_shutdown_answers_after_a_text_request_sent_before_it(spawn_worker: SpawnWorker, tiny_model_dir):
+    host = await spawn_worker(env=TORCH_ENV)
+    await host.call("load", {"model": str(tiny_model_dir)}, timeout=120)
+    await host.send_raw(
+        b'{"jsonrpc":"2.0","id":"big","method":"tokenize","params":{"text":"' + b"the cat sat. " * 400_000 + b'"}}\n'
+        b'{"jsonrpc":"2.0","id":"bye","method":"shutdown"}\n'
+    )
+    await host.wait_for(lambda m: m.get("id") == "bye", timeout=120)
+    assert [m["id"] for m in host.messages if m.get("id") in ("big", "bye")] == ["big", "bye"]

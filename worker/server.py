@@ -258,8 +258,9 @@ class Server:
                 if not queue:
                     return
                 job = queue.popleft()
-                if job.method in ("load", "unload"):
-                    # Text requests received before it see the model as it was: they finish first.
+                if job.method in ("load", "unload", "shutdown"):
+                    # Text requests received before it finish first: they see the model as it was,
+                    # and shutdown answers after every earlier request.
                     earlier = [j for j in self._jobs.values() if j.text_lane]
                     while any(self._jobs.get(j.id) is j for j in earlier):
                         self._lock.wait()
