@@ -26,7 +26,7 @@ from protocol.methods import (
 )
 from worker.backends.base import CachingModel, Model
 from worker.generation import CacheStart, PromptSource, check_context, resolve_prompt
-from worker.kvcache.container import Identity
+from worker.kvcache.container import Identity, cut_point
 from worker.kvcache.store import MEMORY, Candidate, CacheStore
 
 AUTO = "auto"
@@ -228,9 +228,7 @@ def _start_auto(store: CacheStore, model: Model, prompt: Sequence[int]) -> Cache
 def _reusable(candidate: Candidate, prompt: Sequence[int]) -> int:
     """How much of ``prompt`` a stored cache can give: the prefix they share, but never the
     last prompt token (always fed), and only as far as the cache can be cut back."""
-    shared = min(common_prefix(candidate.tokens, prompt), len(prompt) - 1)
-    points = candidate.resume_points
-    return shared if points is None else max(p for p in points if p <= shared)
+    return cut_point(candidate.resume_points, min(common_prefix(candidate.tokens, prompt), len(prompt) - 1))
 
 
 def _can_resume(points: list[int] | None, lengths: Sequence[int]) -> bool:

@@ -163,6 +163,12 @@ class UnsupportedCache(Exception):
     """A cache whose layers a KVC2 file cannot represent."""
 
 
+def cut_point(resume_points: list[int] | None, tokens: int) -> int:
+    """The longest prefix of at most ``tokens`` positions that a cache with these resume points
+    can be cut back to (None: any)."""
+    return tokens if resume_points is None else max(p for p in resume_points if p <= tokens)
+
+
 class OldIdentity(msgspec.Struct, frozen=True):
     model_id: str
 

@@ -18,12 +18,13 @@ back, and so how much of it a later prompt can reuse:
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 
 from worker.backends import hf_compat
-from worker.kvcache.container import LayerEntry, LoadedCache, StateEntry, TensorSpec, UnsupportedCache
+from worker.kvcache.container import LayerEntry, LoadedCache, StateEntry, TensorSpec, UnsupportedCache, cut_point
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 _TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
@@ -85,9 +86,7 @@ class TorchCache:
 
     def reusable(self, tokens: int) -> int:
         """The longest prefix of at most ``tokens`` positions that the cache can be cut back to."""
-        points = self.resume_points()
-        tokens = min(tokens, self.length)
-        return tokens if points is None else max(p for p in points if p <= tokens)
+        return cut_point(self.resume_points(), min(tokens, self.length))
 
     def crop(self, keep: int) -> None:
         """Keep the first ``keep`` positions; ``keep`` must be one that ``reusable`` gives."""
@@ -109,7 +108,7 @@ class TorchCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(view.nbytes for _, view in self._tensors())
+        return sum(tensor.nbytes for *_, tensor in self._parts())
 
     def copy(self) -> TorchCache:
         return copy.deepcopy(self, {id(self._config): self._config})  # the tensors, not the model's config
@@ -145,19 +144,23 @@ class TorchCache:
         return {**self.checkpoints, self.length: current}
 
     def _tensors(self) -> list[tuple[TensorSpec, memoryview]]:
-        out = []
+        return [
+            _spec(name, kind, layer, tensor, state=state, position=position)
+            for name, kind, layer, state, position, tensor in self._parts()
+        ]
+
+    def _parts(self) -> Iterator[tuple[str, str, int, int, int | None, torch.Tensor]]:
+        """Every tensor the cache holds, in file order: (name, kind, layer, state, position, tensor)."""
         for index, (kind, layer) in enumerate(zip(self.kinds, self.kv.layers)):
             if kind.startswith(("full", "sliding")) and self.length:
                 for name, tensor in (("key", layer.keys), ("value", layer.values)):
-                    out.append(_spec(f"layers.{index}.{name}", name, index, tensor))
+                    yield f"layers.{index}.{name}", name, index, 0, None, tensor
         for position, layers in sorted(self._states_by_position().items()):
             for index, snapshot in layers.items():
                 for state in snapshot.has_previous_state:
                     for name, tensor in (("conv", snapshot.conv[state]), ("recurrent", snapshot.recurrent[state])):
                         if tensor is not None:
-                            label = f"layers.{index}.{name}.{state}@{position}"
-                            out.append(_spec(label, name, index, tensor, state=state, position=position))
-        return out
+                            yield f"layers.{index}.{name}.{state}@{position}", name, index, state, position, tensor
 
     @classmethod
     def from_file(cls, loaded: LoadedCache, config, device: str) -> TorchCache:
