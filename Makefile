@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NODE_STAMP := node_modules/.installed
 
-.PHONY: setup compile demo test test-fast bench schemas
+.PHONY: setup compile demo test test-fast bench bench-llama-cpp schemas
 
 setup: $(STAMP) $(NODE_STAMP)
 
@@ -48,6 +48,11 @@ test-fast: compile $(NODE_STAMP)
 bench: compile
 	$(BIN)/python bench/protocol_bench.py
 	$(BIN)/python bench/generate_bench.py
+
+# lm-worker beside llama.cpp (node-llama-cpp, installed into bench/llama-cpp on first use).
+bench-llama-cpp: compile $(NODE_STAMP)
+	npm run build
+	node bench/llama_cpp_bench.mjs
 
 schemas: $(STAMP)
 	$(BIN)/python -m protocol.schema schemas

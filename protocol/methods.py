@@ -75,6 +75,7 @@ class ModelInfo(Result):
     has_chat_template: bool
     device: str
     dtype: str
+    quantization: str  # "none", "int8" or "int4": how the linear layers' weights are held
     load_time_ms: float
 
 
@@ -98,6 +99,8 @@ class LoadParams(Params):
     backend: str = "transformers"
     device: str = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Weight-only quantization of the linear layers, on the CPU (worker/backends/fast_weights.py).
+    quantization: Literal["auto", "none", "int8", "int4"] = "auto"
     trust_remote_code: bool = False
     # Backends that simulate work (echo) sleep this long per generated token;
     # others refuse a non-zero value.

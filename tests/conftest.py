@@ -61,6 +61,21 @@ def tiny_hf(tiny_model_dir: Path):
     return model, AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+@pytest.fixture(scope="session")
+def tiny_as_loaded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The tiny model as a worker's default ``load`` makes it (dtype, quantized weights,
+    attention implementation), in this process: transformers' own generate() on it is the
+    reference for the worker's decode loop."""
+    import torch
+
+    from protocol.methods import LoadParams
+    from worker.backends.transformers_backend import TransformersBackend
+
+    torch.set_num_threads(1)
+    loaded = TransformersBackend().load(LoadParams(model=str(tiny_model_dir)), data_dir=tmp_path_factory.mktemp("data"))
+    return loaded._model
+
+
 @pytest.fixture
 async def spawn_worker() -> AsyncIterator[SpawnWorker]:
     """Spawn ``python -m worker`` with the given arguments; every worker is reaped after the test."""

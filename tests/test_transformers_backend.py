@@ -65,11 +65,12 @@ async def scratch_worker(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
-def greedy_reference(tiny_hf):
-    """In-process ``model.generate(do_sample=False)``: prompt ids -> generated ids (cached)."""
+def greedy_reference(tiny_as_loaded):
+    """In-process ``model.generate(do_sample=False)`` on the model as the worker loads it:
+    prompt ids -> generated ids (cached)."""
     import torch
 
-    model, _ = tiny_hf
+    model = tiny_as_loaded
 
     @functools.cache
     def reference(prompt_ids: tuple[int, ...], max_new_tokens: int, **options) -> list[int]:

@@ -42,6 +42,7 @@ export interface ModelInfo {
   has_chat_template: boolean;
   device: string;
   dtype: string;
+  quantization: string;
   load_time_ms: number;
 }
 
@@ -60,6 +61,8 @@ export interface LoadParams {
   device?: string;
   /** Default `"auto"`. */
   dtype?: "auto" | "bfloat16" | "float16" | "float32";
+  /** Default `"auto"`. */
+  quantization?: "auto" | "int4" | "int8" | "none";
   /** Default `false`. */
   trust_remote_code?: boolean;
   /** minimum 0; maximum 60000. Default `0`. */

@@ -39,6 +39,7 @@ class EchoModel:
             has_chat_template=True,
             device="cpu",
             dtype="none",
+            quantization="none",
             load_time_ms=load_time_ms,
         )
 

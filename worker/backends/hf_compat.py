@@ -7,6 +7,7 @@ transformers backend: importing this module imports torch and transformers.
 from __future__ import annotations
 
 import os
+import types
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
 os.environ.setdefault("TQDM_DISABLE", "1")  # gguf conversion draws raw tqdm bars on stderr
@@ -15,6 +16,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 from transformers.integrations import sdpa_attention  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
+from transformers.modeling_utils import AttentionInterface  # noqa: E402
 
 VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
 
@@ -41,6 +44,43 @@ def _use_gqa_in_sdpa(attention_mask: torch.Tensor | None, key: torch.Tensor, *re
 
 sdpa_attention.use_gqa_in_sdpa = _use_gqa_in_sdpa
 
+# The attention implementation lm-worker loads models with: transformers' SDPA, but for one
+# query position on the CPU (a decode step), one_query_attention. decode_step.py computes
+# with the same function, so its steps equal transformers' forward on the same model.
+ATTENTION = "lm_worker"
+
+
+def one_query_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention of one position: ``query`` (kv_heads, groups, dim), the query heads grouped
+    by the key/value head they read; ``keys``, ``values`` (kv_heads, n, dim). Returns
+    (kv_heads, groups, dim) in float32.
+
+    Each key/value head is read once for its group (SDPA's decode path copies it per query
+    head), in float32: bfloat16 products this small cost more on the CPU than the conversion,
+    and the softmax is float32 as in transformers' eager attention."""
+    scores = torch.bmm(query.float(), keys.float().transpose(1, 2)) * scaling
+    return torch.bmm(torch.softmax(scores, dim=-1), values.float())
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    batch, heads, positions, dim = query.shape
+    plain = attention_mask is None and not kwargs.get("softcap") and kwargs.get("s_aux") is None
+    if positions != 1 or not plain or query.device.type != "cpu" or dropout:
+        return sdpa_attention.sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    kv_heads = key.shape[1]
+    scaling = module.scaling if scaling is None else scaling
+    rows = [
+        one_query_attention(query[row].view(kv_heads, heads // kv_heads, dim), key[row], value[row], scaling)
+        for row in range(batch)
+    ]
+    return torch.stack(rows).view(batch, 1, heads, dim).to(query.dtype), None
+
+
+AttentionInterface.register(ATTENTION, _attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
 
 def new_cache(config: transformers.PretrainedConfig) -> DynamicCache:
     """A cache with the model's layer kinds, whose sliding-window layers keep every position.
@@ -52,7 +92,54 @@ def new_cache(config: transformers.PretrainedConfig) -> DynamicCache:
     for layer in cache.layers:
         if type(layer).__name__ == "DynamicSlidingWindowLayer":
             layer.activate_past_recording()
+        elif type(layer).__name__ == "DynamicLayer":
+            layer.update = types.MethodType(_update_in_place, layer)
     return cache
+
+
+def _update_in_place(layer, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
+    """DynamicLayer.update without its copy of the whole cache at every step."""
+    return append_positions(layer, keys, values)
+
+
+def append_positions(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append positions to a full-attention layer; its keys and values, all positions.
+
+    transformers' DynamicLayer concatenates, which copies the whole cache at every decode
+    step (90 MB a step at 2,000 positions of SmolLM2). Here the positions live in buffers
+    with room to grow (doubling), and ``layer.keys``/``values`` are views of their used
+    part; cutting back (keep_positions) keeps them views, and tensors set from elsewhere
+    (set_positions) move into new buffers at the next append."""
+    if not layer.is_initialized:
+        layer.lazy_initialization(keys, values)
+    held = layer.keys.shape[-2] if layer.keys.dim() == 4 else 0
+    total = held + keys.shape[-2]
+    buffers = getattr(layer, "growth_buffers", None)
+    if buffers is None or buffers[0].shape[-2] < total or not _starts(layer.keys, buffers[0]) or not held:
+        capacity = max(total * 2, 64)
+        buffers = tuple(
+            new.new_empty((*new.shape[:-2], capacity, new.shape[-1])) for new in (keys, values)
+        )
+        if held:
+            buffers[0][..., :held, :] = layer.keys
+            buffers[1][..., :held, :] = layer.values
+        layer.growth_buffers = buffers
+    buffers[0][..., held:total, :] = keys
+    buffers[1][..., held:total, :] = values
+    layer.keys, layer.values = buffers[0][..., :total, :], buffers[1][..., :total, :]
+    return layer.keys, layer.values
+
+
+def _starts(view: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether ``view`` is the first positions of ``buffer``."""
+    return view.data_ptr() == buffer.data_ptr() and view.stride() == buffer.stride()
+
+
+def drop_spare_room(layer) -> None:
+    """Keys and values in tensors of their own size (a copy kept for later holds no spare room)."""
+    if getattr(layer, "growth_buffers", None) is not None:
+        layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+        layer.growth_buffers = None
 
 
 # transformers' cache layer classes, by the kind of state they keep (torch_adapter explains each).

@@ -50,6 +50,12 @@ class TransformersBackend:
                 "token_delay_ms is for the echo backend; omit it for transformers.",
                 field="params.token_delay_ms",
             )
+        if params.quantization in ("int4", "int8") and params.device != "cpu":
+            raise RpcError(
+                ErrorKind.INVALID_PARAMS,
+                f"quantization {params.quantization!r} runs on the CPU only; use 'none' (or 'auto') on {params.device!r}.",
+                field="params.quantization",
+            )
         _check_device(params.device)
         from worker.default_model import SHIPPED
 
@@ -63,18 +69,37 @@ class TransformersBackend:
 
         device = params.device
         path = _model_path(params.model, data_dir)
-        dtype = _DEFAULT_DTYPES[device.split(":")[0]] if params.dtype == "auto" else params.dtype
+        dtype, quantization = resolve_weights(params)
         model, tokenizer = _load_pretrained(path, dtype, device, params.trust_remote_code)
-        identity = _identity(path, model, tokenizer, dtype, data_dir / "digests")
-        return TransformersModel(params, path, model, tokenizer, identity, device, dtype, started)
+        identity = _identity(path, model, tokenizer, dtype, quantization, data_dir / "digests")
+        if quantization != "none":
+            from worker.backends.fast_weights import quantize
+
+            quantize(model, quantization)
+        return TransformersModel(params, path, model, tokenizer, identity, device, dtype, quantization, started)
+
+
+def resolve_weights(params: LoadParams) -> tuple[str, str]:
+    """The dtype and quantization that ``auto`` stands for. On the CPU: float32 with 4-bit
+    weights, the fastest path whose greedy output with a cache stays equal to the output
+    without one (fast_weights says why; bench/README.md measures it); elsewhere the
+    device's usual dtype, unquantized."""
+    kind = params.device.split(":")[0]
+    dtype = _DEFAULT_DTYPES[kind] if params.dtype == "auto" else params.dtype
+    if params.quantization != "auto":
+        return dtype, params.quantization
+    return dtype, "int4" if kind == "cpu" else "none"
 
 
 class TransformersModel:
     def __init__(
         self, params: LoadParams, path: Path, model, tokenizer, identity: Identity, device: str, dtype: str,
-        started: float,
+        quantization: str, started: float,
     ):
+        from worker.backends import decode_step
+
         self._model = model
+        self._step = decode_step.DecodeStep(model) if decode_step.supports(model) else None
         self._tokenizer = tokenizer
         self._device = device
         # Fast tokenizers may raise "Already borrowed" when shared between threads.
@@ -95,6 +120,7 @@ class TransformersModel:
             has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
             device=device,
             dtype=dtype,
+            quantization=quantization,
             load_time_ms=(time.perf_counter() - started) * 1000.0,
         )
 
@@ -229,7 +255,7 @@ class TransformersModel:
                 yield token
                 step = torch.tensor([[token]], dtype=torch.long, device=self._device)
                 sequence = torch.cat([sequence, step], dim=1)
-                logits = cache.feed(self._model, step)
+                logits = self._step([token], [cache]) if self._step else cache.feed(self._model, step)
 
     def close(self) -> None:
         self._model = None
@@ -247,7 +273,7 @@ _TOKENIZER_FILES = frozenset(
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 
 
-def _identity(path: Path, model, tokenizer, dtype: str, memo_dir: Path) -> Identity:
+def _identity(path: Path, model, tokenizer, dtype: str, quantization: str, memo_dir: Path) -> Identity:
     """Everything that decides what the model computes for a token: every byte of the
     weights and tokenizer files (a .gguf file holds both), the chat template, and the
     whole configuration. Digests of big files are remembered (worker.fingerprint)."""
@@ -275,6 +301,7 @@ def _identity(path: Path, model, tokenizer, dtype: str, memo_dir: Path) -> Ident
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0),
         dtype=dtype,
+        quantization=quantization,
         cache_class="DynamicCache",
         attention_type=kinds.pop() if len(kinds) == 1 else "hybrid",
     )
@@ -353,11 +380,14 @@ def _load_pretrained(path: Path, dtype: str, device: str, trust_remote_code: boo
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from worker.backends import hf_compat
+
     location, extra = (path.parent, {"gguf_file": path.name}) if path.is_file() else (path, {})
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **extra)
         model = AutoModelForCausalLM.from_pretrained(
-            location, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code, **extra
+            location, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code,
+            attn_implementation=hf_compat.ATTENTION, **extra,
         ).to(device)
     except Exception as exc:  # corrupt, truncated or foreign files, a device that fails: say which and why
         raise RpcError(

@@ -93,6 +93,7 @@ class Identity(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     kv_heads: int
     head_dim: int
     dtype: str
+    quantization: str = "none"  # of the weights (the load param); files from before it was recorded: none
     layout: str = LAYOUT
     cache_class: str
     attention_type: str  # "full", "sliding", "linear" or "hybrid": the kinds of layers there are

@@ -111,7 +111,10 @@ class TorchCache:
         return sum(tensor.nbytes for *_, tensor in self._parts())
 
     def copy(self) -> TorchCache:
-        return copy.deepcopy(self, {id(self._config): self._config})  # the tensors, not the model's config
+        twin = copy.deepcopy(self, {id(self._config): self._config})  # the tensors, not the model's config
+        for layer in twin.kv.layers:
+            hf_compat.drop_spare_room(layer)
+        return twin
 
     # --- to and from a file ----------------------------------------------------------
 

@@ -1,0 +1,85 @@
+"""Where a decode step's time goes, on SmolLM2-135M, for each way the worker can take a step.
+
+    .venv/bin/python bench/decode_profile.py [--context 2000] [--steps 40]
+
+For each path it prints the wall time of a step (median of --steps, after a prompt of
+--context tokens) and, from torch's profiler, the time in operator kernels by kind:
+matrix products of the weights, attention, copies of the cache, every other operator;
+what is left of the wall time is Python and the framework around the operators.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from protocol.methods import LoadParams  # noqa: E402
+from worker.backends.transformers_backend import TransformersBackend  # noqa: E402
+from worker.default_model import default_data_dir  # noqa: E402
+
+KINDS = {
+    "weights": ("aten::mm", "aten::addmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm"),
+    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm", "aten::_softmax"),
+    "cache copies": ("aten::cat", "aten::copy_"),
+}
+PATHS = [
+    ("transformers forward, dense float32 (the worker before)", {"dtype": "float32", "quantization": "none"}, "forward"),
+    ("transformers forward, int4 weights", {}, "forward"),
+    ("lm-worker step, dense float32", {"dtype": "float32", "quantization": "none"}, "step"),
+    ("lm-worker step, int4 weights (the default)", {}, "step"),
+]
+
+
+def step(model, cache, how: str) -> None:
+    """One decode step of token 42: the worker's own step, or transformers' forward."""
+    if how == "step":
+        model._step([42], [cache])
+    else:
+        cache.feed(model._model, torch.tensor([[42]]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=16, help="prompt tokens before the measured steps")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"SmolLM2-135M, {args.threads} threads, {args.context} positions cached; ms per decode step\n")
+    print("| path | step (ms) | tokens/s | weights | attention | cache copies | other operators | Python and framework |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for label, params, how in PATHS:
+        model = TransformersBackend().load(LoadParams(model="default", **params), data_dir=default_data_dir())
+        with torch.inference_mode():
+            cache = model.new_cache()
+            model.extend_cache(list(range(100, 100 + args.context)), cache, lambda: False)
+            for _ in range(3):
+                step(model, cache, how)
+            times = []
+            for _ in range(args.steps):
+                started = time.perf_counter()
+                step(model, cache, how)
+                times.append((time.perf_counter() - started) * 1000)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+                for _ in range(10):
+                    step(model, cache, how)
+        wall = statistics.median(times)
+        by_kind = dict.fromkeys([*KINDS, "other"], 0.0)
+        for event in profile.key_averages():
+            kind = next((k for k, names in KINDS.items() if event.key in names), "other")
+            by_kind[kind] += event.self_cpu_time_total / 1000 / 10
+        framework = max(wall - sum(by_kind.values()), 0.0)
+        cells = [f"{by_kind[k]:.1f}" for k in (*KINDS, "other")]
+        print(f"| {label} | {wall:.1f} | {1000 / wall:.0f} | {' | '.join(cells)} | {framework:.1f} |", flush=True)
+        model.close()
+
+
+if __name__ == "__main__":
+    main()

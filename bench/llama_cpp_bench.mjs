@@ -1,0 +1,227 @@
+// lm-worker beside llama.cpp (node-llama-cpp), driven from one Node process, on the same
+// model (SmolLM2-135M-Instruct: llama.cpp on the shipped Q4_1 gguf, the worker on its
+// conversion of it), the same prompt tokens, greedy, interleaved round by round.
+//
+//   node bench/llama_cpp_bench.mjs [--quick] [--rounds N] [--json FILE] [--also-float32]
+//
+// bench/README.md says what each figure is. Needs `make setup` and `npm run build`;
+// node-llama-cpp is installed on first use into bench/llama-cpp (exact pins, lock file).
+import { execFileSync } from "node:child_process";
+import { existsSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { dirname, join } from "node:path";
+import { fileURLToPath, pathToFileURL } from "node:url";
+import { parseArgs } from "node:util";
+
+const root = dirname(dirname(fileURLToPath(import.meta.url)));
+const { values: options } = parseArgs({
+  options: {
+    quick: { type: "boolean", default: false },
+    rounds: { type: "string" },
+    json: { type: "string" },
+    "also-float32": { type: "boolean", default: false },
+  },
+});
+const rounds = Number(options.rounds ?? (options.quick ? 1 : 3));
+const NEW_TOKENS = 128;
+const LONG_PROMPT_TOKENS = 2048;
+const THREADS = 2;
+
+// --- the two contestants -------------------------------------------------------------
+
+function installLlamaCpp() {
+  const folder = join(root, "bench", "llama-cpp");
+  if (!existsSync(join(folder, "node_modules", "node-llama-cpp"))) {
+    console.error("installing node-llama-cpp 3.21.1 into bench/llama-cpp ...");
+    execFileSync("npm", ["ci", "--omit=optional", "--ignore-scripts", "--no-audit", "--no-fund"], {
+      cwd: folder,
+      stdio: "inherit",
+    });
+  }
+  return import(pathToFileURL(join(folder, "node_modules", "node-llama-cpp", "dist", "index.js")).href);
+}
+
+const python = join(root, ".venv", "bin", "python");
+const gguf = execFileSync(python, ["-c", "from worker.default_model import gguf_path; print(gguf_path())"], {
+  cwd: root,
+  encoding: "utf8",
+}).trim();
+const { LmWorker } = await import(pathToFileURL(join(root, "client", "dist", "src", "index.js")).href);
+const { getLlama } = await installLlamaCpp();
+
+const llama = await getLlama({ gpu: false, build: "never", logLevel: "error" });
+const llamaModel = await llama.loadModel({ modelPath: gguf });
+let llamaContext = await llamaModel.createContext({ contextSize: 4096, threads: THREADS, sequences: 1 });
+
+async function startWorker(loadParams) {
+  const worker = await LmWorker.start({ python, cwd: root, args: ["--log-level", "warning"] });
+  const info = await worker.load({ model: "default", ...loadParams });
+  return { worker, info };
+}
+
+// --- prompts: token ids, the same for both --------------------------------------------
+
+const tokenizer = await startWorker({});
+const tokenize = async (text) => (await tokenizer.worker.tokenize({ text })).tokens;
+// A counting prompt: greedy decoding continues it well past 128 tokens without an end.
+const decodePrompt = await tokenize("1, 2, 3, 4, 5, 6, 7, 8, 9, 10,");
+const shortPrompt = await tokenize("The capital of France is");
+const sentences = [
+  "The river runs past the old mill, where the miller keeps his accounts in a leather book.",
+  "In spring the orchards bloom, and the bees come down from the hills to the valley.",
+  "Merchants cross the bridge at dawn with carts of grain, salt, wool and copper pots.",
+  "A clerk in the town hall writes the names of every ship that anchors in the bay.",
+];
+let text = "";
+for (let i = 0; (await tokenize(text)).length < LONG_PROMPT_TOKENS + 8; i++) text += sentences[i % 4] + ` (${i}) `;
+const longPrompt = (await tokenize(text)).slice(0, LONG_PROMPT_TOKENS);
+const question = await tokenize(" Question: what does the clerk write? Answer:");
+const restartPrompt = [...longPrompt, ...question.slice(question[0] === longPrompt[0] ? 1 : 0)];
+await tokenizer.worker.close();
+
+// --- one measurement each -----------------------------------------------------------
+
+/** Time to first token and decode rate of one greedy generation of at most `max` tokens. */
+async function timeTokens(tokenStream, max) {
+  const started = performance.now();
+  let first = 0;
+  let last = 0;
+  let count = 0;
+  const tokens = [];
+  for await (const token of tokenStream) {
+    last = performance.now();
+    if (count === 0) first = last;
+    count += 1;
+    tokens.push(token);
+    if (count >= max) break;
+  }
+  return { firstMs: first - started, tokensPerSecond: count > 1 ? (count - 1) / ((last - first) / 1000) : 0, tokens };
+}
+
+async function* llamaTokens(tokens, sequence) {
+  for await (const token of sequence.evaluate(tokens, { temperature: 0 })) yield token;
+}
+
+async function llamaRun(tokens, max) {
+  const sequence = llamaContext.getSequence();
+  try {
+    return await timeTokens(llamaTokens(tokens, sequence), max);
+  } finally {
+    sequence.dispose();
+  }
+}
+
+async function* workerTokens(worker, params) {
+  const stream = worker.generate({ temperature: 0, ...params });
+  for await (const chunk of stream) yield* chunk.tokens;
+  await stream.result;
+}
+
+const workerRun = (worker, tokens, max, extra = {}) =>
+  timeTokens(workerTokens(worker, { tokens, max_tokens: max, ...extra }), max);
+
+/** llama.cpp: evaluate the prefix, save the sequence state, then in a new context (the
+ *  model stays loaded, as in a restarted host that loaded it) load it and answer. */
+async function llamaRestart(directory) {
+  const file = join(directory, "llama-state.bin");
+  const sequence = llamaContext.getSequence();
+  await sequence.evaluateWithoutGeneratingNewTokens(longPrompt);
+  await sequence.saveStateToFile(file);
+  sequence.dispose();
+  await llamaContext.dispose();
+  llamaContext = await llamaModel.createContext({ contextSize: 4096, threads: THREADS, sequences: 1 });
+  const restored = llamaContext.getSequence();
+  try {
+    const started = performance.now();
+    await restored.loadStateFromFile(file, { acceptRisk: true });
+    const loadedMs = performance.now() - started;
+    const run = await timeTokens(llamaTokens(restartPrompt.slice(longPrompt.length), restored), 1);
+    return { ...run, firstMs: loadedMs + run.firstMs };
+  } finally {
+    restored.dispose();
+  }
+}
+
+/** The worker: prefill the prefix into a cache file, restart the worker (and load), then
+ *  answer from the cache: first token from the request written. */
+async function workerRestart(state, loadParams, ref) {
+  await state.worker.prefill({ tokens: longPrompt, cache: ref });
+  await state.worker.close();
+  Object.assign(state, await startWorker(loadParams));
+  return workerRun(state.worker, restartPrompt, 1, { cache: ref });
+}
+
+// --- the run -----------------------------------------------------------------------------
+
+const contestants = [{ name: "lm-worker (default)", load: {} }];
+if (options["also-float32"]) contestants.push({ name: "lm-worker float32", load: { dtype: "float32", quantization: "none" } });
+for (const contestant of contestants) contestant.state = await startWorker(contestant.load);
+const figures = { llama: { decode: [], short: [], long: [], restart: [] } };
+for (const c of contestants) figures[c.name] = { decode: [], short: [], long: [], restart: [] };
+const scratch = mkdtempSync(join(tmpdir(), "lm-bench-"));
+const agreement = [];
+
+try {
+  for (let round = 0; round < rounds; round++) {
+    console.error(`round ${round + 1}/${rounds}`);
+    const llamaDecode = await llamaRun(decodePrompt, NEW_TOKENS);
+    figures.llama.decode.push(llamaDecode.tokensPerSecond);
+    for (const c of contestants) {
+      const run = await workerRun(c.state.worker, decodePrompt, NEW_TOKENS);
+      figures[c.name].decode.push(run.tokensPerSecond);
+      const same = run.tokens.findIndex((t, i) => t !== llamaDecode.tokens[i]);
+      agreement.push({ contestant: c.name, firstDifference: same });
+    }
+    figures.llama.short.push((await llamaRun(shortPrompt, 1)).firstMs);
+    for (const c of contestants) figures[c.name].short.push((await workerRun(c.state.worker, shortPrompt, 1)).firstMs);
+    figures.llama.long.push((await llamaRun(longPrompt, 1)).firstMs);
+    for (const c of contestants) figures[c.name].long.push((await workerRun(c.state.worker, longPrompt, 1)).firstMs);
+    figures.llama.restart.push((await llamaRestart(scratch)).firstMs);
+    for (const c of contestants) {
+      figures[c.name].restart.push((await workerRestart(c.state, c.load, `bench-restart-${round}`)).firstMs);
+      await c.state.worker.cacheDelete({ cache: `bench-restart-${round}` });
+    }
+  }
+} finally {
+  for (const c of contestants) await c.state.worker.close();
+  await llamaContext.dispose();
+  await llamaModel.dispose();
+  rmSync(scratch, { recursive: true, force: true });
+}
+
+// --- the report --------------------------------------------------------------------------
+
+const median = (values) => {
+  const sorted = [...values].sort((a, b) => a - b);
+  const middle = Math.floor(sorted.length / 2);
+  return sorted.length % 2 ? sorted[middle] : (sorted[middle - 1] + sorted[middle]) / 2;
+};
+const rows = [
+  ["decode tokens/s (128 new)", "decode", "higher", (w, l) => w / l, 1],
+  ["first token, short prompt (ms)", "short", "lower", (w, l) => w / l, 0],
+  [`first token, ${LONG_PROMPT_TOKENS}-token prompt (ms)`, "long", "lower", (w, l) => w / l, 0],
+  [`first token after a restart, ${LONG_PROMPT_TOKENS} tokens cached (ms)`, "restart", "lower", (w, l) => w / l, 0],
+];
+const report = { rounds, threads: THREADS, prompts: { decode: decodePrompt.length, short: shortPrompt.length, long: longPrompt.length, restart: restartPrompt.length }, rows: [] };
+console.log(`\nmedians of ${rounds} round(s), ${THREADS} threads each, greedy; ratio = lm-worker / llama.cpp\n`);
+const header = ["figure", "llama.cpp", ...contestants.flatMap((c) => [c.name, "ratio"])];
+console.log(`| ${header.join(" | ")} |\n|${header.map(() => " --- ").join("|")}|`);
+for (const [label, key, better, ratio, digits] of rows) {
+  const base = median(figures.llama[key]);
+  const cells = [label, base.toFixed(digits)];
+  const row = { figure: key, better, llama_cpp: base };
+  for (const c of contestants) {
+    const value = median(figures[c.name][key]);
+    cells.push(value.toFixed(digits), `${ratio(value, base).toFixed(2)}×`);
+    row[c.name] = { value, ratio: ratio(value, base) };
+  }
+  report.rows.push(row);
+  console.log(`| ${cells.join(" | ")} |`);
+}
+const diverged = agreement.filter((a) => a.firstDifference >= 0);
+console.log(
+  `\ngreedy tokens, lm-worker against llama.cpp (different arithmetic, so they may part): ` +
+    (diverged.length ? diverged.map((a) => `${a.contestant} from token ${a.firstDifference}`).join("; ") : `equal for all ${NEW_TOKENS}`),
+);
+report.agreement = agreement;
+if (options.json) writeFileSync(options.json, JSON.stringify({ ...report, samples: figures }, null, 2));

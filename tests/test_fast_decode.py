@@ -1,0 +1,195 @@
+"""The CPU's fast decode path: quantized weights, the decode step, keys and values kept in
+growing buffers. Each piece is held to transformers' own numbers on the same weights; the
+path as a whole is tested through the worker (greedy equals in-process generate(), the
+cache exactness tests of every family run on it as the default)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from worker.host import Host, WorkerError
+from tests.conftest import TORCH_ENV
+
+torch = pytest.importorskip("torch")
+
+
+def load(model_dir: Path, data_dir: Path, **params):
+    from protocol.methods import LoadParams
+    from worker.backends.transformers_backend import TransformersBackend
+
+    torch.set_num_threads(1)
+    return TransformersBackend().load(LoadParams(model=str(model_dir), **params), data_dir=data_dir)
+
+
+@pytest.mark.parametrize("quantization", ["auto", "none", "int8"])
+def test_a_decode_step_gives_transformers_forward_logits_bit_for_bit(tiny_model_dir: Path, tmp_path: Path, quantization):
+    model = load(tiny_model_dir, tmp_path, quantization=quantization)
+    assert model._step is not None
+    ids = model.tokenize("the cat sat on the mat and the dog ran to the river", add_special_tokens=True)
+    with torch.inference_mode():
+        for cut in (1, 2, 5, len(ids) - 1):
+            stepped = model.new_cache()
+            model.extend_cache(ids[:cut], stepped, lambda: False)
+            forwarded = stepped.copy()
+            ours = model._step([ids[cut]], [stepped])
+            theirs = forwarded.feed(model._model, torch.tensor([[ids[cut]]]))
+            assert torch.equal(ours, theirs), f"step after {cut} tokens"
+            assert stepped.length == forwarded.length == cut + 1
+            for mine, other in zip(stepped.kv.layers, forwarded.kv.layers):
+                assert torch.equal(mine.keys, other.keys) and torch.equal(mine.values, other.values)
+
+
+def test_a_batch_of_sequences_steps_as_each_would_alone(tiny_model_dir: Path, tmp_path: Path):
+    model = load(tiny_model_dir, tmp_path)
+    prompts = [model.tokenize(text, add_special_tokens=True) for text in ("the cat", "a red sun over the river and")]
+    with torch.inference_mode():
+        alone, together = [], []
+        for prompt in prompts:
+            cache = model.new_cache()
+            model.extend_cache(prompt[:-1], cache, lambda: False)
+            alone.append(cache)
+            together.append(cache.copy())
+        expected = [model._step([prompt[-1]], [cache]) for prompt, cache in zip(prompts, alone)]
+        batched = model._step([prompt[-1] for prompt in prompts], together)
+    for row, logits in enumerate(expected):
+        assert torch.equal(batched[row : row + 1], logits)
+
+
+def test_int4_weights_give_each_row_the_numbers_it_gets_alone():
+    from worker.backends.fast_weights import Int4Linear
+
+    torch.manual_seed(0)
+    linear = Int4Linear(torch.nn.Linear(576, 192, bias=False), torch.float32)
+    rows = torch.randn(300, 576)
+    together = linear(rows)
+    for start, count in ((0, 1), (17, 3), (100, 256 - 100), (299, 1)):
+        assert torch.equal(linear(rows[start : start + count]), together[start : start + count])
+
+
+def test_int4_weights_keep_the_values_of_4_bit_groups_exactly():
+    """A weight that already is 4-bit groups (as a Q4_1 gguf's are) is represented without loss."""
+    from worker.backends.fast_weights import GROUP, Int4Linear
+
+    torch.manual_seed(1)
+    rows, inputs = 32, 64
+    levels = torch.randint(0, 16, (rows, inputs // GROUP, GROUP)).float()
+    scale = torch.tensor([0.5, 0.25])[torch.randint(0, 2, (rows, inputs // GROUP, 1))]
+    low = torch.randint(-8, 0, (rows, inputs // GROUP, 1)).float() / 4
+    levels[..., 0], levels[..., 1] = 0, 15  # each group spans its whole range
+    weight = (levels * scale + low).reshape(rows, inputs)
+    dense = torch.nn.Linear(inputs, rows, bias=False)
+    dense.weight.data = weight
+    identity = torch.eye(inputs)
+    assert torch.equal(Int4Linear(dense, torch.float32)(identity).t(), weight)
+
+
+@pytest.mark.parametrize("sizes", [(576, 192, 192), (64, 32, 32), (1536, 1536)])
+def test_fused_projections_equal_the_separate_linears_bit_for_bit(sizes):
+    from worker.backends.fast_weights import Int4Linear, fused
+
+    torch.manual_seed(2)
+    linears = [Int4Linear(torch.nn.Linear(128, size, bias=False), torch.float32) for size in sizes]
+    one = fused(linears)
+    if any(size % 64 for size in sizes):
+        assert one is None  # rows of a packed int4 weight are interleaved in blocks of 64
+        return
+    x = torch.randn(5, 128)
+    assert torch.equal(one(x), torch.cat([linear(x) for linear in linears], dim=-1))
+
+
+def test_appended_positions_grow_in_place_and_cut_back_like_transformers_layers(tiny_model_dir: Path):
+    from transformers import AutoConfig
+
+    from worker.backends import hf_compat
+
+    cache = hf_compat.new_cache(AutoConfig.from_pretrained(tiny_model_dir))
+    layer = cache.layers[0]
+    reference = []
+    for step in range(70):  # past the first buffer's room
+        keys = torch.full((1, 2, 1, 4), float(step))
+        reference.append(keys)
+        all_keys, _ = layer.update(keys, -keys)
+        assert torch.equal(all_keys, torch.cat(reference, dim=-2))
+    held = layer.keys
+    hf_compat.keep_positions(layer, 10)
+    layer.update(torch.full((1, 2, 1, 4), 99.0), torch.zeros(1, 2, 1, 4))
+    assert layer.keys.shape[-2] == 11 and float(layer.keys[0, 0, 10, 0]) == 99.0
+    assert torch.equal(layer.keys[..., :10, :], torch.cat(reference[:10], dim=-2))
+    assert held.data_ptr() == layer.keys.data_ptr()  # the same buffer: nothing was copied
+    copied = hf_compat.new_cache(AutoConfig.from_pretrained(tiny_model_dir)).layers[0]
+    hf_compat.set_positions(copied, layer.keys.clone(), layer.values.clone(), 11)
+    copied.update(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4))  # a tensor from elsewhere moves into a buffer
+    assert copied.keys.shape[-2] == 12 and torch.equal(copied.keys[..., :11, :], layer.keys)
+
+
+def test_a_copied_cache_holds_no_spare_room(tiny_model_dir: Path, tmp_path: Path):
+    model = load(tiny_model_dir, tmp_path)
+    with torch.inference_mode():
+        cache = model.new_cache()
+        model.extend_cache(list(range(5, 45)), cache, lambda: False)
+        twin = cache.copy()
+    for layer, original in zip(twin.kv.layers, cache.kv.layers):
+        assert layer.keys.untyped_storage().nbytes() == layer.keys.nbytes
+        assert torch.equal(layer.keys, original.keys)
+    assert twin.nbytes == cache.nbytes
+
+
+# --- through the worker ---------------------------------------------------------------------------
+
+
+async def test_load_reports_float32_with_int4_weights_by_default_on_the_cpu_and_the_slower_paths_on_request(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    host = await Host.spawn("--data-dir", str(tmp_path), env=TORCH_ENV)
+    try:
+        info = await host.call("load", {"model": str(tiny_model_dir)}, timeout=120)
+        assert (info["dtype"], info["quantization"]) == ("float32", "int4")
+        info = await host.call("load", {"model": str(tiny_model_dir), "quantization": "none"}, timeout=120)
+        assert (info["dtype"], info["quantization"]) == ("float32", "none")
+        info = await host.call("load", {"model": str(tiny_model_dir), "dtype": "bfloat16"}, timeout=120)
+        assert (info["dtype"], info["quantization"]) == ("bfloat16", "int4")
+        with pytest.raises(WorkerError) as caught:
+            await host.call("load", {"model": str(tiny_model_dir), "device": "cuda", "quantization": "int4"})
+        assert caught.value.kind == "invalid_params" and caught.value.data["field"] == "params.quantization"
+        assert (await host.call("capabilities"))["model"]["dtype"] == "bfloat16"  # the refused load left it
+    finally:
+        await host.close()
+
+
+async def test_a_cache_made_with_other_weights_is_refused_naming_the_quantization(tiny_model_dir: Path, tmp_path: Path):
+    host = await Host.spawn("--data-dir", str(tmp_path), env=TORCH_ENV)
+    try:
+        await host.call("load", {"model": str(tiny_model_dir), "quantization": "none"}, timeout=120)
+        await host.call("prefill", {"prompt": "the cat sat on the mat", "cache": "dense"}, timeout=60)
+        await host.call("load", {"model": str(tiny_model_dir)}, timeout=120)
+        with pytest.raises(WorkerError) as caught:
+            await host.call("generate", {"prompt": "the cat sat on the mat and", "cache": "dense"}, timeout=60)
+        assert caught.value.kind == "cache_identity_mismatch" and "quantization" in caught.value.message
+        result = await host.call("generate", {"prompt": "the cat sat on the mat and", "cache": "auto"}, timeout=60)
+        assert result["cache"]["reused_tokens"] == 0  # auto passes over it
+    finally:
+        await host.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("load_params", [{}, {"dtype": "float32", "quantization": "none"}], ids=["default", "float32"])
+async def test_smollm2_greedy_equals_in_process_generate_on_the_same_weights(tmp_path: Path, load_params: dict):
+    from protocol.methods import LoadParams
+    from worker.backends.transformers_backend import TransformersBackend
+    from worker.default_model import default_data_dir
+
+    torch.set_num_threads(2)
+    reference = TransformersBackend().load(LoadParams(model="default", **load_params), data_dir=default_data_dir())
+    host = await Host.spawn(env=TORCH_ENV)
+    try:
+        await host.call("load", {"model": "default", **load_params}, timeout=300)
+        for text in ("def fibonacci(n):\n", "Once upon a time, in a land far away,", "1, 2, 3, 4, 5,"):
+            ids = reference.tokenize(text, add_special_tokens=True)
+            ours = (await host.call("generate", {"tokens": ids, "max_tokens": 48}, timeout=300))["tokens"]
+            with torch.inference_mode():
+                out = reference._model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=len(ours))
+            assert ours == out[0, len(ids) :].tolist(), text
+    finally:
+        await host.close()

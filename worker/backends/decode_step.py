@@ -1,0 +1,124 @@
+"""A decode step without the framework around it, for models of the Llama architecture.
+
+transformers' forward is written for every case (prompts, masks, padding, hooks, many
+cache classes); one decode step of a small model on a CPU spends more time in that
+generality than in arithmetic (bench/README.md has the profile). This step computes
+the same layers for one new token per sequence, with the model's own weights and
+rotary embedding, and keeps the keys and values in the same cache layers that
+transformers' forward fills: a prompt prefilled by transformers is continued here,
+and a cache written here is stored, restored and extended like any other.
+
+What differs from transformers' decode step, and why:
+- a layer's q, k and v projections (and gate and up) are one matrix product when the
+  weights are quantized (fast_weights.fused: equal bit for bit to three);
+- attention is hf_compat.one_query_attention, which the worker also has transformers
+  use for one query position (the ``lm_worker`` attention implementation);
+- RMSNorm and RoPE are transformers' operations, in its order.
+
+So a step equals transformers' forward on the same model bit for bit, and greedy
+output equals transformers' own generate() (the tests check it on the tiny model and
+SmolLM2). Models this step is not written for decode through transformers' forward
+(``supports``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from worker.backends import hf_compat
+from worker.backends.fast_weights import fused
+
+_ARCHITECTURES = frozenset({"llama"})
+Projection = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+
+
+def supports(model: torch.nn.Module) -> bool:
+    config = model.config
+    return (
+        config.model_type in _ARCHITECTURES
+        and config.hidden_act == "silu"
+        and not getattr(config, "attention_bias", False)
+        and not getattr(config, "mlp_bias", False)
+        and getattr(config, "pretraining_tp", 1) == 1
+    )
+
+
+def _projection(linears: list[torch.nn.Module]) -> Projection:
+    """The outputs of linears that read the same input: one product where they fuse."""
+    one = fused(linears)
+    if one is None:
+        return lambda x: tuple(linear(x) for linear in linears)
+    sizes = [linear.out_features for linear in linears]
+    return lambda x: one(x).split(sizes, dim=-1)
+
+
+def _rms_norm(weight: torch.Tensor, epsilon: float, x: torch.Tensor) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, operation for operation."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + epsilon)
+    return weight * x32.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb, for one of q and k."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class _Layer:
+    def __init__(self, layer: torch.nn.Module) -> None:
+        attention, mlp = layer.self_attn, layer.mlp
+        self.qkv = _projection([attention.q_proj, attention.k_proj, attention.v_proj])
+        self.out = attention.o_proj
+        self.gate_up = _projection([mlp.gate_proj, mlp.up_proj])
+        self.down = mlp.down_proj
+        self.norm_in = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+        self.norm_mid = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
+
+
+class DecodeStep:
+    """One token for each of several sequences, each with its own cache (TorchCache)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        inner = model.model
+        config = model.config
+        self._embed = inner.embed_tokens
+        self._rotary = inner.rotary_emb
+        self._norm = (inner.norm.weight, inner.norm.variance_epsilon)
+        self._head = model.lm_head
+        self._layers = [_Layer(layer) for layer in inner.layers]
+        self._heads = config.num_attention_heads
+        self._kv_heads = config.num_key_value_heads
+        self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // self._heads
+        self._scaling = self._head_dim**-0.5
+
+    def __call__(self, tokens: Sequence[int], caches: Sequence) -> torch.Tensor:
+        """Logits of the next position of each sequence, shape (len(tokens), vocab); each
+        cache then covers its token too."""
+        batch, heads, kv_heads, dim = len(tokens), self._heads, self._kv_heads, self._head_dim
+        groups = heads // kv_heads
+        device = self._embed.weight.device
+        ids = torch.tensor(tokens, dtype=torch.long, device=device)
+        positions = torch.tensor([[cache.length] for cache in caches], dtype=torch.long, device=device)
+        hidden = self._embed(ids)  # (batch, hidden)
+        cos, sin = self._rotary(hidden, position_ids=positions)  # (batch, 1, head_dim): one row per head
+        for index, layer in enumerate(self._layers):
+            q, k, v = layer.qkv(_rms_norm(*layer.norm_in, hidden))
+            q = _rotate(q.view(batch, heads, dim), cos, sin)
+            k = _rotate(k.view(batch, kv_heads, dim), cos, sin)
+            v = v.view(batch, kv_heads, dim)
+            outputs = []
+            for row, cache in enumerate(caches):
+                # (1, kv_heads, 1, dim) per new position, as transformers' layers hold them
+                keys, values = hf_compat.append_positions(cache.kv.layers[index], k[row, :, None][None], v[row, :, None][None])
+                query = q[row].view(kv_heads, groups, dim)
+                outputs.append(hf_compat.one_query_attention(query, keys[0], values[0], self._scaling).view(1, heads * dim))
+            attended = (outputs[0] if batch == 1 else torch.cat(outputs)).to(hidden.dtype)
+            hidden = hidden + layer.out(attended)
+            gate, up = layer.gate_up(_rms_norm(*layer.norm_mid, hidden))
+            hidden = hidden + layer.down(torch.nn.functional.silu(gate) * up)
+        for cache in caches:
+            cache.length += 1
+        return self._head(_rms_norm(*self._norm, hidden))
