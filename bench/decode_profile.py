@@ -29,11 +29,13 @@ KINDS = {
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm", "aten::_softmax"),
     "cache copies": ("aten::cat", "aten::copy_"),
 }
+DENSE = {"dtype": "float32", "quantization": "none"}
 PATHS = [
-    ("transformers forward, dense float32 (the worker before)", {"dtype": "float32", "quantization": "none"}, "forward"),
-    ("transformers forward, int4 weights", {}, "forward"),
-    ("lm-worker step, dense float32", {"dtype": "float32", "quantization": "none"}, "step"),
-    ("lm-worker step, int4 weights (the default)", {}, "step"),
+    ("transformers forward, dense float32 (the worker before)", DENSE, "forward"),
+    ("transformers forward, int8 weights", {}, "forward"),
+    ("lm-worker step, dense float32", DENSE, "step"),
+    ("lm-worker step, int8 weights (the default)", {}, "step"),
+    ("lm-worker step, int4 weights", {"quantization": "int4"}, "step"),
 ]
 
 

@@ -139,17 +139,17 @@ def test_a_copied_cache_holds_no_spare_room(tiny_model_dir: Path, tmp_path: Path
 # --- through the worker ---------------------------------------------------------------------------
 
 
-async def test_load_reports_float32_with_int4_weights_by_default_on_the_cpu_and_the_slower_paths_on_request(
+async def test_load_reports_float32_with_int8_weights_by_default_on_the_cpu_and_the_slower_paths_on_request(
     tiny_model_dir: Path, tmp_path: Path
 ):
     host = await Host.spawn("--data-dir", str(tmp_path), env=TORCH_ENV)
     try:
         info = await host.call("load", {"model": str(tiny_model_dir)}, timeout=120)
-        assert (info["dtype"], info["quantization"]) == ("float32", "int4")
+        assert (info["dtype"], info["quantization"]) == ("float32", "int8")
         info = await host.call("load", {"model": str(tiny_model_dir), "quantization": "none"}, timeout=120)
         assert (info["dtype"], info["quantization"]) == ("float32", "none")
         info = await host.call("load", {"model": str(tiny_model_dir), "dtype": "bfloat16"}, timeout=120)
-        assert (info["dtype"], info["quantization"]) == ("bfloat16", "int4")
+        assert (info["dtype"], info["quantization"]) == ("bfloat16", "int8")
         with pytest.raises(WorkerError) as caught:
             await host.call("load", {"model": str(tiny_model_dir), "device": "cuda", "quantization": "int4"})
         assert caught.value.kind == "invalid_params" and caught.value.data["field"] == "params.quantization"

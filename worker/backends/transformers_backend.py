@@ -80,15 +80,16 @@ class TransformersBackend:
 
 
 def resolve_weights(params: LoadParams) -> tuple[str, str]:
-    """The dtype and quantization that ``auto`` stands for. On the CPU: float32 with 4-bit
-    weights, the fastest path whose greedy output with a cache stays equal to the output
-    without one (fast_weights says why; bench/README.md measures it); elsewhere the
-    device's usual dtype, unquantized."""
+    """The dtype and quantization that ``auto`` stands for. On the CPU: float32 with 8-bit
+    weights, whose greedy output with a cache stays equal to the output without one
+    (fast_weights says why) and whose answers keep the model's quality (int4, faster,
+    refits weights that were 4-bit already and loses some); elsewhere the device's usual
+    dtype, unquantized. bench/README.md measures each."""
     kind = params.device.split(":")[0]
     dtype = _DEFAULT_DTYPES[kind] if params.dtype == "auto" else params.dtype
     if params.quantization != "auto":
         return dtype, params.quantization
-    return dtype, "int4" if kind == "cpu" else "none"
+    return dtype, "int8" if kind == "cpu" else "none"
 
 
 class TransformersModel:
