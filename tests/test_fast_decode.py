@@ -42,7 +42,7 @@ def test_a_decode_step_gives_transformers_forward_logits_bit_for_bit(tiny_model_
 
 
 def test_a_batch_of_sequences_steps_as_each_would_alone(tiny_model_dir: Path, tmp_path: Path):
-    model = load(tiny_model_dir, tmp_path)
+    model = load(tiny_model_dir, tmp_path, quantization="int8")  # dense float32 products differ by batch size
     prompts = [model.tokenize(text, add_special_tokens=True) for text in ("the cat", "a red sun over the river and")]
     with torch.inference_mode():
         alone, together = [], []
@@ -145,11 +145,11 @@ async def test_load_reports_float32_with_int8_weights_by_default_on_the_cpu_and_
     host = await Host.spawn("--data-dir", str(tmp_path), env=TORCH_ENV)
     try:
         info = await host.call("load", {"model": str(tiny_model_dir)}, timeout=120)
-        assert (info["dtype"], info["quantization"]) == ("float32", "int8")
+        assert (info["dtype"], info["quantization"]) == ("float32", "none")
         info = await host.call("load", {"model": str(tiny_model_dir), "quantization": "none"}, timeout=120)
         assert (info["dtype"], info["quantization"]) == ("float32", "none")
         info = await host.call("load", {"model": str(tiny_model_dir), "dtype": "bfloat16"}, timeout=120)
-        assert (info["dtype"], info["quantization"]) == ("bfloat16", "int8")
+        assert (info["dtype"], info["quantization"]) == ("bfloat16", "none")
         with pytest.raises(WorkerError) as caught:
             await host.call("load", {"model": str(tiny_model_dir), "device": "cuda", "quantization": "int4"})
         assert caught.value.kind == "invalid_params" and caught.value.data["field"] == "params.quantization"
@@ -161,7 +161,7 @@ async def test_load_reports_float32_with_int8_weights_by_default_on_the_cpu_and_
 async def test_a_cache_made_with_other_weights_is_refused_naming_the_quantization(tiny_model_dir: Path, tmp_path: Path):
     host = await Host.spawn("--data-dir", str(tmp_path), env=TORCH_ENV)
     try:
-        await host.call("load", {"model": str(tiny_model_dir), "quantization": "none"}, timeout=120)
+        await host.call("load", {"model": str(tiny_model_dir), "quantization": "int8"}, timeout=120)
         await host.call("prefill", {"prompt": "the cat sat on the mat", "cache": "dense"}, timeout=60)
         await host.call("load", {"model": str(tiny_model_dir)}, timeout=120)
         with pytest.raises(WorkerError) as caught:

@@ -89,7 +89,7 @@ def resolve_weights(params: LoadParams) -> tuple[str, str]:
     dtype = _DEFAULT_DTYPES[kind] if params.dtype == "auto" else params.dtype
     if params.quantization != "auto":
         return dtype, params.quantization
-    return dtype, "int8" if kind == "cpu" else "none"
+    return dtype, "none"
 
 
 class TransformersModel:
