@@ -1,8 +1,9 @@
 // lm-worker beside llama.cpp (node-llama-cpp), driven from one Node process, on the same
 // model (SmolLM2-135M-Instruct: llama.cpp on the shipped Q4_1 gguf, the worker on its
-// conversion of it), the same prompt tokens, greedy, interleaved round by round.
+// conversion of it, with int8 weights and dense), the same prompt tokens, greedy,
+// interleaved round by round.
 //
-//   node bench/llama_cpp_bench.mjs [--quick] [--rounds N] [--json FILE] [--also-float32]
+//   node bench/llama_cpp_bench.mjs [--quick] [--rounds N] [--json FILE] [--workers int8,none,int4]
 //
 // bench/README.md says what each figure is. Needs `make setup` and `npm run build`;
 // node-llama-cpp is installed on first use into bench/llama-cpp (exact pins, lock file).
@@ -19,7 +20,8 @@ const { values: options } = parseArgs({
     quick: { type: "boolean", default: false },
     rounds: { type: "string" },
     json: { type: "string" },
-    "also-float32": { type: "boolean", default: false },
+    // one worker per quantization (load param), all dense float32 otherwise
+    workers: { type: "string" },
   },
 });
 const rounds = Number(options.rounds ?? (options.quick ? 1 : 3));
@@ -153,8 +155,11 @@ async function workerRestart(state, loadParams, ref) {
 
 // --- the run -----------------------------------------------------------------------------
 
-const contestants = [{ name: "lm-worker (default)", load: {} }];
-if (options["also-float32"]) contestants.push({ name: "lm-worker float32", load: { dtype: "float32", quantization: "none" } });
+const quantizations = (options.workers ?? (options.quick ? "int8" : "int8,none")).split(",");
+const contestants = quantizations.map((quantization) => ({
+  name: `lm-worker ${quantization === "none" ? "dense (the default)" : quantization}`,
+  load: { dtype: "float32", quantization },
+}));
 for (const contestant of contestants) contestant.state = await startWorker(contestant.load);
 const figures = { llama: { decode: [], short: [], long: [], restart: [] } };
 for (const c of contestants) figures[c.name] = { decode: [], short: [], long: [], restart: [] };

@@ -174,7 +174,7 @@ async def test_a_cache_made_with_other_weights_is_refused_naming_the_quantizatio
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("load_params", [{}, {"dtype": "float32", "quantization": "none"}], ids=["default", "float32"])
+@pytest.mark.parametrize("load_params", [{}, {"quantization": "int8"}], ids=["default", "int8"])
 async def test_smollm2_greedy_equals_in_process_generate_on_the_same_weights(tmp_path: Path, load_params: dict):
     from protocol.methods import LoadParams
     from worker.backends.transformers_backend import TransformersBackend

@@ -337,12 +337,17 @@ async def test_prefill_refuses_an_empty_prompt_a_trim_without_base_and_names_a_b
         await host.close()
 
 
-async def test_the_cache_directory_is_bounded_by_evicting_the_least_recently_used(tiny_model_dir, cache_dir):
-    probe = await worker(tiny_model_dir, cache_dir)
+async def prefilled_bytes(model, cache_dir: Path, ref: str) -> int:
+    """The size of the cache of SYSTEM, measured in a worker of its own."""
+    probe = await worker(model, cache_dir)
     try:
-        size = (await probe.call("prefill", {"prompt": SYSTEM, "cache": "probe"}))["bytes"]
+        return (await probe.call("prefill", {"prompt": SYSTEM, "cache": ref}))["bytes"]
     finally:
         await probe.close()
+
+
+async def test_the_cache_directory_is_bounded_by_evicting_the_least_recently_used(tiny_model_dir, cache_dir):
+    size = await prefilled_bytes(tiny_model_dir, cache_dir, "probe")
     (cache_dir / "probe.kvc").unlink()
     host = await Host.spawn("--cache-dir", str(cache_dir), "--cache-max-bytes", str(2 * size + size // 2), env=TORCH_ENV)
     try:
@@ -359,11 +364,7 @@ async def test_the_cache_directory_is_bounded_by_evicting_the_least_recently_use
 
 
 async def test_memory_caches_keep_within_their_budget_dropping_the_least_recently_used(cache_model, cache_dir):
-    probe = await worker(cache_model, cache_dir)
-    try:
-        size = (await probe.call("prefill", {"prompt": SYSTEM, "cache": "memory://probe"}))["bytes"]
-    finally:
-        await probe.close()
+    size = await prefilled_bytes(cache_model, cache_dir, "memory://probe")
     host = await Host.spawn("--cache-dir", str(cache_dir), "--memory-cache-max-bytes", str(2 * size), env=TORCH_ENV)
     try:
         await host.call("load", {"model": str(cache_model)}, timeout=300)

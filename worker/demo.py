@@ -62,9 +62,9 @@ async def run(load: dict, questions: list[str], max_tokens: int) -> int:
         print(f"lm-worker {caps['worker_version']} (protocol {caps['protocol_version']}, pid {caps['pid']})")
         print(f"loading {load.get('model', 'default')} ...", flush=True)
         info = await host.call("load", load, timeout=600)
+        weights = "dense" if info["quantization"] == "none" else info["quantization"]
         print(
-            f"loaded {info['model']} ({info['backend']}, {info['dtype']}, {info['quantization']} weights, on "
-            f"{info['device']}) in "
+            f"loaded {info['model']} ({info['backend']}, {info['dtype']}, {weights} weights, on {info['device']}) in "
             f"{info['load_time_ms'] / 1000:.1f} s: vocabulary {info['vocab_size']}, context {info['context_length']}"
         )
         if not info["has_chat_template"]:

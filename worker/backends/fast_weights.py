@@ -13,10 +13,12 @@ CPU kernels for weight-only quantized products.
 The kernels are fast with bfloat16 inputs only (float32 ones take 10 to 20 times
 longer), so a linear rounds its input to bfloat16 and gives its output back in the
 model's dtype: a float32 model keeps float32 everywhere else (norms, attention, the
-residual sum, the KV cache). That matters for caches: a position's numbers differ in
-the last bits depending on whether it was computed in a prompt chunk or a decode
-step, and float32 keeps those differences about 10,000 times smaller than bfloat16
-activations would, so greedy output with a cache keeps equal to greedy output without.
+residual sum, the KV cache). That is not enough for caches: a position's numbers differ
+in the last bits depending on the prompt chunk (or decode step) it was computed in, as
+attention is not computed row by row, and the bfloat16 rounding makes some of those
+differences a whole bfloat16 step; greedy output with a cache was seen to differ from
+greedy output without one (SmolLM2, int8). So these weights are chosen at ``load``,
+not the default.
 
 Every ``nn.Linear`` of the model is replaced, the output projection (``lm_head``)
 included; embeddings stay as they are. A linear whose shape the kernel does not take

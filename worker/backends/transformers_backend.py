@@ -80,16 +80,12 @@ class TransformersBackend:
 
 
 def resolve_weights(params: LoadParams) -> tuple[str, str]:
-    """The dtype and quantization that ``auto`` stands for. On the CPU: float32 with 8-bit
-    weights, whose greedy output with a cache stays equal to the output without one
-    (fast_weights says why) and whose answers keep the model's quality (int4, faster,
-    refits weights that were 4-bit already and loses some); elsewhere the device's usual
-    dtype, unquantized. bench/README.md measures each."""
+    """The dtype and quantization that ``auto`` stands for: the device's usual dtype, with
+    dense weights (quantized ones decode faster, but fast_weights says why they are not
+    the default yet)."""
     kind = params.device.split(":")[0]
     dtype = _DEFAULT_DTYPES[kind] if params.dtype == "auto" else params.dtype
-    if params.quantization != "auto":
-        return dtype, params.quantization
-    return dtype, "none"
+    return dtype, "none" if params.quantization == "auto" else params.quantization
 
 
 class TransformersModel:

@@ -46,8 +46,10 @@ class TorchCache:
     """transformers' DynamicCache for one sequence, and the linear-attention states at the
     positions it can be cut back to (``checkpoints``; empty for a model without such layers).
 
-    Every forward goes through ``feed``, so ``length`` is always the number of positions
-    the cache covers, whatever kinds of layers it has."""
+    Every forward goes through ``feed`` (or, for a decode step of a Llama-architecture model,
+    decode_step.DecodeStep, which appends to the same layers and counts the same way), so
+    ``length`` is always the number of positions the cache covers, whatever kinds of layers
+    it has."""
 
     def __init__(self, config) -> None:
         self._config = config
