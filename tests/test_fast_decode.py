@@ -139,21 +139,25 @@ def test_a_copied_cache_holds_no_spare_room(tiny_model_dir: Path, tmp_path: Path
 # --- through the worker ---------------------------------------------------------------------------
 
 
-async def test_load_reports_float32_with_int8_weights_by_default_on_the_cpu_and_the_slower_paths_on_request(
+async def test_load_reports_dense_float32_by_default_on_the_cpu_and_quantized_weights_on_request(
     tiny_model_dir: Path, tmp_path: Path
 ):
     host = await Host.spawn("--data-dir", str(tmp_path), env=TORCH_ENV)
+    model = str(tiny_model_dir)
     try:
-        info = await host.call("load", {"model": str(tiny_model_dir)}, timeout=120)
+        info = await host.call("load", {"model": model}, timeout=120)
         assert (info["dtype"], info["quantization"]) == ("float32", "none")
-        info = await host.call("load", {"model": str(tiny_model_dir), "quantization": "none"}, timeout=120)
-        assert (info["dtype"], info["quantization"]) == ("float32", "none")
-        info = await host.call("load", {"model": str(tiny_model_dir), "dtype": "bfloat16"}, timeout=120)
-        assert (info["dtype"], info["quantization"]) == ("bfloat16", "none")
-        with pytest.raises(WorkerError) as caught:
-            await host.call("load", {"model": str(tiny_model_dir), "device": "cuda", "quantization": "int4"})
-        assert caught.value.kind == "invalid_params" and caught.value.data["field"] == "params.quantization"
-        assert (await host.call("capabilities"))["model"]["dtype"] == "bfloat16"  # the refused load left it
+        info = await host.call("load", {"model": model, "device": "cpu:0", "quantization": "int8"}, timeout=120)
+        assert (info["dtype"], info["quantization"]) == ("float32", "int8")
+        info = await host.call("load", {"model": model, "dtype": "bfloat16", "quantization": "int4"}, timeout=120)
+        assert (info["dtype"], info["quantization"]) == ("bfloat16", "int4")
+        for wrong in ({"device": "cuda", "quantization": "int4"}, {"quantization": "int3"}):
+            with pytest.raises(WorkerError) as caught:
+                await host.call("load", {"model": model, **wrong})
+            assert caught.value.kind == "invalid_params" and caught.value.data["field"] == "params.quantization"
+        left = (await host.call("capabilities"))["model"]  # the refused loads left the model working
+        assert (left["dtype"], left["quantization"]) == ("bfloat16", "int4")
+        assert (await host.call("generate", {"prompt": "the cat", "max_tokens": 3}))["usage"]["completion_tokens"] >= 1
     finally:
         await host.close()
 

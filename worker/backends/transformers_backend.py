@@ -50,7 +50,7 @@ class TransformersBackend:
                 "token_delay_ms is for the echo backend; omit it for transformers.",
                 field="params.token_delay_ms",
             )
-        if params.quantization in ("int4", "int8") and params.device != "cpu":
+        if params.quantization in ("int4", "int8") and params.device.split(":")[0] != "cpu":
             raise RpcError(
                 ErrorKind.INVALID_PARAMS,
                 f"quantization {params.quantization!r} runs on the CPU only; use 'none' (or 'auto') on {params.device!r}.",
