@@ -1,0 +1,143 @@
+/**
+ * LmWorker: spawn `python -m worker`, call its methods with types, stream `generate`.
+ *
+ * One process per LmWorker. Requests are written as they are made; the worker answers
+ * model requests one at a time, in order, and the rest at once (docs/PROTOCOL.md §5).
+ * If the process exits, every pending call rejects with a WorkerExitedError carrying
+ * the exit code or signal and the tail of the worker's stderr.
+ */
+import { type Framing } from "./framing.js";
+import type { CapabilitiesResult, GenerateChunk, GenerateParams, GenerateResult, MethodName, Methods, PrefillParams, PrefillProgress, PrefillResult, WorkerNotifications } from "./protocol-types.js";
+export interface WorkerOptions {
+    /** The Python to run; else $LM_WORKER_PYTHON, this package's .venv, or the one `lm-worker setup` made. */
+    python?: string;
+    /** More worker arguments, e.g. `["--cache-dir", dir]` (see `python -m worker --help`). */
+    args?: string[];
+    /** Added to this process's environment for the worker. */
+    env?: NodeJS.ProcessEnv;
+    cwd?: string;
+    /** `ndjson` (default) or `lsp` (Content-Length headers). */
+    framing?: Framing;
+    /** How long the worker may take to answer its first `capabilities` (default 60 s). */
+    startTimeoutMs?: number;
+    /** Each piece of the worker's stderr (its log) as it arrives; it is also kept for error messages. */
+    onStderr?: (text: string) => void;
+}
+export interface CallOptions {
+    /** Aborting sends `$/cancelRequest`; the call then ends as the worker answers it (docs §9). */
+    signal?: AbortSignal;
+}
+export interface WorkerExit {
+    exitCode: number | null;
+    signal: NodeJS.Signals | null;
+}
+type Params<M extends MethodName> = Methods[M]["params"];
+type Result<M extends MethodName> = Methods[M]["result"];
+export declare class LmWorker {
+    /** What the worker answered to `capabilities` when it started. */
+    capabilities: CapabilitiesResult;
+    /** Settles when the process has exited and its pipes are closed; never rejects. */
+    readonly exited: Promise<WorkerExit>;
+    private readonly process;
+    private readonly framing;
+    private readonly decoder;
+    private readonly pending;
+    private readonly streams;
+    private readonly progress;
+    private readonly listeners;
+    private nextId;
+    private stderrTail;
+    private exit;
+    private readonly pausedBy;
+    private constructor();
+    /** Spawn a worker and wait until it answers `capabilities`. */
+    static start(options?: WorkerOptions): Promise<LmWorker>;
+    get pid(): number | undefined;
+    /** Requests sent and not answered yet. */
+    get pendingRequests(): number;
+    /** Call a method by name; params and result are typed from the protocol's schemas. */
+    call<M extends MethodName>(method: M, ...args: OptionalParams<M>): Promise<Result<M>>;
+    load(params: Params<"load">): Promise<Result<"load">>;
+    unload(): Promise<Result<"unload">>;
+    tokenize(params: Params<"tokenize">): Promise<Result<"tokenize">>;
+    detokenize(params: Params<"detokenize">): Promise<Result<"detokenize">>;
+    render(params: Params<"render">): Promise<Result<"render">>;
+    cacheList(): Promise<Result<"cache/list">>;
+    cacheInfo(params: Params<"cache/info">): Promise<Result<"cache/info">>;
+    cacheDelete(params: Params<"cache/delete">): Promise<Result<"cache/delete">>;
+    /** Compute and store a prompt's KV cache; `onProgress` sees each chunk of a long one. */
+    prefill(params: PrefillParams, options?: CallOptions & {
+        onProgress?: (progress: PrefillProgress) => void;
+    }): Promise<PrefillResult>;
+    /**
+     * Start a generation: iterate the returned stream for chunks, in order, and await its
+     * `result` for the final answer. Aborting `signal` cancels it: the result is then the
+     * partial one, with `finish_reason: "cancelled"`.
+     */
+    generate(params: GenerateParams, options?: CallOptions & {
+        highWaterMark?: number;
+    }): GenerateStream;
+    /** Listen to a notification from the worker; returns a function that stops listening. */
+    on<N extends keyof WorkerNotifications>(method: N, listener: (params: WorkerNotifications[N]) => void): () => void;
+    /**
+     * Ask the worker to finish: `shutdown` (it answers after every earlier request), then `exit`.
+     * If it has not exited after `timeoutMs`, SIGTERM; after as long again, SIGKILL.
+     */
+    close(timeoutMs?: number): Promise<WorkerExit>;
+    /** Stop the worker at once (SIGKILL) and wait for it. */
+    kill(): Promise<WorkerExit>;
+    private request;
+    private notify;
+    private send;
+    private receive;
+    private dispatch;
+    private onNotification;
+    private failAll;
+    private pauseFor;
+    private resumeFor;
+    /**
+     * Read stdout unless a stream's consumer is behind. Even then, read while a call other than
+     * a generate awaits its answer: the consumer may be waiting for it (a `tokenize` in the body
+     * of a `for await`), and its answer may come after chunks that would otherwise never be read.
+     */
+    private updateFlow;
+    private exitsWithin;
+}
+/** `call`'s arguments: params may be left out where the method needs none. */
+type OptionalParams<M extends MethodName> = Record<string, never> extends Params<M> ? [params?: Params<M>, options?: CallOptions] : [params: Params<M>, options?: CallOptions];
+interface FlowControl {
+    pause(stream: GenerateStream): void;
+    resume(stream: GenerateStream): void;
+}
+/**
+ * The chunks of one `generate`, in order, as an async iterable, and its final `result`.
+ * While the consumer iterates, at most `highWaterMark` chunks wait here; beyond that the
+ * client stops reading the worker's output until the consumer catches up, and the worker
+ * in turn waits (backpressure all the way). Chunks not iterated are kept until the end.
+ */
+export declare class GenerateStream implements AsyncIterable<GenerateChunk> {
+    /** The request id: what `generate/chunk` notifications and `cancel` refer to. */
+    readonly id: number;
+    /** The final result; rejects with RpcError or WorkerExitedError. */
+    readonly result: Promise<GenerateResult>;
+    private readonly highWaterMark;
+    private readonly flow;
+    private readonly queue;
+    private waiting;
+    private done;
+    private failure;
+    private iterating;
+    constructor(
+    /** The request id: what `generate/chunk` notifications and `cancel` refer to. */
+    id: number, 
+    /** The final result; rejects with RpcError or WorkerExitedError. */
+    result: Promise<GenerateResult>, highWaterMark: number, flow: FlowControl);
+    /** Chunks received and not yet taken by the consumer. */
+    get buffered(): number;
+    /** Called by the client for each chunk of this request. */
+    push(chunk: GenerateChunk): void;
+    [Symbol.asyncIterator](): AsyncIterator<GenerateChunk>;
+    private end;
+    private wake;
+}
+export {};

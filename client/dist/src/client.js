@@ -1,0 +1,372 @@
+/**
+ * LmWorker: spawn `python -m worker`, call its methods with types, stream `generate`.
+ *
+ * One process per LmWorker. Requests are written as they are made; the worker answers
+ * model requests one at a time, in order, and the rest at once (docs/PROTOCOL.md §5).
+ * If the process exits, every pending call rejects with a WorkerExitedError carrying
+ * the exit code or signal and the tail of the worker's stderr.
+ */
+import { spawn } from "node:child_process";
+import { RpcError, WorkerExitedError, WorkerStartError } from "./errors.js";
+import { encode, FrameDecoder } from "./framing.js";
+import { findPython } from "./python.js";
+const STDERR_TAIL_BYTES = 8192;
+export class LmWorker {
+    /** What the worker answered to `capabilities` when it started. */
+    capabilities;
+    /** Settles when the process has exited and its pipes are closed; never rejects. */
+    exited;
+    process;
+    framing;
+    decoder;
+    pending = new Map();
+    streams = new Map();
+    progress = new Map();
+    listeners = new Map();
+    nextId = 1;
+    stderrTail = "";
+    exit = null;
+    pausedBy = new Set(); // streams whose consumer is behind
+    constructor(options) {
+        this.framing = options.framing ?? "ndjson";
+        this.decoder = new FrameDecoder(this.framing);
+        // -P: the host's working directory is not on sys.path, so a worker.py or protocol/ of the
+        // host's own cannot stand in for the installed package.
+        const args = ["-P", "-m", "worker", "--framing", this.framing, ...(options.args ?? [])];
+        this.process = spawn(findPython(options.python), args, {
+            cwd: options.cwd,
+            env: { ...process.env, ...options.env },
+            stdio: ["pipe", "pipe", "pipe"],
+        });
+        this.process.stdout.on("data", (data) => this.receive(data));
+        this.process.stderr.on("data", (data) => {
+            const text = data.toString("utf8");
+            this.stderrTail = (this.stderrTail + text).slice(-STDERR_TAIL_BYTES);
+            options.onStderr?.(text);
+        });
+        this.process.stdin.on("error", () => { }); // a dead worker's stdin: the exit handler reports it
+        this.exited = new Promise((resolve) => {
+            this.process.on("error", (error) => {
+                this.stderrTail += `\n${error.message}`;
+            });
+            // "close" comes after "exit" and after the pipes are drained: no answer is lost.
+            this.process.on("close", (exitCode, signal) => {
+                this.exit = { exitCode, signal };
+                this.failAll(new WorkerExitedError(this.exit.exitCode, this.exit.signal, this.stderrTail.trim()));
+                resolve(this.exit);
+            });
+        });
+    }
+    /** Spawn a worker and wait until it answers `capabilities`. */
+    static async start(options = {}) {
+        const worker = new LmWorker(options);
+        const timeoutMs = options.startTimeoutMs ?? 60_000;
+        let timer;
+        const timeout = new Promise((_, reject) => {
+            timer = setTimeout(() => reject(new WorkerStartError(`the worker did not answer capabilities within ${timeoutMs} ms`)), timeoutMs);
+        });
+        try {
+            worker.capabilities = await Promise.race([worker.call("capabilities"), timeout]);
+            return worker;
+        }
+        catch (error) {
+            await worker.kill();
+            if (error instanceof WorkerExitedError) {
+                throw new WorkerStartError(`the worker could not start: ${error.message}`, { cause: error });
+            }
+            throw error;
+        }
+        finally {
+            clearTimeout(timer);
+        }
+    }
+    get pid() {
+        return this.process.pid;
+    }
+    /** Requests sent and not answered yet. */
+    get pendingRequests() {
+        return this.pending.size;
+    }
+    /** Call a method by name; params and result are typed from the protocol's schemas. */
+    call(method, ...args) {
+        const [params, options] = args;
+        return this.request(method, params, options?.signal).promise;
+    }
+    load(params) {
+        return this.call("load", params);
+    }
+    unload() {
+        return this.call("unload");
+    }
+    tokenize(params) {
+        return this.call("tokenize", params);
+    }
+    detokenize(params) {
+        return this.call("detokenize", params);
+    }
+    render(params) {
+        return this.call("render", params);
+    }
+    cacheList() {
+        return this.call("cache/list");
+    }
+    cacheInfo(params) {
+        return this.call("cache/info", params);
+    }
+    cacheDelete(params) {
+        return this.call("cache/delete", params);
+    }
+    /** Compute and store a prompt's KV cache; `onProgress` sees each chunk of a long one. */
+    prefill(params, options = {}) {
+        const { id, promise } = this.request("prefill", params, options.signal);
+        if (options.onProgress) {
+            this.progress.set(id, options.onProgress);
+            const forget = () => this.progress.delete(id);
+            promise.then(forget, forget);
+        }
+        return promise;
+    }
+    /**
+     * Start a generation: iterate the returned stream for chunks, in order, and await its
+     * `result` for the final answer. Aborting `signal` cancels it: the result is then the
+     * partial one, with `finish_reason: "cancelled"`.
+     */
+    generate(params, options = {}) {
+        const { id, promise } = this.request("generate", params, options.signal);
+        const stream = new GenerateStream(id, promise, options.highWaterMark ?? 1024, {
+            pause: (s) => this.pauseFor(s),
+            resume: (s) => this.resumeFor(s),
+        });
+        this.streams.set(id, stream);
+        const forget = () => {
+            this.streams.delete(id);
+            this.resumeFor(stream);
+        };
+        promise.then(forget, forget);
+        return stream;
+    }
+    /** Listen to a notification from the worker; returns a function that stops listening. */
+    on(method, listener) {
+        const set = this.listeners.get(method) ?? new Set();
+        this.listeners.set(method, set);
+        const untyped = listener;
+        set.add(untyped);
+        return () => set.delete(untyped);
+    }
+    /**
+     * Ask the worker to finish: `shutdown` (it answers after every earlier request), then `exit`.
+     * If it has not exited after `timeoutMs`, SIGTERM; after as long again, SIGKILL.
+     */
+    async close(timeoutMs = 5000) {
+        if (this.exit === null) {
+            this.call("shutdown")
+                .then(() => this.notify("exit"))
+                .catch(() => { }); // it is exiting anyway; the exit status tells how
+            if (!(await this.exitsWithin(timeoutMs))) {
+                this.process.kill("SIGTERM");
+                if (!(await this.exitsWithin(timeoutMs))) {
+                    this.process.kill("SIGKILL");
+                }
+            }
+        }
+        return this.exited;
+    }
+    /** Stop the worker at once (SIGKILL) and wait for it. */
+    async kill() {
+        if (this.exit === null) {
+            this.process.kill("SIGKILL");
+        }
+        return this.exited;
+    }
+    // --- the wire ----------------------------------------------------------------------------
+    request(method, params, signal) {
+        const id = this.nextId++;
+        const promise = new Promise((resolve, reject) => {
+            if (this.exit !== null) {
+                reject(new WorkerExitedError(this.exit.exitCode, this.exit.signal, this.stderrTail.trim(), "the worker has exited"));
+                return;
+            }
+            this.pending.set(id, { method, resolve, reject });
+            this.send({ jsonrpc: "2.0", id, method, ...(params === undefined ? {} : { params }) });
+            this.updateFlow(); // its answer may be behind a paused stream's chunks
+        });
+        if (signal) {
+            const abort = () => this.notify("$/cancelRequest", { id });
+            if (signal.aborted) {
+                abort();
+            }
+            else {
+                signal.addEventListener("abort", abort, { once: true });
+                const forget = () => signal.removeEventListener("abort", abort);
+                promise.then(forget, forget);
+            }
+        }
+        return { id, promise };
+    }
+    notify(method, params) {
+        if (this.exit === null) {
+            this.send({ jsonrpc: "2.0", method, ...(params === undefined ? {} : { params }) });
+        }
+    }
+    send(message) {
+        this.process.stdin.write(encode(message, this.framing));
+    }
+    receive(data) {
+        for (const item of this.decoder.push(data)) {
+            if ("problem" in item) {
+                // The worker writes only whole JSON-RPC messages to stdout; anything else is a bug to report.
+                this.stderrTail = `${this.stderrTail}\n[lm-worker client] unreadable output: ${item.problem}: ${item.excerpt}`.slice(-STDERR_TAIL_BYTES);
+                continue;
+            }
+            this.dispatch(item.message);
+        }
+    }
+    dispatch(message) {
+        if (message.method !== undefined) {
+            this.onNotification(message.method, message.params);
+            return;
+        }
+        const pending = typeof message.id === "number" ? this.pending.get(message.id) : undefined;
+        if (pending === undefined) {
+            return; // an answer to nothing we sent (an error about an unreadable message has id null)
+        }
+        this.pending.delete(message.id);
+        if (message.error !== undefined) {
+            const { code, message: text, data } = message.error;
+            pending.reject(new RpcError(code, text, data));
+        }
+        else {
+            pending.resolve(message.result);
+        }
+        this.updateFlow();
+    }
+    onNotification(method, params) {
+        if (method === "generate/chunk") {
+            const chunk = params;
+            this.streams.get(chunk.id)?.push(chunk);
+        }
+        else if (method === "prefill/progress") {
+            const progress = params;
+            this.progress.get(progress.id)?.(progress);
+        }
+        for (const listener of this.listeners.get(method) ?? []) {
+            listener(params);
+        }
+    }
+    failAll(error) {
+        for (const pending of this.pending.values()) {
+            pending.reject(error);
+        }
+        this.pending.clear();
+    }
+    pauseFor(stream) {
+        this.pausedBy.add(stream);
+        this.updateFlow();
+    }
+    resumeFor(stream) {
+        this.pausedBy.delete(stream);
+        this.updateFlow();
+    }
+    /**
+     * Read stdout unless a stream's consumer is behind. Even then, read while a call other than
+     * a generate awaits its answer: the consumer may be waiting for it (a `tokenize` in the body
+     * of a `for await`), and its answer may come after chunks that would otherwise never be read.
+     */
+    updateFlow() {
+        const awaited = [...this.pending.keys()].some((id) => !this.streams.has(id));
+        if (this.pausedBy.size > 0 && !awaited) {
+            this.process.stdout.pause();
+        }
+        else {
+            this.process.stdout.resume();
+        }
+    }
+    async exitsWithin(ms) {
+        let timer;
+        const timedOut = new Promise((resolve) => {
+            timer = setTimeout(() => resolve(false), ms);
+        });
+        const exited = await Promise.race([this.exited.then(() => true), timedOut]);
+        clearTimeout(timer);
+        return exited;
+    }
+}
+/**
+ * The chunks of one `generate`, in order, as an async iterable, and its final `result`.
+ * While the consumer iterates, at most `highWaterMark` chunks wait here; beyond that the
+ * client stops reading the worker's output until the consumer catches up, and the worker
+ * in turn waits (backpressure all the way). Chunks not iterated are kept until the end.
+ */
+export class GenerateStream {
+    id;
+    result;
+    highWaterMark;
+    flow;
+    queue = [];
+    waiting = null;
+    done = false;
+    failure = null;
+    iterating = false;
+    constructor(
+    /** The request id: what `generate/chunk` notifications and `cancel` refer to. */
+    id, 
+    /** The final result; rejects with RpcError or WorkerExitedError. */
+    result, highWaterMark, flow) {
+        this.id = id;
+        this.result = result;
+        this.highWaterMark = highWaterMark;
+        this.flow = flow;
+        result.then(() => this.end(null), (error) => this.end(error));
+    }
+    /** Chunks received and not yet taken by the consumer. */
+    get buffered() {
+        return this.queue.length;
+    }
+    /** Called by the client for each chunk of this request. */
+    push(chunk) {
+        this.queue.push(chunk);
+        this.wake();
+        if (this.iterating && this.queue.length >= this.highWaterMark) {
+            this.flow.pause(this);
+        }
+    }
+    async *[Symbol.asyncIterator]() {
+        this.iterating = true;
+        try {
+            for (;;) {
+                const chunk = this.queue.shift();
+                if (chunk !== undefined) {
+                    if (this.queue.length < this.highWaterMark / 2) {
+                        this.flow.resume(this);
+                    }
+                    yield chunk;
+                    continue;
+                }
+                if (this.failure !== null) {
+                    throw this.failure;
+                }
+                if (this.done) {
+                    return;
+                }
+                await new Promise((resolve) => {
+                    this.waiting = resolve;
+                });
+            }
+        }
+        finally {
+            this.iterating = false;
+            this.flow.resume(this);
+        }
+    }
+    end(error) {
+        this.done = true;
+        this.failure = error;
+        this.wake();
+    }
+    wake() {
+        const waiting = this.waiting;
+        this.waiting = null;
+        waiting?.();
+    }
+}
+//# sourceMappingURL=client.js.map

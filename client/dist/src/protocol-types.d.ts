@@ -1,0 +1,340 @@
+export type NoParams = Record<string, never>;
+export interface CapabilitiesResult {
+    protocol_version: string;
+    worker_version: string;
+    pid: number;
+    backends: BackendInfo[];
+    methods: string[];
+    notifications: string[];
+    framing: FramingInfo;
+    limits: Limits;
+    model: ModelInfo | null;
+}
+export interface BackendInfo {
+    name: string;
+    description: string;
+    available: boolean;
+    reason: string | null;
+}
+export interface FramingInfo {
+    supported: string[];
+    replies: string | null;
+}
+export interface Limits {
+    max_message_bytes: number;
+    outbox_messages: number;
+}
+export interface ModelInfo {
+    model: string;
+    backend: string;
+    path: string | null;
+    vocab_size: number;
+    context_length: number;
+    special_tokens: SpecialToken[];
+    has_chat_template: boolean;
+    device: string;
+    dtype: string;
+    quantization: string;
+    load_time_ms: number;
+}
+export interface SpecialToken {
+    role: string;
+    id: number;
+    text: string;
+}
+export interface LoadParams {
+    /** Default `"default"`. */
+    model?: string;
+    /** Default `"transformers"`. */
+    backend?: string;
+    /** Default `"cpu"`. */
+    device?: string;
+    /** Default `"auto"`. */
+    dtype?: "auto" | "bfloat16" | "float16" | "float32";
+    /** Default `"auto"`. */
+    quantization?: "auto" | "int4" | "int8" | "none";
+    /** Default `false`. */
+    trust_remote_code?: boolean;
+    /** minimum 0; maximum 60000. Default `0`. */
+    token_delay_ms?: number;
+}
+export interface UnloadResult {
+    unloaded: boolean;
+    model: string | null;
+}
+export interface TokenizeParams {
+    text: string;
+    /** Default `true`. */
+    add_special_tokens?: boolean;
+}
+export interface TokenizeResult {
+    tokens: number[];
+    count: number;
+}
+export interface DetokenizeParams {
+    /** items: minimum 0. */
+    tokens: number[];
+    /** Default `false`. */
+    skip_special_tokens?: boolean;
+}
+export interface DetokenizeResult {
+    text: string;
+}
+export interface RenderParams {
+    /** minItems 1. */
+    messages: ChatMessage[];
+    /** Default `null`. */
+    tools?: Record<string, unknown>[] | null;
+    /** Default `true`. */
+    add_generation_prompt?: boolean;
+}
+export interface ChatMessage {
+    role: string;
+    content: string;
+    /** Default `null`. */
+    name?: string | null;
+    /** Default `null`. */
+    tool_call_id?: string | null;
+    /** Default `null`. */
+    tool_calls?: Record<string, unknown>[] | null;
+}
+export interface RenderResult {
+    text: string;
+    tokens: number[];
+    count: number;
+}
+export interface GenerateParams {
+    /** Default `null`. */
+    prompt?: string | null;
+    /** items: minimum 0. Default `null`. */
+    tokens?: number[] | null;
+    /** minItems 1. Default `null`. */
+    messages?: ChatMessage[] | null;
+    /** Default `null`. */
+    tools?: Record<string, unknown>[] | null;
+    /** Default `true`. */
+    add_special_tokens?: boolean;
+    /** minimum 1. Default `256`. */
+    max_tokens?: number;
+    /** minimum 0. Default `0`. */
+    temperature?: number;
+    /** exclusiveMinimum 0; maximum 1. Default `1`. */
+    top_p?: number;
+    /** minimum 0. Default `0`. */
+    top_k?: number;
+    /** minimum 0; maximum 1. Default `0`. */
+    min_p?: number;
+    /** exclusiveMinimum 0. Default `1`. */
+    repetition_penalty?: number;
+    /** minimum -9223372036854776000; maximum 9223372036854776000. Default `null`. */
+    seed?: number | null;
+    /** items: minLength 1. Default `[]`. */
+    stop?: string[];
+    /** Default `true`. */
+    stream?: boolean;
+    /** pattern `^(auto|(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127})$(?!\n)`. Default `null`. */
+    cache?: string | null;
+    /** minimum 0. Default `null`. */
+    cache_trim_tokens?: number | null;
+}
+export interface GenerateResult {
+    text: string;
+    tokens: number[];
+    finish_reason: "cancelled" | "length" | "stop";
+    stop_reason: StopReason;
+    usage: Usage;
+    timings: Timings;
+    cache: CacheUse | null;
+}
+export interface StopReason {
+    kind: "cancelled" | "eos" | "max_tokens" | "stop_string";
+    token: number | null;
+    stop: string | null;
+}
+export interface Usage {
+    prompt_tokens: number;
+    completion_tokens: number;
+    cache_read_tokens: number;
+    cache_write_tokens: number;
+}
+export interface Timings {
+    queued_ms: number;
+    prompt_ms: number;
+    decode_ms: number;
+    total_ms: number;
+    tokens_per_second: number;
+}
+/** What a generate did with its cache. */
+export interface CacheUse {
+    mode: "auto" | "ref";
+    ref: string | null;
+    reused_tokens: number;
+    reason: string | null;
+    skipped: SkippedCache[];
+    stored: string | null;
+    stored_tokens: number;
+    store_reason: string | null;
+}
+export interface SkippedCache {
+    ref: string;
+    reason: string;
+}
+export interface PrefillParams {
+    /** Default `null`. */
+    prompt?: string | null;
+    /** items: minimum 0. Default `null`. */
+    tokens?: number[] | null;
+    /** minItems 1. Default `null`. */
+    messages?: ChatMessage[] | null;
+    /** Default `null`. */
+    tools?: Record<string, unknown>[] | null;
+    /** Default `true`. */
+    add_special_tokens?: boolean;
+    /** Default `true`. */
+    add_generation_prompt?: boolean;
+    /** pattern `^(?!auto$)(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$(?!\n)`. */
+    cache: string;
+    /** pattern `^(?!auto$)(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$(?!\n)`. Default `null`. */
+    base?: string | null;
+    /** minimum 0. Default `null`. */
+    trim_to_tokens?: number | null;
+    /** items: minimum 0. Default `[]`. */
+    prefix_offsets?: number[];
+    /** Default `[]`. */
+    prefix_hashes?: string[];
+}
+export interface PrefillResult {
+    cache: string;
+    token_count: number;
+    cache_read_tokens: number;
+    cache_write_tokens: number;
+    bytes: number;
+    time_ms: number;
+}
+export interface CacheListResult {
+    caches: CacheInfo[];
+    total_bytes: number;
+    max_bytes: number | null;
+}
+export interface CacheInfo {
+    cache: string;
+    token_count: number;
+    bytes: number;
+    model_id: string;
+    created_by: string;
+    last_used: number;
+    prefix_offsets: number[];
+    prefix_hashes: string[];
+}
+export interface CacheRefParams {
+    /** pattern `^(?!auto$)(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$(?!\n)`. */
+    cache: string;
+}
+export interface CacheDeleteResult {
+    deleted: boolean;
+}
+export interface CancelParams {
+    id: number | string;
+}
+export interface CancelResult {
+    cancelled: boolean;
+    state: "queued" | "running" | "unknown";
+}
+/** params of the generate/chunk notification; counts are cumulative. */
+export interface GenerateChunk {
+    id: number | string;
+    index: number;
+    text: string;
+    tokens: number[];
+    generated_tokens: number;
+    prompt_tokens: number;
+    cache_read_tokens: number;
+}
+/** params of the prefill/progress notification, sent after each chunk of a long prefill. */
+export interface PrefillProgress {
+    id: number | string;
+    processed_tokens: number;
+    total_tokens: number;
+    cache_read_tokens: number;
+}
+/** The protocol version these types describe (schemas/index.json). */
+export declare const PROTOCOL_VERSION = "1.0";
+/** Every method: its params and its result. */
+export interface Methods {
+    /** What this worker speaks and can run. */
+    "capabilities": {
+        params: NoParams;
+        result: CapabilitiesResult;
+    };
+    /** Load a model, replacing any loaded one. */
+    "load": {
+        params: LoadParams;
+        result: ModelInfo;
+    };
+    /** Unload the model and free its memory. */
+    "unload": {
+        params: NoParams;
+        result: UnloadResult;
+    };
+    /** Text to token ids. */
+    "tokenize": {
+        params: TokenizeParams;
+        result: TokenizeResult;
+    };
+    /** Token ids to text. */
+    "detokenize": {
+        params: DetokenizeParams;
+        result: DetokenizeResult;
+    };
+    /** Chat messages to prompt text and tokens. */
+    "render": {
+        params: RenderParams;
+        result: RenderResult;
+    };
+    /** Generate a continuation, streaming chunks. */
+    "generate": {
+        params: GenerateParams;
+        result: GenerateResult;
+    };
+    /** Compute a prompt's KV cache once and store it. */
+    "prefill": {
+        params: PrefillParams;
+        result: PrefillResult;
+    };
+    /** The stored caches, most recently used first. */
+    "cache/list": {
+        params: NoParams;
+        result: CacheListResult;
+    };
+    /** One cache's header, without loading its tensors. */
+    "cache/info": {
+        params: CacheRefParams;
+        result: CacheInfo;
+    };
+    /** Delete a cache. */
+    "cache/delete": {
+        params: CacheRefParams;
+        result: CacheDeleteResult;
+    };
+    /** Cancel a queued or running request. */
+    "cancel": {
+        params: CancelParams;
+        result: CancelResult;
+    };
+    /** Finish up; answers after every earlier request. */
+    "shutdown": {
+        params: NoParams;
+        result: null;
+    };
+}
+export type MethodName = keyof Methods;
+/** Notifications the worker sends to the host: method → params. */
+export interface WorkerNotifications {
+    "generate/chunk": GenerateChunk;
+    "prefill/progress": PrefillProgress;
+}
+/** Notifications the host sends to the worker: method → params. */
+export interface HostNotifications {
+    "$/cancelRequest": CancelParams;
+    "exit": NoParams;
+}
