@@ -1,6 +1,6 @@
 """Every difference between transformers versions that lm-worker depends on, in one place.
 
-Supported: transformers >= 5.20 (pyproject.toml). Import only from the
+Supported: transformers >= 5.21 (pyproject.toml). Import only from the
 transformers backend: importing this module imports torch and transformers.
 """
 
