@@ -107,15 +107,16 @@ def append_positions(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[t
 
     transformers' DynamicLayer concatenates, which copies the whole cache at every decode
     step (90 MB a step at 2,000 positions of SmolLM2). Here the positions live in buffers
-    with room to grow (by half again, at least 256 positions), and ``layer.keys``/``values`` are views of their used
-    part; cutting back (keep_positions) keeps them views, and tensors set from elsewhere
-    (set_positions) move into new buffers at the next append."""
+    with room to grow (by half again, at least 256 positions), and ``layer.keys`` and
+    ``layer.values`` are views of their used part; cutting back (keep_positions) keeps them
+    views, and tensors set from elsewhere (set_positions) move into new buffers at the next
+    append."""
     if not layer.is_initialized:
         layer.lazy_initialization(keys, values)
     held = layer.keys.shape[-2] if layer.keys.dim() == 4 else 0
     total = held + keys.shape[-2]
     buffers = getattr(layer, "growth_buffers", None)
-    if buffers is None or buffers[0].shape[-2] < total or not _starts(layer.keys, buffers[0]) or not held:
+    if buffers is None or buffers[0].shape[-2] < total or not _starts(layer.keys, buffers[0]):
         capacity = max(total * 3 // 2, total + 256)
         buffers = tuple(
             new.new_empty((*new.shape[:-2], capacity, new.shape[-1])) for new in (keys, values)
