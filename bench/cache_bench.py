@@ -282,10 +282,6 @@ def load_model(threads: int, name: str):
     return TransformersBackend().load(msgspec.convert({"model": name}, LoadParams), data_dir=default_data_dir())
 
 
-def never() -> bool:
-    return False
-
-
 # --- 1. restore against recompute, in this process ---------------------------------
 
 
@@ -310,7 +306,7 @@ def bench_restore(model, ids: list[int], path: Path, rounds: int, warm_repeats: 
     # A first, uncounted recompute: warms the model up and gives the cache to write.
     with Timed() as first:
         reference = model.new_cache()
-        model.extend_cache(ids, reference, never)
+        model.extend_cache(ids, reference)
     print(
         f"  first recompute (warm-up, not counted) {first.seconds * 1000:7.0f} ms{psi_text(first.pressure)}", flush=True
     )
@@ -350,7 +346,7 @@ def bench_restore(model, ids: list[int], path: Path, rounds: int, warm_repeats: 
         def do_recompute(round_no: int = round_no) -> str:
             with Timed() as t:
                 cache = model.new_cache()
-                model.extend_cache(ids, cache, never)
+                model.extend_cache(ids, cache)
             if cache.length != len(ids):
                 problems.append(f"recompute round {round_no + 1}: {cache.length} tokens")
             del cache
@@ -556,7 +552,7 @@ def memory_probe(path: Path, threads: int, name: str) -> dict:
     # A loaded model has run forwards: warm up on a short prompt (one-time allocations),
     # then give freed heap back so that the baseline is what is really held.
     warm = model.new_cache()
-    model.extend_cache(tokens[:16], warm, never)
+    model.extend_cache(tokens[:16], warm)
     del warm
     gc.collect()
     try:
@@ -580,7 +576,7 @@ def memory_probe(path: Path, threads: int, name: str) -> dict:
     reset_peak()
     sampler = _Sampler()
     sampler.start()
-    model.extend_cache(tokens + [tokens[0]], cache, never)
+    model.extend_cache(tokens + [tokens[0]], cache)
     peak_sampled = sampler.stop()
     after_step = proc_status()
     mapped = str(path) in Path("/proc/self/maps").read_text()

@@ -61,7 +61,7 @@ def main() -> None:
         model = TransformersBackend().load(LoadParams(model="default", **params), data_dir=default_data_dir())
         with torch.inference_mode():
             cache = model.new_cache()
-            model.extend_cache(list(range(100, 100 + args.context)), cache, lambda: False)
+            model.extend_cache(list(range(100, 100 + args.context)), cache)
             for _ in range(3):
                 step(model, cache, how)
             times = []

@@ -57,6 +57,7 @@ class FramingInfo(Result):
 class Limits(Result):
     max_message_bytes: int
     outbox_messages: int  # messages buffered for stdout before producers wait
+    max_batch: int  # generate and prefill requests run side by side; more wait in the queue
 
 
 class SpecialToken(Result):
@@ -177,6 +178,9 @@ class GenerateParams(PromptParams):
     seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None  # a signed 64-bit integer
     stop: list[Annotated[str, Meta(min_length=1)]] = []
     stream: bool = True  # send generate/chunk notifications
+    # Chunks sent past the last one acknowledged with generate/ack; later text waits, merged
+    # into one chunk, until an ack makes room (None: no limit, no acks needed).
+    stream_window: Annotated[int, Meta(ge=1)] | None = None
     # A cache ref ("name" on disk, "memory://name" in this process) whose tokens
     # must be a prefix of the prompt's; only the rest is computed. "auto": reuse the
     # stored cache sharing the longest prefix with the prompt, store the new sequence.
@@ -307,6 +311,11 @@ class CancelParams(Params):
     id: RequestId
 
 
+class AckParams(Params):
+    id: RequestId  # the generate request
+    index: Annotated[int, Meta(ge=0)]  # the host has taken this chunk and those before it
+
+
 class CancelResult(Result):
     cancelled: bool
     state: Literal["running", "queued", "unknown"]  # the target's state when cancel arrived
@@ -340,6 +349,7 @@ METHODS: dict[str, MethodSpec] = {
 # Notifications by direction: what the host may send, what the worker sends.
 HOST_NOTIFICATIONS: dict[str, type[Params]] = {
     "$/cancelRequest": CancelParams,
+    "generate/ack": AckParams,
     "exit": NoParams,
 }
 WORKER_NOTIFICATIONS: dict[str, type[Result]] = {

@@ -198,15 +198,18 @@ async def test_quick_requests_are_answered_while_a_generation_streams(spawn_work
     await done
 
 
-async def test_cancelled_queued_generate_answers_cancelled_without_running(spawn_worker: SpawnWorker):
-    host = await spawn_worker()
+async def test_a_generate_queued_past_max_batch_answers_cancelled_at_once_without_running(
+    spawn_worker: SpawnWorker,
+):
+    host = await spawn_worker("--max-batch", "1")
     first_id, first = await _slow_stream(host)
     second_id, second = host.start("generate", {"prompt": "never", "max_tokens": 10})
     await asyncio.sleep(0.05)
     assert await host.call("cancel", {"id": second_id}) == {"cancelled": True, "state": "queued"}
-    await host.call("cancel", {"id": first_id})
     result = (await second)["result"]
     assert result["finish_reason"] == "cancelled" and result["text"] == "" and host.chunks[second_id] == []
+    assert not first.done(), "the queued request waited for the running one to end"
+    await host.call("cancel", {"id": first_id})
     assert (await first)["result"]["finish_reason"] == "cancelled"
 
 

@@ -31,7 +31,7 @@ def test_a_decode_step_gives_transformers_forward_logits_bit_for_bit(tiny_model_
     with torch.inference_mode():
         for cut in (1, 2, 5, len(ids) - 1):
             stepped = model.new_cache()
-            model.extend_cache(ids[:cut], stepped, lambda: False)
+            model.extend_cache(ids[:cut], stepped)
             forwarded = stepped.copy()
             ours = model._step([ids[cut]], [stepped])
             theirs = forwarded.feed(model._model, torch.tensor([[ids[cut]]]))
@@ -48,7 +48,7 @@ def test_a_batch_of_sequences_steps_as_each_would_alone(tiny_model_dir: Path, tm
         alone, together = [], []
         for prompt in prompts:
             cache = model.new_cache()
-            model.extend_cache(prompt[:-1], cache, lambda: False)
+            model.extend_cache(prompt[:-1], cache)
             alone.append(cache)
             together.append(cache.copy())
         expected = [model._step([prompt[-1]], [cache]) for prompt, cache in zip(prompts, alone)]
@@ -128,7 +128,7 @@ def test_a_copied_cache_holds_no_spare_room(tiny_model_dir: Path, tmp_path: Path
     model = load(tiny_model_dir, tmp_path)
     with torch.inference_mode():
         cache = model.new_cache()
-        model.extend_cache(list(range(5, 45)), cache, lambda: False)
+        model.extend_cache(list(range(5, 45)), cache)
         twin = cache.copy()
     for layer, original in zip(twin.kv.layers, cache.kv.layers):
         assert layer.keys.untyped_storage().nbytes() == layer.keys.nbytes

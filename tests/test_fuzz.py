@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import pytest
 
 from protocol.envelope import Notification, Rejected, Request, parse_incoming
 from protocol.errors import CODES, ErrorKind
@@ -35,6 +34,7 @@ from protocol.framing import DEFAULT_MAX_MESSAGE_BYTES, Frame, FrameDecoder, Fra
 from protocol.methods import METHODS, GenerateChunk
 from worker.backends import BUILTIN, Registry
 from worker.handlers import Handlers, WireInfo
+from worker.scheduler import DEFAULT_MAX_BATCH
 from worker.server import Server
 from worker.writer import DEFAULT_OUTBOX_MESSAGES, Writer
 
@@ -101,6 +101,7 @@ def make_server(writer: Any, max_bytes: int) -> tuple[Server, Handlers]:
             framing=lambda: writer.framing,
             max_message_bytes=max_bytes,
             outbox_messages=DEFAULT_OUTBOX_MESSAGES,
+            max_batch=DEFAULT_MAX_BATCH,
         ),
         data_dir=Path(tempfile.gettempdir()),
     )

@@ -156,6 +156,7 @@ async def test_the_example_is_what_the_worker_answers(example: Example, places: 
             params = {"backend": "echo", **({"token_delay_ms": float(delay)} if delay else {})}
             await worker.call("load", params)
             worker.messages.clear()
+            worker.arrival_times.clear()
         return worker
 
     async def finish(worker: Host) -> None:

@@ -36,7 +36,7 @@ def test_every_method_and_notification_has_its_files():
     index = load("index.json")
     for entry in index["methods"].values():
         assert (SCHEMAS / entry["params"]).is_file() and (SCHEMAS / entry["result"]).is_file()
-    assert set(index["notifications"]) == {"generate/chunk", "prefill/progress", "$/cancelRequest", "exit"}
+    assert set(index["notifications"]) == {"generate/chunk", "prefill/progress", "$/cancelRequest", "generate/ack", "exit"}
 
 
 def test_params_schemas_refuse_unknown_fields_like_the_worker():

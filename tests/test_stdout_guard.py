@@ -31,10 +31,9 @@ NOISY_BACKEND = textwrap.dedent(
             shout("tokenize")
             return super().tokenize(text, add_special_tokens=add_special_tokens)
 
-        def generate(self, prompt, params, should_stop):
-            for token in super().generate(prompt, params, should_stop):
-                shout("generate")
-                yield token
+        def step(self, decodings):
+            shout("generate")
+            super().step(decodings)
 
     class NoisyBackend(EchoBackend):
         name = "noisy"

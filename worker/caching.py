@@ -57,50 +57,71 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def prefill(
-    store: CacheStore,
-    model: Model,
-    params: PrefillParams,
-    *,
-    request_id: int | str,
-    is_cancelled: Callable[[], bool],
-    send_progress: Callable[[PrefillProgress], None],
-) -> PrefillResult:
-    started = time.perf_counter()
-    model = caching(model)
-    source = PromptSource(params.prompt, params.tokens, params.messages)
-    tokens = resolve_prompt(
-        model,
-        source,
-        add_special_tokens=params.add_special_tokens,
-        tools=params.tools,
-        add_generation_prompt=params.add_generation_prompt,
-    )
-    check_context(model, len(tokens), 0)
-    if params.trim_to_tokens is not None and params.base is None:
-        raise RpcError(
-            ErrorKind.INVALID_PARAMS, "trim_to_tokens trims the 'base' cache; give 'base' too.", field="params.base"
+class Prefill:
+    """One prefill request on its way: its tokens fed in chunks, then stored under its ref."""
+
+    def __init__(
+        self,
+        store: CacheStore,
+        model: Model,
+        params: PrefillParams,
+        *,
+        request_id: int | str,
+        is_cancelled: Callable[[], bool],
+        send_progress: Callable[[PrefillProgress], None],
+    ) -> None:
+        self._started = time.perf_counter()
+        model = caching(model)
+        source = PromptSource(params.prompt, params.tokens, params.messages)
+        tokens = resolve_prompt(
+            model,
+            source,
+            add_special_tokens=params.add_special_tokens,
+            tools=params.tools,
+            add_generation_prompt=params.add_generation_prompt,
         )
-    identity = model.cache_identity()
-    reused, cache = 0, None
-    if params.base is not None:
-        base_tokens, cache = store.load(params.base, identity, model.load_cache, field="params.base")
-        limit = len(base_tokens) if params.trim_to_tokens is None else min(params.trim_to_tokens, len(base_tokens))
-        reused = model.reusable_tokens(cache, common_prefix(base_tokens[:limit], tokens))
-        model.crop_cache(cache, reused)
-    if cache is None:
-        cache = model.new_cache()
-    if not model.extend_cache(tokens, cache, is_cancelled, _progress(send_progress, request_id, len(tokens), reused)):
-        raise RpcError(ErrorKind.REQUEST_CANCELLED, "prefill was cancelled; nothing was stored.")
-    written = len(tokens) - reused
-    size = store.save(
-        params.cache, identity, tokens, cache,
-        offsets=params.prefix_offsets, hashes=params.prefix_hashes, written_tokens=written,
-    )
-    return PrefillResult(
-        cache=params.cache, token_count=len(tokens), cache_read_tokens=reused, cache_write_tokens=written,
-        bytes=size, time_ms=(time.perf_counter() - started) * 1000.0,
-    )
+        check_context(model, len(tokens), 0)
+        if params.trim_to_tokens is not None and params.base is None:
+            raise RpcError(
+                ErrorKind.INVALID_PARAMS, "trim_to_tokens trims the 'base' cache; give 'base' too.", field="params.base"
+            )
+        self._identity = model.cache_identity()
+        reused, cache = 0, None
+        if params.base is not None:
+            base_tokens, cache = store.load(params.base, self._identity, model.load_cache, field="params.base")
+            limit = len(base_tokens) if params.trim_to_tokens is None else min(params.trim_to_tokens, len(base_tokens))
+            reused = model.reusable_tokens(cache, common_prefix(base_tokens[:limit], tokens))
+            model.crop_cache(cache, reused)
+        self.model = model
+        self.decoding = model.start(tokens, None, cache)
+        self._store, self._params, self._tokens, self._reused = store, params, tokens, reused
+        self._is_cancelled = is_cancelled
+        self._progress = _progress(send_progress, request_id, len(tokens), reused)
+
+    def feed(self, max_tokens: int) -> None:
+        self.decoding.feed(max_tokens)
+        self._progress(len(self._tokens) - self.decoding.prompt_left)
+
+    def advance(self) -> None:
+        raise AssertionError("a prefill chooses no tokens")
+
+    @property
+    def done(self) -> bool:
+        return not self.decoding.prompt_left or self._is_cancelled()
+
+    def finish(self) -> PrefillResult:
+        if self.decoding.prompt_left:
+            raise RpcError(ErrorKind.REQUEST_CANCELLED, "prefill was cancelled; nothing was stored.")
+        params, tokens = self._params, self._tokens
+        written = len(tokens) - self._reused
+        size = self._store.save(
+            params.cache, self._identity, tokens, self.decoding.cache,
+            offsets=params.prefix_offsets, hashes=params.prefix_hashes, written_tokens=written,
+        )
+        return PrefillResult(
+            cache=params.cache, token_count=len(tokens), cache_read_tokens=self._reused, cache_write_tokens=written,
+            bytes=size, time_ms=(time.perf_counter() - self._started) * 1000.0,
+        )
 
 
 def _progress(

@@ -15,6 +15,7 @@ from worker import __version__
 from worker.backends import Registry
 from worker.default_model import default_data_dir
 from worker.handlers import Handlers, WireInfo
+from worker.scheduler import DEFAULT_MAX_BATCH
 from worker.server import Server
 from worker.stdio import claim_stdout
 from worker.transcript import Recorder
@@ -69,6 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_OUTBOX_MESSAGES,
         metavar="N",
         help=f"messages buffered for stdout before generation waits for the host (default {DEFAULT_OUTBOX_MESSAGES})",
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=_positive_int,
+        default=DEFAULT_MAX_BATCH,
+        metavar="N",
+        help="run at most N generate and prefill requests side by side, decoding them in one batch; "
+        f"later ones wait in the queue (default {DEFAULT_MAX_BATCH})",
     )
     parser.add_argument(
         "--data-dir",
@@ -151,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             framing=lambda: writer.framing,
             max_message_bytes=args.max_message_bytes,
             outbox_messages=args.outbox,
+            max_batch=args.max_batch,
         ),
         data_dir=args.data_dir or default_data_dir(),
         cache_dir=args.cache_dir,
@@ -158,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         memory_cache_max_bytes=args.memory_cache_max_bytes,
     )
     server = Server(
-        writer, handlers, max_message_bytes=args.max_message_bytes, recorder=recorder, drain_on_eof=args.drain
+        writer, handlers, max_message_bytes=args.max_message_bytes, recorder=recorder, drain_on_eof=args.drain,
+        max_batch=args.max_batch,
     )
     _on_signals(lambda: server.end("signal", cancel=True))
     threading.Thread(target=_read_stdin, args=(server,), name="lm-worker-reader", daemon=True).start()

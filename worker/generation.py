@@ -106,64 +106,94 @@ def check_context(model: Model, prompt_length: int, max_tokens: int) -> None:
         )
 
 
-def generate(
-    model: Model,
-    params: GenerateParams,
-    prompt: list[int],
-    *,
-    request_id: int | str,
-    is_cancelled: Callable[[], bool],
-    send_chunk: SendChunk,
-    queued_ms: float,
-    start: CacheStart | None = None,
-    started: float | None = None,
-) -> GenerateResult:
-    started = started or time.perf_counter()
-    reused = start.reused if start else 0
-    stream = _Stream(model, params, request_id, len(prompt), reused, send_chunk, prompt)
-    first_token_at: float | None = None
-    stop_reason: StopReason | None = None
-    tokens = stream.tokens
-    from_cache = {"cache": start.cache} if start and start.cache is not None else {}
-    steps = model.generate(prompt, params, is_cancelled, **from_cache)
-    try:
-        for token in steps:
-            first_token_at = first_token_at or time.perf_counter()
-            stop_reason = stream.push(token)
-            if stop_reason is None and len(tokens) >= params.max_tokens:
-                stop_reason = _reason("max_tokens")
-            if stop_reason is None and is_cancelled():
-                stop_reason = _reason("cancelled")
-            if stop_reason is not None:
-                break
-    finally:
-        steps.close()
-    if stop_reason is None:  # the backend stopped: on a cancel, or having ended the sequence itself
-        stop_reason = _reason("cancelled" if is_cancelled() else "eos")
-    stream.finish()
-    finished = time.perf_counter()
-    first = first_token_at or finished
-    decode_s = finished - first
-    return GenerateResult(
-        text=stream.text,
-        tokens=tokens,
-        finish_reason=_FINISH_REASONS[stop_reason.kind],
-        stop_reason=stop_reason,
-        usage=Usage(
-            prompt_tokens=len(prompt),
-            completion_tokens=len(tokens),
-            cache_read_tokens=reused,
-            cache_write_tokens=start.written if start else 0,
-        ),
-        cache=start.use if start else None,
-        timings=Timings(
-            queued_ms=queued_ms,
-            prompt_ms=(first - started) * 1000.0,
-            decode_ms=decode_s * 1000.0,
-            total_ms=(finished - started) * 1000.0,
-            tokens_per_second=(len(tokens) - 1) / decode_s if decode_s > 0 and len(tokens) > 1 else 0.0,
-        ),
-    )
+class Generation:
+    """One generate request on its way: the scheduler feeds its prompt and steps it; each token
+    goes through the stream (text deltas, stop strings) and the limits, until something stops it."""
+
+    def __init__(
+        self,
+        model: Model,
+        params: GenerateParams,
+        prompt: list[int],
+        *,
+        request_id: int | str,
+        is_cancelled: Callable[[], bool],
+        send_chunk: SendChunk,
+        queued_ms: float,
+        acked: Callable[[], int] = lambda: -1,
+        start: CacheStart | None = None,
+        started: float | None = None,
+        after: Callable[[GenerateResult], None] = lambda result: None,
+    ) -> None:
+        self.model = model
+        self._params = params
+        self._prompt_tokens = len(prompt)
+        self._is_cancelled = is_cancelled
+        self._queued_ms = queued_ms
+        self._start = start
+        self._started = started or time.perf_counter()
+        self._after = after
+        self._stream = _Stream(
+            model, params, request_id, len(prompt), start.reused if start else 0, send_chunk, acked, prompt
+        )
+        self._first_token_at: float | None = None
+        self._stop: StopReason | None = None
+        from_cache = {"cache": start.cache} if start and start.cache is not None else {}
+        self.decoding = model.start(prompt, params, **from_cache)
+
+    def feed(self, max_tokens: int) -> None:
+        """A chunk of the prompt; the first token once the prompt is in."""
+        self.decoding.feed(max_tokens)
+        if not self.decoding.prompt_left:
+            self.advance()
+
+    def advance(self) -> None:
+        """Take the token the last step (or the prompt's last chunk) made possible; a request
+        cancelled meanwhile takes none."""
+        if self.done:
+            return
+        token = self.decoding.next_token()
+        self._first_token_at = self._first_token_at or time.perf_counter()
+        self._stop = self._stream.push(token)
+        if self._stop is None and len(self._stream.tokens) >= self._params.max_tokens:
+            self._stop = _reason("max_tokens")
+
+    @property
+    def done(self) -> bool:
+        if self._stop is None and self._is_cancelled():
+            self._stop = _reason("cancelled")
+        return self._stop is not None
+
+    def finish(self) -> GenerateResult:
+        assert self.done
+        self._stream.finish()
+        finished = time.perf_counter()
+        first = self._first_token_at or finished
+        decode_s = finished - first
+        tokens = self._stream.tokens
+        start = self._start
+        result = GenerateResult(
+            text=self._stream.text,
+            tokens=tokens,
+            finish_reason=_FINISH_REASONS[self._stop.kind],
+            stop_reason=self._stop,
+            usage=Usage(
+                prompt_tokens=self._prompt_tokens,
+                completion_tokens=len(tokens),
+                cache_read_tokens=start.reused if start else 0,
+                cache_write_tokens=start.written if start else 0,
+            ),
+            cache=start.use if start else None,
+            timings=Timings(
+                queued_ms=self._queued_ms,
+                prompt_ms=(first - self._started) * 1000.0,
+                decode_ms=decode_s * 1000.0,
+                total_ms=(finished - self._started) * 1000.0,
+                tokens_per_second=(len(tokens) - 1) / decode_s if decode_s > 0 and len(tokens) > 1 else 0.0,
+            ),
+        )
+        self._after(result)
+        return result
 
 
 def cancelled_before_start(queued_ms: float) -> GenerateResult:
@@ -187,7 +217,12 @@ _FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_tokens": "length",
 
 
 class _Stream:
-    """Token ids in; stable text deltas out as chunks; the final text is their concatenation."""
+    """Token ids in; stable text deltas out as chunks; the final text is their concatenation.
+
+    With a ``stream_window``, at most that many chunks are out past the last one the host
+    acknowledged; the text of later tokens is held, merged into one chunk, until an ack
+    makes room (the stream's reader is slow) or the generation ends. The generation itself
+    never waits for a slow reader, and neither do the requests decoding beside it."""
 
     def __init__(
         self,
@@ -197,6 +232,7 @@ class _Stream:
         prompt_tokens: int,
         cache_read_tokens: int,
         send_chunk: SendChunk,
+        acked: Callable[[], int],
         prompt: Sequence[int],
     ) -> None:
         self._eos = model.eos_token_ids
@@ -208,6 +244,10 @@ class _Stream:
         self._cache_read_tokens = cache_read_tokens
         self._pieces: list[str] = []
         self._stopped = False
+        self._window = params.stream_window
+        self._acked = acked
+        self._sent = 0  # chunks sent
+        self._held: tuple[list[str], list[int]] | None = None  # text and tokens not sent yet
         self.tokens: list[int] = []
 
     @property
@@ -227,25 +267,39 @@ class _Stream:
         return None
 
     def finish(self) -> None:
-        """Emit what was held back, unless a stop string ended the text."""
-        if self._stopped:
-            return
-        text, stop = self._stops.push(self._detok.flush())
-        tail = text + ("" if stop is not None else self._stops.flush())
-        if tail:
-            self._emit(tail, [])
+        """Emit what was held back (unless a stop string ended the text), and every chunk a
+        slow reader's window held: the stream is whole before the result."""
+        if not self._stopped:
+            text, stop = self._stops.push(self._detok.flush())
+            tail = text + ("" if stop is not None else self._stops.flush())
+            if tail:
+                self._emit(tail, [])
+        self._send_held(force=True)
 
     def _emit(self, text: str, tokens: list[int]) -> None:
         self._pieces.append(text)
-        if self._send is not None:
-            self._send(
-                GenerateChunk(
-                    id=self._request_id,
-                    index=len(self._pieces) - 1,
-                    text=text,
-                    tokens=tokens,
-                    generated_tokens=len(self.tokens),
-                    prompt_tokens=self._prompt_tokens,
-                    cache_read_tokens=self._cache_read_tokens,
-                )
+        if self._send is None:
+            return
+        texts, held_tokens = self._held or ([], [])
+        self._held = (texts + [text], held_tokens + tokens)
+        self._send_held(force=False)
+
+    def _send_held(self, *, force: bool) -> None:
+        if self._held is None or self._send is None:
+            return
+        if not force and self._window is not None and self._sent - (self._acked() + 1) >= self._window:
+            return
+        texts, tokens = self._held
+        self._held = None
+        self._send(
+            GenerateChunk(
+                id=self._request_id,
+                index=self._sent,
+                text="".join(texts),
+                tokens=tokens,
+                generated_tokens=len(self.tokens),
+                prompt_tokens=self._prompt_tokens,
+                cache_read_tokens=self._cache_read_tokens,
             )
+        )
+        self._sent += 1

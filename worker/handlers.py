@@ -21,14 +21,12 @@ from protocol.methods import (
     CacheRefParams,
     PrefillParams,
     PrefillProgress,
-    PrefillResult,
     CapabilitiesResult,
     DetokenizeParams,
     DetokenizeResult,
     FramingInfo,
     GenerateChunk,
     GenerateParams,
-    GenerateResult,
     Limits,
     LoadParams,
     ModelInfo,
@@ -45,8 +43,9 @@ from worker.backends import Registry
 from worker.backends.base import Model
 
 if TYPE_CHECKING:
+    from worker.caching import Prefill
     from worker.kvcache.store import CacheStore
-from worker.generation import check_vocabulary, generate, prompt_tokens
+from worker.generation import Generation, check_vocabulary, prompt_tokens
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +57,7 @@ class Context(msgspec.Struct, frozen=True):
     cancelled: threading.Event
     queued_ms: float
     send_notification: Callable[[str, msgspec.Struct], None]
+    acked: Callable[[], int] = lambda: -1  # the last generate/chunk index the host acknowledged
 
 
 class WireInfo(msgspec.Struct, frozen=True):
@@ -68,6 +68,7 @@ class WireInfo(msgspec.Struct, frozen=True):
     framing: Callable[[], Framing | None]
     max_message_bytes: int
     outbox_messages: int
+    max_batch: int
 
 
 class Handlers:
@@ -101,7 +102,8 @@ class Handlers:
             notifications=self._wire.notifications,
             framing=FramingInfo(supported=[f.value for f in Framing], replies=framing and framing.value),
             limits=Limits(
-                max_message_bytes=self._wire.max_message_bytes, outbox_messages=self._wire.outbox_messages
+                max_message_bytes=self._wire.max_message_bytes, outbox_messages=self._wire.outbox_messages,
+                max_batch=self._wire.max_batch,
             ),
             model=self._model.info if self._model else None,
         )
@@ -144,7 +146,8 @@ class Handlers:
         )
         return RenderResult(text=text, tokens=tokens, count=len(tokens))
 
-    def generate(self, ctx: Context, params: GenerateParams) -> GenerateResult:
+    def generate(self, ctx: Context, params: GenerateParams) -> Generation:
+        """The generation, ready for the scheduler to feed and step (nothing computed yet)."""
         from worker.caching import finish_generate, start_generate
 
         def send_chunk(chunk: GenerateChunk) -> None:
@@ -154,27 +157,28 @@ class Handlers:
         model = self._loaded()
         prompt = prompt_tokens(model, params)
         start = start_generate(self._store(), model, params, prompt)
-        result = generate(
+        return Generation(
             model,
             params,
             prompt,
             request_id=ctx.id,
             is_cancelled=ctx.cancelled.is_set,
             send_chunk=send_chunk,
+            acked=ctx.acked,
             queued_ms=ctx.queued_ms,
             start=start,
             started=started,
+            after=lambda result: finish_generate(self._store(), model, start, prompt, result),
         )
-        finish_generate(self._store(), model, start, prompt, result)
-        return result
 
-    def prefill(self, ctx: Context, params: PrefillParams) -> PrefillResult:
-        from worker.caching import prefill
+    def prefill(self, ctx: Context, params: PrefillParams) -> Prefill:
+        """The prefill, ready for the scheduler to feed."""
+        from worker.caching import Prefill
 
         def send_progress(progress: PrefillProgress) -> None:
             ctx.send_notification("prefill/progress", progress)
 
-        return prefill(
+        return Prefill(
             self._store(), self._loaded(), params,
             request_id=ctx.id, is_cancelled=ctx.cancelled.is_set, send_progress=send_progress,
         )

@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import os
 import sys
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,6 +39,7 @@ class Host:
         self.process = process
         self.framing = framing
         self.messages: list[dict[str, Any]] = []  # everything received, in order
+        self.arrival_times: list[float] = []  # when each of them was read (time.perf_counter)
         self.chunks: defaultdict[Any, list[dict[str, Any]]] = defaultdict(list)  # generate/chunk params by id
         self.stderr = bytearray()
         self.malformed: list[str] = []  # framing errors in what the worker wrote: always a bug
@@ -160,6 +162,7 @@ class Host:
                 self.malformed.append(f"{exc}: {event.body[:200]!r}")
                 continue
             self.messages.append(message)
+            self.arrival_times.append(time.perf_counter())
             if message.get("method") == "generate/chunk":
                 self.chunks[message["params"]["id"]].append(message["params"])
             elif "id" in message and message["id"] in self._pending:

@@ -2,12 +2,13 @@
 
 Three threads do the work. The reader thread (whoever calls :meth:`Server.feed`)
 decodes frames and answers quick requests at once. Requests that use the model
-go to the model lane, one thread that runs them one at a time, in order. Text
-requests (``tokenize``, ``detokenize``, ``render``) go to the text lane, so that
-a huge one delays neither the reading of a ``cancel`` nor a generation. So
-``cancel``, ``capabilities`` and ``tokenize`` are answered while a generation
-streams, and a cancel only has to set an event that the generation checks
-between decode steps.
+go to the model lane, one thread that runs the scheduler (worker/scheduler.py):
+generates and prefills run side by side, batched, and the other model requests
+run alone, in order. Text requests (``tokenize``, ``detokenize``, ``render``) go
+to the text lane, so that a huge one delays neither the reading of a ``cancel``
+nor a generation. So ``cancel``, ``capabilities`` and ``tokenize`` are answered
+while generations stream, and a cancel only has to set an event that the
+scheduler checks between decode steps.
 """
 
 from __future__ import annotations
@@ -39,12 +40,14 @@ from protocol.methods import (
     HOST_NOTIFICATIONS,
     METHODS,
     WORKER_NOTIFICATIONS,
+    AckParams,
     CancelParams,
     CancelResult,
     Params,
 )
 from worker.generation import cancelled_before_start
 from worker.handlers import Context, Handlers
+from worker.scheduler import DEFAULT_MAX_BATCH, Admission, Scheduler, Task
 from worker.transcript import Recorder
 from worker.writer import Writer
 
@@ -70,6 +73,10 @@ class Job(msgspec.Struct):
     text_lane: bool = False
     cancelled: threading.Event = msgspec.field(default_factory=threading.Event)
     running: bool = False
+    acked: int = -1  # the last generate/chunk the host acknowledged (generate/ack)
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled.is_set()
 
 
 # For each lane that may wait: which earlier, unfinished model-lane jobs it waits behind,
@@ -90,6 +97,7 @@ class Server:
         max_message_bytes: int,
         recorder: Recorder | None = None,
         drain_on_eof: bool = False,
+        max_batch: int = DEFAULT_MAX_BATCH,
     ) -> None:
         self._writer = writer
         self._handlers = handlers
@@ -114,7 +122,7 @@ class Server:
         assert self._routes.keys() == METHODS.keys(), "every protocol method needs a route"
         self._lock = threading.Condition()
         self._jobs: dict[RequestId, Job] = {}  # queued or running on a lane
-        self._queue: deque[Job] = deque()  # the model lane's
+        self._admission = Admission(max_batch)  # the model lane's queue
         self._text_queue: deque[Job] = deque()
         self._shutdown_requested = False
         self._stopping = False  # no more input is read; the lane finishes its queue
@@ -122,8 +130,8 @@ class Server:
         self.ended = threading.Event()
         self.exit_code = 0
         self._lanes = [
-            threading.Thread(target=self._run_lane, args=(queue,), name=name, daemon=True)
-            for queue, name in ((self._queue, "lm-worker-model"), (self._text_queue, "lm-worker-text"))
+            threading.Thread(target=Scheduler(self).run, name="lm-worker-model", daemon=True),
+            threading.Thread(target=self._run_text_lane, name="lm-worker-text", daemon=True),
         ]
         for lane in self._lanes:
             lane.start()
@@ -200,12 +208,14 @@ class Server:
             else:
                 error = None
                 behind = lane is Lane.MODEL or any(map(_WAITS_FOR[lane], self._jobs.values()))
-                queue = self._queue if behind else self._text_queue if lane is Lane.TEXT else None
-                queue_it = queue is not None
-                if queue is not None:
-                    job = Job(request.id, request.method, params, time.perf_counter(), queue is self._text_queue)
+                queue_it = behind or lane is Lane.TEXT
+                if queue_it:
+                    job = Job(request.id, request.method, params, time.perf_counter(), not behind)
                     self._jobs[request.id] = job
-                    queue.append(job)
+                    if behind:
+                        self._admission.add(job)
+                    else:
+                        self._text_queue.append(job)
                     self._lock.notify_all()
                 if request.method == "shutdown":
                     self._shutdown_requested = True
@@ -231,6 +241,10 @@ class Server:
             return
         if isinstance(params, CancelParams):
             self._cancel(None, params)
+        elif isinstance(params, AckParams):
+            job = self._jobs.get(params.id)  # a stream that already ended needs no acks
+            if job is not None:
+                job.acked = max(job.acked, params.index)
         else:  # exit: 0 after a shutdown request, 1 without one (as LSP does)
             self.end("exit notification", cancel=True, exit_code=0 if self._shutdown_requested else 1)
 
@@ -240,6 +254,7 @@ class Server:
             if job is None:
                 return CancelResult(cancelled=False, state="unknown")
             job.cancelled.set()
+            self._lock.notify_all()  # the model lane answers a cancelled queued request at once
             if job.running:  # a running load or unload cannot stop halfway; it answers as usual
                 return CancelResult(cancelled=job.method in _STOPPABLE_WHILE_RUNNING, state="running")
             return CancelResult(cancelled=True, state="queued")
@@ -250,7 +265,8 @@ class Server:
 
     # --- the lanes ---------------------------------------------------------------
 
-    def _run_lane(self, queue: deque[Job]) -> None:
+    def _run_text_lane(self) -> None:
+        queue = self._text_queue
         while True:
             with self._lock:
                 while not queue and not self._stopping:
@@ -258,50 +274,89 @@ class Server:
                 if not queue:
                     return
                 job = queue.popleft()
-                if job.method in ("load", "unload", "shutdown"):
-                    # Text requests received before it finish first: they see the model as it was,
-                    # and shutdown answers after every earlier request.
-                    earlier = [j for j in self._jobs.values() if j.text_lane]
-                    while any(self._jobs.get(j.id) is j for j in earlier):
-                        self._lock.wait()
                 job.running = True
-            queued_ms = (time.perf_counter() - job.queued_at) * 1000.0
-            handler = self._routes[job.method][0]
-            ctx = Context(job.id, job.cancelled, queued_ms, self._send_notification)
+            self.run_job(job)
 
-            def run(job: Job = job, ctx: Context = ctx) -> Any:
-                if job.cancelled.is_set() and job.method != "shutdown":
-                    if job.method == "generate":
-                        return cancelled_before_start(ctx.queued_ms)
-                    raise RpcError(ErrorKind.REQUEST_CANCELLED, f"Request {job.id!r} was cancelled before it ran.")
-                return handler(ctx, job.params)
+    # The model lane, as the scheduler sees it (scheduler.ModelLane):
 
-            self._answer(job.id, job.method, run, job)
+    def next_job(self, wait: bool) -> Job | None:
+        with self._lock:
+            while (job := self._admission.next()) is None:
+                if not wait or (self._stopping and not self._admission.queue):
+                    return None
+                self._lock.wait()
+            if job.method in ("load", "unload", "shutdown"):
+                # Text requests received before it finish first: they see the model as it was,
+                # and shutdown answers after every earlier request.
+                earlier = [j for j in self._jobs.values() if j.text_lane]
+                while any(self._jobs.get(j.id) is j for j in earlier):
+                    self._lock.wait()
+            job.running = True
+            return job  # type: ignore[return-value]
+
+    def run_job(self, job: Job) -> None:
+        """Run a request to its answer on this thread (a model-lane request that is not a task,
+        a text request, or one cancelled while it waited)."""
+
+        def run() -> Any:
+            if job.cancelled.is_set() and job.method != "shutdown":
+                if job.method == "generate":
+                    return cancelled_before_start(_ms_since(job.queued_at))
+                raise RpcError(ErrorKind.REQUEST_CANCELLED, f"Request {job.id!r} was cancelled before it ran.")
+            return self._routes[job.method][0](self._context(job), job.params)
+
+        self._answer(job.id, job.method, run, job)
+
+    def start_task(self, job: Job) -> Task | None:
+        try:
+            return self._routes[job.method][0](self._context(job), job.params)
+        except Exception as exc:
+            self._release(job)
+            self._writer.send(self._error_body(job.id, job.method, exc))
+            return None
+
+    def finish_task(self, job: Job, task: Task, error: Exception | None = None) -> None:
+        def fail() -> Any:
+            raise error  # type: ignore[misc]
+
+        self._answer(job.id, job.method, task.finish if error is None else fail, job)
+
+    def _context(self, job: Job) -> Context:
+        return Context(job.id, job.cancelled, _ms_since(job.queued_at), self._send_notification, lambda: job.acked)
 
     # --- replies --------------------------------------------------------------
 
     def _answer(self, msg_id: RequestId, method: str, run: Callable[[], Any], job: Job | None = None) -> None:
         try:
             body = encode_result(msg_id, run())
-        except RpcError as exc:
-            exc.data.method = exc.data.method or method
-            body = encode_error(msg_id, exc)
         except Exception as exc:
-            log.exception("internal error in %r", method)
-            body = encode_error(
-                msg_id,
-                RpcError(
-                    ErrorKind.INTERNAL_ERROR,
-                    f"Internal error in {method!r}: {exc!r}. The worker keeps serving; if this repeats, "
-                    "record the session with --record and report it.",
-                    method=method,
-                ),
-            )
+            body = self._error_body(msg_id, method, exc)
         if job is not None:  # the id is free again before the host can see the answer
-            with self._lock:
-                del self._jobs[job.id]
-                self._lock.notify_all()
+            self._release(job)
         self._writer.send(body)
+
+    def _release(self, job: Job) -> None:
+        with self._lock:
+            del self._jobs[job.id]
+            if not job.text_lane:
+                self._admission.done(job)
+            self._lock.notify_all()
+
+    @staticmethod
+    def _error_body(msg_id: RequestId, method: str, exc: Exception) -> bytes:
+        if isinstance(exc, RpcError):
+            exc.data.method = exc.data.method or method
+            return encode_error(msg_id, exc)
+        log.error("internal error in %r", method, exc_info=exc)
+        return encode_error(
+            msg_id,
+            RpcError(
+                ErrorKind.INTERNAL_ERROR,
+                f"Internal error in {method!r}: {exc!r}. The worker keeps serving; if this repeats, "
+                "record the session with --record and report it.",
+                method=method,
+            ),
+        )
 
     def _send_error(self, msg_id: RequestId | None, error: RpcError) -> None:
         self._writer.send(encode_error(msg_id, error))
@@ -395,3 +450,7 @@ def _unknown_method(method: str, known: list[str]) -> RpcError:
         f"Unknown method {_shown(method)!r}; {hint}known methods: {', '.join(known)}.",
         method=_shown(method),
     )
+
+
+def _ms_since(moment: float) -> float:
+    return (time.perf_counter() - moment) * 1000.0

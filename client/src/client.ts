@@ -78,7 +78,6 @@ export class LmWorker {
   private nextId = 1;
   private stderrTail = "";
   private exit: WorkerExit | null = null;
-  private readonly pausedBy = new Set<GenerateStream>(); // streams whose consumer is behind
 
   private constructor(options: WorkerOptions) {
     this.framing = options.framing ?? "ndjson";
@@ -201,18 +200,20 @@ export class LmWorker {
    * Start a generation: iterate the returned stream for chunks, in order, and await its
    * `result` for the final answer. Aborting `signal` cancels it: the result is then the
    * partial one, with `finish_reason: "cancelled"`.
+   *
+   * At most `highWaterMark` chunks (default 64) wait here for the consumer: the request's
+   * `stream_window` is set to it (unless given) and the stream acknowledges the chunks the
+   * consumer takes, so a consumer that falls behind gets the rest of the text merged into
+   * fewer chunks, while the generation and every other stream go on at full speed.
    */
   generate(params: GenerateParams, options: CallOptions & { highWaterMark?: number } = {}): GenerateStream {
-    const { id, promise } = this.request("generate", params, options.signal);
-    const stream = new GenerateStream(id, promise as Promise<GenerateResult>, options.highWaterMark ?? 1024, {
-      pause: (s) => this.pauseFor(s),
-      resume: (s) => this.resumeFor(s),
-    });
+    const window = params.stream_window ?? options.highWaterMark ?? 64;
+    const { id, promise } = this.request("generate", { ...params, stream_window: window }, options.signal);
+    const stream = new GenerateStream(id, promise as Promise<GenerateResult>, window, (index) =>
+      this.notify("generate/ack", { id, index }),
+    );
     this.streams.set(id, stream);
-    const forget = () => {
-      this.streams.delete(id);
-      this.resumeFor(stream);
-    };
+    const forget = () => this.streams.delete(id);
     promise.then(forget, forget);
     return stream;
   }
@@ -264,7 +265,6 @@ export class LmWorker {
       }
       this.pending.set(id, { method, resolve, reject });
       this.send({ jsonrpc: "2.0", id, method, ...(params === undefined ? {} : { params }) });
-      this.updateFlow(); // its answer may be behind a paused stream's chunks
     });
     if (signal) {
       const abort = () => this.notify("$/cancelRequest", { id });
@@ -316,7 +316,6 @@ export class LmWorker {
     } else {
       pending.resolve(message.result);
     }
-    this.updateFlow();
   }
 
   private onNotification(method: string, params: unknown): void {
@@ -337,30 +336,6 @@ export class LmWorker {
       pending.reject(error);
     }
     this.pending.clear();
-  }
-
-  private pauseFor(stream: GenerateStream): void {
-    this.pausedBy.add(stream);
-    this.updateFlow();
-  }
-
-  private resumeFor(stream: GenerateStream): void {
-    this.pausedBy.delete(stream);
-    this.updateFlow();
-  }
-
-  /**
-   * Read stdout unless a stream's consumer is behind. Even then, read while a call other than
-   * a generate awaits its answer: the consumer may be waiting for it (a `tokenize` in the body
-   * of a `for await`), and its answer may come after chunks that would otherwise never be read.
-   */
-  private updateFlow(): void {
-    const awaited = [...this.pending.keys()].some((id) => !this.streams.has(id));
-    if (this.pausedBy.size > 0 && !awaited) {
-      this.process.stdout.pause();
-    } else {
-      this.process.stdout.resume();
-    }
   }
 
   private async exitsWithin(ms: number): Promise<boolean> {
@@ -387,31 +362,27 @@ interface Incoming {
   error?: { code: number; message: string; data?: RpcErrorData };
 }
 
-interface FlowControl {
-  pause(stream: GenerateStream): void;
-  resume(stream: GenerateStream): void;
-}
-
 /**
  * The chunks of one `generate`, in order, as an async iterable, and its final `result`.
- * While the consumer iterates, at most `highWaterMark` chunks wait here; beyond that the
- * client stops reading the worker's output until the consumer catches up, and the worker
- * in turn waits (backpressure all the way). Chunks not iterated are kept until the end.
+ * The worker sends at most `window` chunks past the last one the consumer has taken (the
+ * request's `stream_window`; the stream acknowledges taken chunks with `generate/ack`), so
+ * at most that many wait here; a consumer that falls behind gets the rest of the text
+ * merged into fewer chunks. Chunks not iterated are kept until the end.
  */
 export class GenerateStream implements AsyncIterable<GenerateChunk> {
   private readonly queue: GenerateChunk[] = [];
   private waiting: (() => void) | null = null;
   private done = false;
   private failure: Error | null = null;
-  private iterating = false;
+  private acked = -1;
 
   constructor(
     /** The request id: what `generate/chunk` notifications and `cancel` refer to. */
     readonly id: number,
     /** The final result; rejects with RpcError or WorkerExitedError. */
     readonly result: Promise<GenerateResult>,
-    private readonly highWaterMark: number,
-    private readonly flow: FlowControl,
+    private readonly window: number,
+    private readonly ack: (index: number) => void,
   ) {
     result.then(
       () => this.end(null),
@@ -428,36 +399,29 @@ export class GenerateStream implements AsyncIterable<GenerateChunk> {
   push(chunk: GenerateChunk): void {
     this.queue.push(chunk);
     this.wake();
-    if (this.iterating && this.queue.length >= this.highWaterMark) {
-      this.flow.pause(this);
-    }
   }
 
   async *[Symbol.asyncIterator](): AsyncIterator<GenerateChunk> {
-    this.iterating = true;
-    try {
-      for (;;) {
-        const chunk = this.queue.shift();
-        if (chunk !== undefined) {
-          if (this.queue.length < this.highWaterMark / 2) {
-            this.flow.resume(this);
-          }
-          yield chunk;
-          continue;
+    for (;;) {
+      const chunk = this.queue.shift();
+      if (chunk !== undefined) {
+        // Acknowledge every half window: the worker never has to hold a consumer that keeps up.
+        if (!this.done && chunk.index - this.acked >= Math.max(1, Math.floor(this.window / 2))) {
+          this.acked = chunk.index;
+          this.ack(chunk.index);
         }
-        if (this.failure !== null) {
-          throw this.failure;
-        }
-        if (this.done) {
-          return;
-        }
-        await new Promise<void>((resolve) => {
-          this.waiting = resolve;
-        });
+        yield chunk;
+        continue;
       }
-    } finally {
-      this.iterating = false;
-      this.flow.resume(this);
+      if (this.failure !== null) {
+        throw this.failure;
+      }
+      if (this.done) {
+        return;
+      }
+      await new Promise<void>((resolve) => {
+        this.waiting = resolve;
+      });
     }
   }
 

@@ -30,6 +30,7 @@ export interface FramingInfo {
 export interface Limits {
   max_message_bytes: number;
   outbox_messages: number;
+  max_batch: number;
 }
 
 export interface ModelInfo {
@@ -151,6 +152,8 @@ export interface GenerateParams {
   stop?: string[];
   /** Default `true`. */
   stream?: boolean;
+  /** minimum 1. Default `null`. */
+  stream_window?: number | null;
   /** pattern `^(auto|(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127})$(?!\n)`. Default `null`. */
   cache?: string | null;
   /** minimum 0. Default `null`. */
@@ -293,6 +296,12 @@ export interface PrefillProgress {
   cache_read_tokens: number;
 }
 
+export interface AckParams {
+  id: number | string;
+  /** minimum 0. */
+  index: number;
+}
+
 /** The protocol version these types describe (schemas/index.json). */
 export const PROTOCOL_VERSION = "1.0";
 
@@ -337,5 +346,6 @@ export interface WorkerNotifications {
 /** Notifications the host sends to the worker: method → params. */
 export interface HostNotifications {
   "$/cancelRequest": CancelParams;
+  "generate/ack": AckParams;
   "exit": NoParams;
 }

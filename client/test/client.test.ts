@@ -126,22 +126,31 @@ describe("with the echo backend", () => {
     assert.equal((await stream.result).tokens.length, 3_001);
   });
 
-  test("a slow consumer holds the worker back instead of buffering the whole generation", async () => {
-    const stream = worker.generate({ prompt: "z".repeat(20_000), max_tokens: 20_001 }, { highWaterMark: 16 });
+  test("a slow consumer gets merged chunks and holds back neither its generation nor another stream", async () => {
+    const slow = worker.generate({ prompt: "z".repeat(20_000), max_tokens: 20_001 }, { highWaterMark: 16 });
+    const other = worker.generate({ prompt: "o".repeat(2_000), max_tokens: 2_001 });
     let consumed = 0;
-    let mostReceived = 0;
-    for await (const chunk of stream) {
-      void chunk;
-      consumed += 1;
-      if (consumed <= 100) {
-        mostReceived = Math.max(mostReceived, consumed + stream.buffered);
-        await sleep(10);
+    let mostBuffered = 0;
+    let text = "";
+    const reading = (async () => {
+      for await (const chunk of slow) {
+        consumed += 1;
+        text += chunk.text;
+        mostBuffered = Math.max(mostBuffered, slow.buffered);
+        if (consumed <= 20) {
+          await sleep(20);
+        }
       }
-    }
-    const result = await stream.result;
+    })();
+    // The other stream, read at full speed, ends while the slow consumer is still behind.
+    assert.equal((await collect(other)).map((c) => c.text).join(""), "o".repeat(2_000));
+    assert.ok(consumed <= 20, `the slow consumer had already taken ${consumed} chunks`);
+    await reading;
+    const result = await slow.result;
     assert.equal(result.tokens.length, 20_001);
-    // Without backpressure all 20,001 chunks would arrive during the first second of slow reading.
-    assert.ok(mostReceived < 10_000, `${mostReceived} chunks were received while 100 were read`);
+    assert.equal(text, result.text);
+    assert.ok(mostBuffered <= 17, `${mostBuffered} chunks waited for the consumer (window 16)`);
+    assert.ok(consumed < 20_001, "the chunks held for the slow consumer came merged");
   });
 });
 

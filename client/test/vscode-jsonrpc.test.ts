@@ -49,8 +49,8 @@ interface Worker {
   dispose(): Promise<void>;
 }
 
-function startWorker(): Worker {
-  const proc = spawn(python(), ["-m", "worker"], { cwd: repoRoot, env: workerEnv(), stdio: ["pipe", "pipe", "pipe"] });
+function startWorker(flags: string[] = []): Worker {
+  const proc = spawn(python(), ["-m", "worker", ...flags], { cwd: repoRoot, env: workerEnv(), stdio: ["pipe", "pipe", "pipe"] });
   let stderr = "";
   proc.stderr.setEncoding("utf8");
   proc.stderr.on("data", (data: string) => {
@@ -105,8 +105,8 @@ function startWorker(): Worker {
 }
 
 /** Runs `body` against a fresh worker, then shuts it down (or kills it if `body` failed). */
-async function withWorker(body: (worker: Worker) => Promise<void>): Promise<void> {
-  const worker = startWorker();
+async function withWorker(body: (worker: Worker) => Promise<void>, flags: string[] = []): Promise<void> {
+  const worker = startWorker(flags);
   try {
     await body(worker);
     await worker.shutdown();
@@ -261,6 +261,7 @@ test("cancelling a running generate through a CancellationToken ($/cancelRequest
   });
 });
 
+// With --max-batch 1 a second generate waits in the queue while the first runs.
 test("cancelling a queued generate through its CancellationToken resolves it empty, without running it", { timeout: 60_000 }, async () => {
   await withWorker(async ({ connection }) => {
     const running = new CancellationTokenSource();
@@ -284,7 +285,7 @@ test("cancelling a queued generate through its CancellationToken resolves it emp
     assert.deepEqual(b.usage, { prompt_tokens: 0, completion_tokens: 0, cache_read_tokens: 0, cache_write_tokens: 0 });
     assert.equal(b.cache, null);
     assert.ok(chunks.every((c) => c.id === chunks[0]!.id), "the queued generate sent no chunk");
-  });
+  }, ["--max-batch", "1"]);
 });
 
 test("the tiny transformers model streams real tokens through vscode-jsonrpc, matching the same generate unstreamed", { timeout: 300_000 }, async () => {

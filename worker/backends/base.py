@@ -2,17 +2,29 @@
 
 A backend is registered by name and turns ``load`` params into a
 :class:`Model`. The worker does everything else (prompt resolution, streaming,
-incremental detokenization, stop strings, counts) on top of these few calls,
-so a new backend only has to tokenize and produce token ids.
+incremental detokenization, stop strings, counts, the scheduling of concurrent
+requests) on top of these few calls, so a new backend only has to tokenize and
+produce token ids.
+
+A generation is a :class:`Decoding`: the worker's scheduler feeds its prompt in
+chunks of the size it chooses, then advances it one token per ``Model.step``,
+together with the other requests decoding at the same time. A backend that can
+compute several sequences in one pass does so in ``step``; one that cannot steps
+them one after another, and the requests still take turns, step by step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo
+
+# The scheduler feeds a prompt in chunks of at most this many tokens, so that a cancel is
+# seen within one chunk.
+PREFILL_CHUNK_TOKENS = 256
+
 if TYPE_CHECKING:  # the container is imported only where caches are used
     from worker.kvcache.container import Identity, LoadedCache
 
@@ -42,16 +54,30 @@ class Model(Protocol):
         Raises ``RpcError`` (unsupported) when the model has no chat template."""
         ...
 
-    def generate(
-        self, prompt: Sequence[int], params: GenerateParams, should_stop: Callable[[], bool]
-    ) -> Iterator[int]:
-        """Yield generated token ids, one per decode step, until closed.
+    def start(self, prompt: Sequence[int], params: GenerateParams | None) -> Decoding:
+        """A generation of ``params`` continuing ``prompt``; nothing is computed yet."""
+        ...
 
-        ``should_stop`` turns true when the request is cancelled; a backend with
-        a long prompt phase checks it between chunks of work and then returns."""
+    def step(self, decodings: Sequence[Decoding]) -> None:
+        """Feed each decoding's last token (all of them have taken one with ``next_token``)."""
         ...
 
     def close(self) -> None: ...
+
+
+class Decoding(Protocol):
+    """One sequence on its way through the model (only the model thread touches it)."""
+
+    prompt_left: int  # prompt tokens not fed yet
+
+    def feed(self, max_tokens: int) -> None:
+        """Feed the next at most ``max_tokens`` (at least one) prompt tokens. A backend may
+        feed fewer, to stop at a position where its cache can be cut back later."""
+        ...
+
+    def next_token(self) -> int:
+        """Choose the next token, once the whole prompt is fed and after each step."""
+        ...
 
 
 class CachingModel(Model, Protocol):
@@ -65,15 +91,8 @@ class CachingModel(Model, Protocol):
 
     def new_cache(self) -> Any: ...
 
-    def extend_cache(
-        self,
-        tokens: Sequence[int],
-        cache: Any,
-        should_stop: Callable[[], bool],
-        progress: Callable[[int], None] | None = None,
-    ) -> bool:
-        """Compute ``tokens`` past what ``cache`` covers, in place; False if cancelled.
-        ``progress`` is told how many tokens the cache covers after each chunk of work."""
+    def extend_cache(self, tokens: Sequence[int], cache: Any) -> None:
+        """Compute ``tokens`` past what ``cache`` covers, in place, all at once."""
         ...
 
     def cached_tokens(self, cache: Any) -> int:
@@ -93,10 +112,10 @@ class CachingModel(Model, Protocol):
         """A cache object of a verified, mapped KVC1 file."""
         ...
 
-    def generate(
-        self, prompt: Sequence[int], params: GenerateParams, should_stop: Callable[[], bool], cache: Any = None
-    ) -> Iterator[int]:
-        """As Model.generate; ``cache`` covers a prefix of ``prompt`` shorter than the whole of it."""
+    def start(self, prompt: Sequence[int], params: GenerateParams | None, cache: Any = None) -> Decoding:
+        """As Model.start; ``cache`` (a fresh one if None) covers a prefix of ``prompt`` shorter
+        than the whole of it, and the decoding extends it in place (``decoding.cache``).
+        ``params`` None: a prefill, which only feeds the prompt."""
         ...
 
 

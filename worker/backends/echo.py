@@ -10,7 +10,7 @@ several tokens, so streaming exercises incremental detokenization;
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,18 +77,35 @@ class EchoModel:
             text += "<|im_start|>assistant\n"
         return text, self.tokenize(text, add_special_tokens=True)
 
-    def generate(
-        self, prompt: Sequence[int], params: GenerateParams, should_stop: Callable[[], bool]
-    ) -> Iterator[int]:
-        for token in [t for t in prompt if t < 256] + [EOS]:
-            if self._delay_s:
-                time.sleep(self._delay_s)
-            if should_stop():
-                return
-            yield token
+    def start(self, prompt: Sequence[int], params: GenerateParams | None) -> EchoDecoding:
+        return EchoDecoding(prompt, self._delay_s)
+
+    def step(self, decodings: Sequence[EchoDecoding]) -> None:
+        if self._delay_s:  # one delay per step, however many requests it advances: a batch
+            time.sleep(self._delay_s)
 
     def close(self) -> None:
         pass
+
+
+class EchoDecoding:
+    """The prompt is "fed" at once; the continuation is its bytes, then EOS."""
+
+    def __init__(self, prompt: Sequence[int], delay_s: float) -> None:
+        self._continuation = [t for t in prompt if t < 256] + [EOS]
+        self._next = 0
+        self._delay_s = delay_s
+        self.prompt_left = len(prompt)
+
+    def feed(self, max_tokens: int) -> None:
+        self.prompt_left = max(0, self.prompt_left - max(1, max_tokens))
+        if not self.prompt_left and self._delay_s:  # the first token takes a step too
+            time.sleep(self._delay_s)
+
+    def next_token(self) -> int:
+        token = self._continuation[min(self._next, len(self._continuation) - 1)]
+        self._next += 1
+        return token
 
 
 class EchoBackend:

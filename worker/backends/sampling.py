@@ -9,6 +9,7 @@ whatever other requests do to the global RNG.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 
 import torch
 from transformers.generation.logits_process import (
@@ -43,9 +44,13 @@ class Sampler:
             seed = params.seed if params.seed is not None else secrets.randbits(63)
             self._generator = torch.Generator(device=device).manual_seed(seed)
 
-    def next_token(self, sequence: torch.Tensor, logits: torch.Tensor) -> int:
-        """``sequence``: prompt and tokens so far, shape (1, n); ``logits``: shape (1, vocab)."""
-        scores = self._processors(sequence, logits.float()) if self._processors else logits
+    def next_token(self, sequence: Sequence[int], logits: torch.Tensor) -> int:
+        """``sequence``: prompt and tokens so far; ``logits``: shape (1, vocab)."""
+        if self._processors:
+            ids = torch.tensor([list(sequence)], dtype=torch.long, device=logits.device)
+            scores = self._processors(ids, logits.float())
+        else:
+            scores = logits
         if self.greedy:
             return int(scores.argmax(dim=-1))
         probabilities = torch.softmax(scores, dim=-1)

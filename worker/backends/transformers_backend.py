@@ -1,9 +1,11 @@
 """The transformers backend: causal language models on PyTorch.
 
 Generation is lm-worker's own decode loop over the model's forward with a
-DynamicCache and transformers' logits processors, not ``generate()``: a cancel
-is seen between decode steps and between chunks of a long prompt, counts are
-exact, and the cache stays under our control (see DESIGN.md's pitfalls).
+DynamicCache and transformers' logits processors, not ``generate()``: the
+worker's scheduler feeds prompts in chunks and steps the requests decoding at
+the same time together (batched, for the models decode_step supports), a
+cancel is seen between steps and chunks, counts are exact, and the cache stays
+under lm-worker's control.
 Greedy output equals ``model.generate(do_sample=False)`` token for token.
 
 This module imports nothing heavy itself; ``load`` imports torch.
@@ -12,22 +14,20 @@ This module imports nothing heavy itself; ``load`` imports torch.
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from protocol.errors import ErrorKind, RpcError
 from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo, SpecialToken
+from worker.backends.base import PREFILL_CHUNK_TOKENS
 
 if TYPE_CHECKING:
     from worker.kvcache.container import Identity, LoadedCache
     from worker.kvcache.torch_adapter import TorchCache
 
-# Prompts are fed in chunks this long, so a cancel is seen within one chunk.
-PREFILL_CHUNK_TOKENS = 256
 _DEFAULT_DTYPES = {"cpu": "float32", "cuda": "bfloat16", "mps": "float16"}
 
 
@@ -184,20 +184,10 @@ class TransformersModel:
 
         return TorchCache(self._model.config)
 
-    def extend_cache(
-        self,
-        tokens: Sequence[int],
-        cache: TorchCache,
-        should_stop: Callable[[], bool],
-        progress: Callable[[int], None] | None = None,
-    ) -> bool:
-        """Feed the tokens that ``cache`` does not cover yet; False if cancelled."""
-        import torch
-
-        with torch.inference_mode():
-            sequence = torch.tensor([list(tokens)], dtype=torch.long, device=self._device)
-            self._prefill(sequence, cache, should_stop, progress)
-        return cache.length == len(tokens)
+    def extend_cache(self, tokens: Sequence[int], cache: TorchCache) -> None:
+        decoding = self.start(tokens, None, cache)
+        while decoding.prompt_left:
+            decoding.feed(PREFILL_CHUNK_TOKENS)
 
     def cached_tokens(self, cache: TorchCache) -> int:
         return cache.length
@@ -213,52 +203,75 @@ class TransformersModel:
 
         return TorchCache.from_file(loaded, self._model.config, self._device)
 
-    def _prefill(self, sequence, cache: TorchCache, should_stop: Callable[[], bool], progress=None):
-        """Feed ``sequence`` past what ``cache`` covers, in chunks; the last logits, or None
-        if cancelled (or nothing was left to feed).
+    def start(self, prompt: Sequence[int], params: GenerateParams | None, cache: TorchCache | None = None) -> Decoding:
+        return Decoding(self, prompt, params, cache if cache is not None else self.new_cache())
 
-        A cache with linear-attention states keeps them at the last two positions (a later
-        request can then reuse the whole sequence, or all of it but the last token, which a
-        prompt equal to this one feeds again): the last chunk is cut before the last token."""
-        end = sequence.shape[1]
-        chunks = set(range(cache.length, end, PREFILL_CHUNK_TOKENS))
-        cuts = chunks | {end - 1} if cache.has_states and end - 1 > cache.length else chunks
-        logits = None
-        for start, stop in itertools.pairwise(sorted(cuts) + [end]):
-            if should_stop():
-                return None
-            logits = cache.feed(self._model, sequence[:, start:stop])
-            if stop >= end - 1:
-                cache.checkpoint()
-            if progress is not None and (stop in chunks or stop == end):
-                progress(cache.length)
-        return logits
+    @property
+    def batched(self) -> bool:
+        """Whether a step computes its sequences in one pass (else one after another)."""
+        return self._step is not None
 
-    def generate(
-        self, prompt: Sequence[int], params: GenerateParams, should_stop: Callable[[], bool], cache: Any = None
-    ) -> Iterator[int]:
-        """``cache``, if given, covers a prefix of ``prompt`` shorter than the whole of it."""
+    def step(self, decodings: Sequence[Decoding]) -> None:
         import torch
 
-        from worker.backends.sampling import Sampler
-
-        sampler = Sampler(params, self._device)
         with torch.inference_mode():
-            sequence = torch.tensor([list(prompt)], dtype=torch.long, device=self._device)
-            cache = cache if cache is not None else self.new_cache()
-            logits = self._prefill(sequence, cache, should_stop)
-            while logits is not None and not should_stop():
-                token = sampler.next_token(sequence, logits)
-                yield token
-                step = torch.tensor([[token]], dtype=torch.long, device=self._device)
-                sequence = torch.cat([sequence, step], dim=1)
-                logits = self._step([token], [cache]) if self._step else cache.feed(self._model, step)
+            if self._step is not None:
+                logits = self._step([d.tokens[-1] for d in decodings], [d.cache for d in decodings])
+                for row, decoding in enumerate(decodings):
+                    decoding.logits = logits[row : row + 1]
+                return
+            for decoding in decodings:
+                token = torch.tensor([decoding.tokens[-1:]], dtype=torch.long, device=self._device)
+                decoding.logits = decoding.cache.feed(self._model, token)
 
     def close(self) -> None:
         self._model = None
         import gc
 
         gc.collect()
+
+
+
+class Decoding:
+    """A prompt fed into a TorchCache in chunks, then tokens chosen from the logits."""
+
+    def __init__(self, owner: TransformersModel, prompt: Sequence[int], params: GenerateParams | None, cache: TorchCache):
+        import torch
+
+        from worker.backends.sampling import Sampler
+
+        self.cache = cache
+        self.tokens = list(prompt)  # the prompt and the tokens chosen so far
+        self.logits = None  # of the last position fed
+        self._owner = owner
+        self._prompt = torch.tensor([self.tokens], dtype=torch.long, device=owner._device)
+        self._sampler = Sampler(params, owner._device) if params is not None else None
+
+    @property
+    def prompt_left(self) -> int:
+        return max(0, self._prompt.shape[1] - self.cache.length)
+
+    def feed(self, max_tokens: int) -> None:
+        """A cache with linear-attention states keeps them at the last two positions of the
+        prompt (a later request can then reuse the whole sequence, or all of it but the last
+        token, which a prompt equal to this one feeds again): a chunk that holds the last
+        token is fed in two parts."""
+        import torch
+
+        start, end = self.cache.length, self._prompt.shape[1]
+        stop = min(end, start + max(1, max_tokens))
+        cuts = [end - 1, stop] if self.cache.has_states and start < end - 1 < stop else [stop]
+        with torch.inference_mode():
+            for cut in cuts:
+                self.logits = self.cache.feed(self._owner._model, self._prompt[:, self.cache.length : cut])
+                if cut >= end - 1:
+                    self.cache.checkpoint()
+
+    def next_token(self) -> int:
+        assert self._sampler is not None and self.logits is not None, "a prefill chooses no tokens"
+        token = self._sampler.next_token(self.tokens, self.logits)
+        self.tokens.append(token)
+        return token
 
 
 # The files a tokenizer is made of, beside those named tokenizer*; a model directory's other

@@ -48,7 +48,6 @@ export declare class LmWorker {
     private nextId;
     private stderrTail;
     private exit;
-    private readonly pausedBy;
     private constructor();
     /** Spawn a worker and wait until it answers `capabilities`. */
     static start(options?: WorkerOptions): Promise<LmWorker>;
@@ -73,6 +72,11 @@ export declare class LmWorker {
      * Start a generation: iterate the returned stream for chunks, in order, and await its
      * `result` for the final answer. Aborting `signal` cancels it: the result is then the
      * partial one, with `finish_reason: "cancelled"`.
+     *
+     * At most `highWaterMark` chunks (default 64) wait here for the consumer: the request's
+     * `stream_window` is set to it (unless given) and the stream acknowledges the chunks the
+     * consumer takes, so a consumer that falls behind gets the rest of the text merged into
+     * fewer chunks, while the generation and every other stream go on at full speed.
      */
     generate(params: GenerateParams, options?: CallOptions & {
         highWaterMark?: number;
@@ -93,45 +97,34 @@ export declare class LmWorker {
     private dispatch;
     private onNotification;
     private failAll;
-    private pauseFor;
-    private resumeFor;
-    /**
-     * Read stdout unless a stream's consumer is behind. Even then, read while a call other than
-     * a generate awaits its answer: the consumer may be waiting for it (a `tokenize` in the body
-     * of a `for await`), and its answer may come after chunks that would otherwise never be read.
-     */
-    private updateFlow;
     private exitsWithin;
 }
 /** `call`'s arguments: params may be left out where the method needs none. */
 type OptionalParams<M extends MethodName> = Record<string, never> extends Params<M> ? [params?: Params<M>, options?: CallOptions] : [params: Params<M>, options?: CallOptions];
-interface FlowControl {
-    pause(stream: GenerateStream): void;
-    resume(stream: GenerateStream): void;
-}
 /**
  * The chunks of one `generate`, in order, as an async iterable, and its final `result`.
- * While the consumer iterates, at most `highWaterMark` chunks wait here; beyond that the
- * client stops reading the worker's output until the consumer catches up, and the worker
- * in turn waits (backpressure all the way). Chunks not iterated are kept until the end.
+ * The worker sends at most `window` chunks past the last one the consumer has taken (the
+ * request's `stream_window`; the stream acknowledges taken chunks with `generate/ack`), so
+ * at most that many wait here; a consumer that falls behind gets the rest of the text
+ * merged into fewer chunks. Chunks not iterated are kept until the end.
  */
 export declare class GenerateStream implements AsyncIterable<GenerateChunk> {
     /** The request id: what `generate/chunk` notifications and `cancel` refer to. */
     readonly id: number;
     /** The final result; rejects with RpcError or WorkerExitedError. */
     readonly result: Promise<GenerateResult>;
-    private readonly highWaterMark;
-    private readonly flow;
+    private readonly window;
+    private readonly ack;
     private readonly queue;
     private waiting;
     private done;
     private failure;
-    private iterating;
+    private acked;
     constructor(
     /** The request id: what `generate/chunk` notifications and `cancel` refer to. */
     id: number, 
     /** The final result; rejects with RpcError or WorkerExitedError. */
-    result: Promise<GenerateResult>, highWaterMark: number, flow: FlowControl);
+    result: Promise<GenerateResult>, window: number, ack: (index: number) => void);
     /** Chunks received and not yet taken by the consumer. */
     get buffered(): number;
     /** Called by the client for each chunk of this request. */

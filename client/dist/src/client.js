@@ -26,7 +26,6 @@ export class LmWorker {
     nextId = 1;
     stderrTail = "";
     exit = null;
-    pausedBy = new Set(); // streams whose consumer is behind
     constructor(options) {
         this.framing = options.framing ?? "ndjson";
         this.decoder = new FrameDecoder(this.framing);
@@ -130,18 +129,18 @@ export class LmWorker {
      * Start a generation: iterate the returned stream for chunks, in order, and await its
      * `result` for the final answer. Aborting `signal` cancels it: the result is then the
      * partial one, with `finish_reason: "cancelled"`.
+     *
+     * At most `highWaterMark` chunks (default 64) wait here for the consumer: the request's
+     * `stream_window` is set to it (unless given) and the stream acknowledges the chunks the
+     * consumer takes, so a consumer that falls behind gets the rest of the text merged into
+     * fewer chunks, while the generation and every other stream go on at full speed.
      */
     generate(params, options = {}) {
-        const { id, promise } = this.request("generate", params, options.signal);
-        const stream = new GenerateStream(id, promise, options.highWaterMark ?? 1024, {
-            pause: (s) => this.pauseFor(s),
-            resume: (s) => this.resumeFor(s),
-        });
+        const window = params.stream_window ?? options.highWaterMark ?? 64;
+        const { id, promise } = this.request("generate", { ...params, stream_window: window }, options.signal);
+        const stream = new GenerateStream(id, promise, window, (index) => this.notify("generate/ack", { id, index }));
         this.streams.set(id, stream);
-        const forget = () => {
-            this.streams.delete(id);
-            this.resumeFor(stream);
-        };
+        const forget = () => this.streams.delete(id);
         promise.then(forget, forget);
         return stream;
     }
@@ -188,7 +187,6 @@ export class LmWorker {
             }
             this.pending.set(id, { method, resolve, reject });
             this.send({ jsonrpc: "2.0", id, method, ...(params === undefined ? {} : { params }) });
-            this.updateFlow(); // its answer may be behind a paused stream's chunks
         });
         if (signal) {
             const abort = () => this.notify("$/cancelRequest", { id });
@@ -238,7 +236,6 @@ export class LmWorker {
         else {
             pending.resolve(message.result);
         }
-        this.updateFlow();
     }
     onNotification(method, params) {
         if (method === "generate/chunk") {
@@ -259,28 +256,6 @@ export class LmWorker {
         }
         this.pending.clear();
     }
-    pauseFor(stream) {
-        this.pausedBy.add(stream);
-        this.updateFlow();
-    }
-    resumeFor(stream) {
-        this.pausedBy.delete(stream);
-        this.updateFlow();
-    }
-    /**
-     * Read stdout unless a stream's consumer is behind. Even then, read while a call other than
-     * a generate awaits its answer: the consumer may be waiting for it (a `tokenize` in the body
-     * of a `for await`), and its answer may come after chunks that would otherwise never be read.
-     */
-    updateFlow() {
-        const awaited = [...this.pending.keys()].some((id) => !this.streams.has(id));
-        if (this.pausedBy.size > 0 && !awaited) {
-            this.process.stdout.pause();
-        }
-        else {
-            this.process.stdout.resume();
-        }
-    }
     async exitsWithin(ms) {
         let timer;
         const timedOut = new Promise((resolve) => {
@@ -293,29 +268,30 @@ export class LmWorker {
 }
 /**
  * The chunks of one `generate`, in order, as an async iterable, and its final `result`.
- * While the consumer iterates, at most `highWaterMark` chunks wait here; beyond that the
- * client stops reading the worker's output until the consumer catches up, and the worker
- * in turn waits (backpressure all the way). Chunks not iterated are kept until the end.
+ * The worker sends at most `window` chunks past the last one the consumer has taken (the
+ * request's `stream_window`; the stream acknowledges taken chunks with `generate/ack`), so
+ * at most that many wait here; a consumer that falls behind gets the rest of the text
+ * merged into fewer chunks. Chunks not iterated are kept until the end.
  */
 export class GenerateStream {
     id;
     result;
-    highWaterMark;
-    flow;
+    window;
+    ack;
     queue = [];
     waiting = null;
     done = false;
     failure = null;
-    iterating = false;
+    acked = -1;
     constructor(
     /** The request id: what `generate/chunk` notifications and `cancel` refer to. */
     id, 
     /** The final result; rejects with RpcError or WorkerExitedError. */
-    result, highWaterMark, flow) {
+    result, window, ack) {
         this.id = id;
         this.result = result;
-        this.highWaterMark = highWaterMark;
-        this.flow = flow;
+        this.window = window;
+        this.ack = ack;
         result.then(() => this.end(null), (error) => this.end(error));
     }
     /** Chunks received and not yet taken by the consumer. */
@@ -326,36 +302,28 @@ export class GenerateStream {
     push(chunk) {
         this.queue.push(chunk);
         this.wake();
-        if (this.iterating && this.queue.length >= this.highWaterMark) {
-            this.flow.pause(this);
-        }
     }
     async *[Symbol.asyncIterator]() {
-        this.iterating = true;
-        try {
-            for (;;) {
-                const chunk = this.queue.shift();
-                if (chunk !== undefined) {
-                    if (this.queue.length < this.highWaterMark / 2) {
-                        this.flow.resume(this);
-                    }
-                    yield chunk;
-                    continue;
+        for (;;) {
+            const chunk = this.queue.shift();
+            if (chunk !== undefined) {
+                // Acknowledge every half window: the worker never has to hold a consumer that keeps up.
+                if (!this.done && chunk.index - this.acked >= Math.max(1, Math.floor(this.window / 2))) {
+                    this.acked = chunk.index;
+                    this.ack(chunk.index);
                 }
-                if (this.failure !== null) {
-                    throw this.failure;
-                }
-                if (this.done) {
-                    return;
-                }
-                await new Promise((resolve) => {
-                    this.waiting = resolve;
-                });
+                yield chunk;
+                continue;
             }
-        }
-        finally {
-            this.iterating = false;
-            this.flow.resume(this);
+            if (this.failure !== null) {
+                throw this.failure;
+            }
+            if (this.done) {
+                return;
+            }
+            await new Promise((resolve) => {
+                this.waiting = resolve;
+            });
         }
     }
     end(error) {

@@ -1,0 +1,142 @@
+"""Concurrent conversations on one model: aggregate decode speed with 1, 2, 4 and 8 streams,
+and what a request arriving mid-batch costs the streams already running.
+
+    .venv/bin/python bench/batch_bench.py [--model default] [--tokens 128] [--json FILE]
+
+One worker (dense float32 on the CPU, SmolLM2-135M by default), driven over real pipes:
+
+1. Throughput. For N in 1, 2, 4, 8: N greedy ``generate`` requests sent at once, each
+   for ``--tokens`` new tokens (prompts that ask for long answers; each stream's own
+   count is used). Aggregate tokens/s = all generated tokens / wall time from the first
+   request sent to the last result; printed as a ratio to one stream, measured in the
+   same run, twice over in the order 1, 2, 4, 8, 8, 4, 2, 1 (the machine drifts).
+2. Exactness. Each stream's tokens against the same request run alone: how many of the
+   streams differ (batching changes the shapes of the matrix products, which may change
+   the last bits of a float32 result; greedy decoding then differs only on a near-tie).
+3. A request joining 3 decoding streams with a prompt of ``--join-prompt`` tokens: its
+   first-token time against the same request alone, and the running streams' gaps
+   between tokens while it is fed, against their gaps before it arrived.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.bench_common import cpu_pressure_us, median, verdict, write_report  # noqa: E402
+from worker.host import Host  # noqa: E402
+
+TOPICS = ["the history of Rome", "how rain forms", "the rules of chess", "a trip to the mountains",
+          "how computers store numbers", "the life of bees", "a recipe for bread", "the planets of the sun"]
+
+
+def params(topic: str, tokens: int) -> dict:
+    question = f"Write a long, detailed essay about {topic}."
+    return {"messages": [{"role": "user", "content": question}], "max_tokens": tokens}
+
+
+async def run_batch(host: Host, requests: list[dict]) -> tuple[float, list[dict]]:
+    started = time.perf_counter()
+    pending = [host.start("generate", p) for p in requests]
+    results = [(await asyncio.wait_for(done, 1800))["result"] for _, done in pending]
+    return time.perf_counter() - started, results
+
+
+def gaps(host: Host, msg_id, since: float, until: float) -> list[float]:
+    """Seconds between this stream's chunks that arrived within [since, until]."""
+    times = [t for m, t in zip(host.messages, host.arrival_times)
+             if m.get("method") == "generate/chunk" and m["params"]["id"] == msg_id and since <= t <= until]
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+async def join(host: Host, tokens: int, join_prompt: int) -> dict:
+    filler = "The quick brown fox jumps over the lazy dog. " * (join_prompt // 10)
+    ids = (await host.call("tokenize", {"text": filler}))["tokens"][:join_prompt]
+    alone = await host.call("generate", {"tokens": ids, "max_tokens": 1})
+    running = [host.start("generate", params(topic, tokens * 4)) for topic in TOPICS[:3]]
+    await host.wait_until(lambda: all(len(host.chunks[i]) >= 12 for i, _ in running), timeout=600)
+    arrived = time.perf_counter()
+    _, joined = host.start("generate", {"tokens": ids, "max_tokens": 1})
+    await asyncio.wait_for(joined, 600)
+    first_token = time.perf_counter()
+    for msg_id, _ in running:
+        await host.call("cancel", {"id": msg_id})
+    for _, done in running:
+        await done
+    before = [g for i, _ in running for g in gaps(host, i, 0.0, arrived)[4:]]
+    during = [g for i, _ in running for g in gaps(host, i, arrived, first_token)]
+    step = median(before)
+    return {
+        "join_prompt_tokens": len(ids),
+        "first_token_alone_ms": alone["timings"]["total_ms"],
+        "first_token_joined_ms": (first_token - arrived) * 1000.0,
+        "gap_before_ms": step * 1000.0,
+        "gap_during_median_ms": median(during) * 1000.0,
+        "gap_during_max_ms": max(during, default=float("nan")) * 1000.0,
+        "gaps_during": len(during),
+    }
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--streams", default="1,2,4,8")
+    parser.add_argument("--join-prompt", type=int, default=512)
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args()
+    counts = [int(n) for n in args.streams.split(",")]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))}
+    host = await Host.spawn("--max-batch", str(max(counts)), env=env)
+    report: dict = {"model": args.model, "tokens": args.tokens, "cpus": os.cpu_count()}
+    try:
+        await host.call("load", {"model": args.model}, timeout=900)
+        await host.call("generate", params(TOPICS[0], 8))  # warm-up
+        pressure = cpu_pressure_us()
+        alone = {}
+        for topic in TOPICS[: max(counts)]:
+            alone[topic] = (await host.call("generate", params(topic, args.tokens), timeout=900))["tokens"]
+        rates: dict[int, list[float]] = {n: [] for n in counts}
+        differ: dict[int, int] = {n: 0 for n in counts}
+        for n in counts + counts[::-1]:
+            wall, results = await run_batch(host, [params(t, args.tokens) for t in TOPICS[:n]])
+            rates[n].append(sum(r["usage"]["completion_tokens"] for r in results) / wall)
+            differ[n] += sum(r["tokens"] != alone[t] for r, t in zip(results, TOPICS[:n]))
+        single = statistics.mean(rates[counts[0]])
+        print(f"\naggregate decode, {args.model}, dense float32, {args.tokens} tokens per stream, {os.cpu_count()} CPUs")
+        print("| streams | tokens/s (2 runs) | × one stream | streams differing from alone |")
+        print("| --- | --- | --- | --- |")
+        for n in counts:
+            ratio = statistics.mean(rates[n]) / single
+            print(f"| {n} | {' / '.join(f'{r:.1f}' for r in rates[n])} | {ratio:.2f}× | {differ[n]} of {2 * n} |")
+            report[f"streams_{n}"] = {"tokens_per_s": rates[n], "ratio": ratio, "differ": differ[n], "of": 2 * n}
+        if 4 in counts:
+            ratio4 = statistics.mean(rates[4]) / single
+            print(f"4 streams ≥ 2.5× one: {verdict(ratio4 >= 2.5)} ({ratio4:.2f}×)")
+        joined = await join(host, args.tokens, args.join_prompt)
+        report["join"] = joined
+        print(f"\na {joined['join_prompt_tokens']}-token prompt joining 3 decoding streams:")
+        print(f"  its first token: {joined['first_token_joined_ms']:.0f} ms (alone: {joined['first_token_alone_ms']:.0f} ms)")
+        print(f"  running streams' gap between tokens: before {joined['gap_before_ms']:.0f} ms, while it was fed "
+              f"median {joined['gap_during_median_ms']:.0f} ms, max {joined['gap_during_max_ms']:.0f} ms "
+              f"({joined['gaps_during']} gaps)")
+        within = joined["gap_during_median_ms"] <= 2 * joined["gap_before_ms"]
+        print(f"  gaps while fed within 2× of before: {verdict(within)}")
+        after = cpu_pressure_us()
+        if pressure is not None and after is not None:
+            report["cpu_pressure_s"] = (after - pressure) / 1e6
+    finally:
+        await host.close()
+    if args.json:
+        write_report(args.json, report)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

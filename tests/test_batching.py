@@ -1,0 +1,179 @@
+"""Concurrent generate requests on one model, through real workers: they run side by side,
+each stream as if alone, and one request's cancel, error or slow reader leaves the others be."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TORCH_ENV, SpawnWorker
+from worker.host import Host
+
+
+def interleaved(host: Host, ids: list) -> bool:
+    """Whether every request sent a chunk before any of them answered."""
+    first_answer = next(i for i, m in enumerate(host.messages) if m.get("id") in ids and "method" not in m)
+    chunked = {m["params"]["id"] for m in host.messages[:first_answer] if m.get("method") == "generate/chunk"}
+    return chunked == set(ids)
+
+
+def overlapped(host: Host, first, second) -> bool:
+    """Whether two requests streamed at the same time: chunks of each between chunks of the other."""
+    order = [m["params"]["id"] for m in host.messages if m.get("method") == "generate/chunk"]
+    spans = [[i for i, msg_id in enumerate(order) if msg_id == which] for which in (first, second)]
+    return spans[0][0] < spans[1][-1] and spans[1][0] < spans[0][-1]
+
+
+async def echo(spawn_worker: SpawnWorker, *flags: str, delay_ms: float = 20) -> Host:
+    host = await spawn_worker(*flags)
+    await host.call("load", {"backend": "echo", "token_delay_ms": delay_ms})
+    return host
+
+
+async def test_concurrent_generates_stream_side_by_side_each_as_if_alone(spawn_worker: SpawnWorker):
+    host = await echo(spawn_worker)
+    prompts = ["first stream", "second one", "third, longer stream of text", "4th"]
+    started = [host.start("generate", {"prompt": p, "add_special_tokens": False}) for p in prompts]
+    results = [(await done)["result"] for _, done in started]
+    assert [r["text"] for r in results] == prompts
+    assert interleaved(host, [i for i, _ in started])
+    for (msg_id, _), result in zip(started, results):
+        assert "".join(c["text"] for c in host.chunks[msg_id]) == result["text"]
+        assert [c["index"] for c in host.chunks[msg_id]] == list(range(len(host.chunks[msg_id])))
+
+
+async def test_a_request_joins_running_streams_mid_stream_and_they_keep_flowing(spawn_worker: SpawnWorker):
+    host = await echo(spawn_worker)
+    first_id, first = host.start("generate", {"prompt": "a" * 40, "add_special_tokens": False})
+    await host.wait_until(lambda: len(host.chunks[first_id]) >= 5)
+    second_id, second = host.start("generate", {"prompt": "b" * 10, "add_special_tokens": False})
+    assert (await second)["result"]["text"] == "b" * 10
+    assert not first.done(), "the running stream ended before the one that joined it"
+    assert (await first)["result"]["text"] == "a" * 40
+
+
+async def test_requests_past_max_batch_wait_and_start_as_others_leave(spawn_worker: SpawnWorker):
+    host = await echo(spawn_worker, "--max-batch", "2")
+    started = [host.start("generate", {"prompt": p * 8, "add_special_tokens": False}) for p in "abc"]
+    results = [(await done)["result"] for _, done in started]
+    assert [r["text"] for r in results] == [p * 8 for p in "abc"]
+    third_id = started[2][0]
+    first_of_third = next(i for i, m in enumerate(host.messages) if m.get("params", {}).get("id") == third_id)
+    answers = [i for i, m in enumerate(host.messages) if m.get("id") in (started[0][0], started[1][0])]
+    assert min(answers) < first_of_third, "the third request started before one of the first two ended"
+    assert results[2]["timings"]["queued_ms"] > results[0]["timings"]["queued_ms"]
+
+
+async def test_cancel_of_one_of_four_streams_ends_it_and_the_others_finish_whole(spawn_worker: SpawnWorker):
+    host = await echo(spawn_worker)
+    started = [host.start("generate", {"prompt": str(i) * 30, "add_special_tokens": False}) for i in range(4)]
+    victim = started[1][0]
+    await host.wait_until(lambda: len(host.chunks[victim]) >= 3)
+    assert await host.call("cancel", {"id": victim}) == {"cancelled": True, "state": "running"}
+    results = [(await done)["result"] for _, done in started]
+    assert results[1]["finish_reason"] == "cancelled" and len(results[1]["text"]) < 30
+    assert [r["text"] for i, r in enumerate(results) if i != 1] == [str(i) * 30 for i in (0, 2, 3)]
+    assert all(r["finish_reason"] == "stop" for i, r in enumerate(results) if i != 1)
+
+
+async def test_a_bad_request_among_running_streams_gets_its_error_and_the_others_finish(spawn_worker: SpawnWorker):
+    host = await echo(spawn_worker)
+    running = [host.start("generate", {"prompt": p * 20, "add_special_tokens": False}) for p in "xy"]
+    await host.wait_until(lambda: all(host.chunks[i] for i, _ in running))
+    overflow = await host.start("generate", {"prompt": "z", "max_tokens": 1 << 21})[1]
+    outside = await host.start("generate", {"tokens": [1, 99999]})[1]
+    assert overflow["error"]["data"]["kind"] == "context_overflow"
+    assert outside["error"]["data"]["field"] == "params.tokens[1]"
+    assert [(await done)["result"]["text"] for _, done in running] == ["x" * 20, "y" * 20]
+
+
+async def test_shutdown_during_a_batch_cancels_the_streams_and_answers_after_them(spawn_worker: SpawnWorker):
+    host = await echo(spawn_worker)
+    started = [host.start("generate", {"prompt": p * 50, "add_special_tokens": False}) for p in "ab"]
+    await host.wait_until(lambda: all(host.chunks[i] for i, _ in started))
+    shutdown_id, shutdown = host.start("shutdown")
+    assert (await shutdown)["result"] is None
+    order = [m.get("id") for m in host.messages if "method" not in m]
+    assert order.index(shutdown_id) > max(order.index(i) for i, _ in started)
+    assert [(await done)["result"]["finish_reason"] for _, done in started] == ["cancelled", "cancelled"]
+    await host.notify("exit")
+    assert await host.wait(10) == 0
+
+
+async def test_a_stream_whose_reader_falls_behind_is_held_and_the_others_keep_streaming(spawn_worker: SpawnWorker):
+    """stream_window: the worker sends at most that many chunks past the last acknowledged one;
+    the rest of a slow reader's text waits, merged, and comes whole before the result."""
+    host = await echo(spawn_worker, delay_ms=5)
+    slow_id, slow = host.start("generate", {"prompt": "s" * 40, "add_special_tokens": False, "stream_window": 2})
+    fast_id, fast = host.start("generate", {"prompt": "f" * 40, "add_special_tokens": False, "stream_window": 2})
+    acked = -1
+    while not fast.done():  # the host takes the fast stream's chunks as they come, and not the slow one's
+        await asyncio.sleep(0.005)
+        if host.chunks[fast_id] and host.chunks[fast_id][-1]["index"] > acked:
+            acked = host.chunks[fast_id][-1]["index"]
+            await host.notify("generate/ack", {"id": fast_id, "index": acked})
+    slow_result, fast_result = (await slow)["result"], (await fast)["result"]
+    assert fast_result["text"] == "f" * 40 and slow_result["text"] == "s" * 40
+    assert len(host.chunks[fast_id]) > 10
+    slow_chunks = host.chunks[slow_id]
+    assert len(slow_chunks) == 3, "two chunks, then the rest merged into one at the end"
+    assert "".join(c["text"] for c in slow_chunks) == "s" * 40
+    assert slow_chunks[-1]["generated_tokens"] == slow_result["usage"]["completion_tokens"]
+
+
+async def test_an_ack_lets_a_held_stream_flow_again(spawn_worker: SpawnWorker):
+    host = await echo(spawn_worker, delay_ms=10)
+    msg_id, done = host.start("generate", {"prompt": "w" * 60, "add_special_tokens": False, "stream_window": 1})
+    await host.wait_until(lambda: len(host.chunks[msg_id]) == 1)
+    await asyncio.sleep(0.1)
+    assert len(host.chunks[msg_id]) == 1, "a chunk went out past the window"
+    await host.notify("generate/ack", {"id": msg_id, "index": 0})
+    await host.wait_until(lambda: len(host.chunks[msg_id]) == 2)
+    assert len(host.chunks[msg_id][1]["text"]) > 1, "the held text came merged into one chunk"
+    assert (await done)["result"]["text"] == "w" * 60
+
+
+# --- on real models: greedy tokens side by side equal those alone ---
+
+
+async def test_streams_in_a_batch_equal_each_request_alone_with_caches_in_it(cache_model, tmp_path: Path):
+    """On every family of cache layers (the Llama family steps them in one pass, the others in
+    turn). In the batch: a greedy request, one from a named cache, a seeded sampled one with
+    auto, and one that joins while the others decode."""
+    host = await Host.spawn("--cache-dir", str(tmp_path / "caches"), env=TORCH_ENV)
+    try:
+        await host.call("load", {"model": cache_model}, timeout=300)
+        system = "the cat sat on the mat and the dog runs quickly to the river. " * 3
+        requests = [
+            {"prompt": system + "Which river?"},
+            {"prompt": system + "And the sea?"},
+            {"prompt": "hello world, the sun", "temperature": 0.9, "seed": 7},
+            {"prompt": system + "why?"},
+        ]
+        alone = [(await host.call("generate", {**r, "max_tokens": 16}))["tokens"] for r in requests]
+        await host.call("prefill", {"prompt": system, "cache": "system"})
+        caches = [{}, {"cache": "system"}, {"cache": "auto"}, {"cache": "auto"}]
+        started = [host.start("generate", {**r, **c, "max_tokens": 16}) for r, c in zip(requests[:3], caches)]
+        await host.wait_until(lambda: len(host.chunks[started[0][0]]) >= 2, timeout=120)
+        started.append(host.start("generate", {**requests[3], **caches[3], "max_tokens": 16}))
+        results = [(await done)["result"] for _, done in started]
+        assert [r["tokens"] for r in results] == alone
+        assert results[1]["usage"]["cache_read_tokens"] > 0
+        assert overlapped(host, started[0][0], started[1][0]) and overlapped(host, started[0][0], started[3][0])
+    finally:
+        await host.close()
+
+
+@pytest.mark.slow
+async def test_four_smollm2_streams_in_one_batch_equal_each_alone(spawn_worker: SpawnWorker):
+    host = await spawn_worker(env=TORCH_ENV)
+    await host.call("load", {"model": "default"}, timeout=600)
+    questions = ["What is the capital of France?", "Name a prime number.", "Write a haiku about rain.", "What is 2+2?"]
+    params = [{"messages": [{"role": "user", "content": q}], "max_tokens": 48} for q in questions]
+    alone = [(await host.call("generate", p, timeout=300))["tokens"] for p in params]
+    started = [host.start("generate", p) for p in params]
+    together = [(await asyncio.wait_for(done, 600))["result"]["tokens"] for _, done in started]
+    assert together == alone
+    assert all(overlapped(host, started[0][0], other) for other, _ in started[1:])

@@ -1,0 +1,231 @@
+"""The model lane's rules and loop, driven without threads: worker/scheduler.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from protocol.methods import GenerateParams, PrefillParams
+from worker.backends.base import PREFILL_CHUNK_TOKENS
+from worker.scheduler import MIN_SHARED_CHUNK_TOKENS, Admission, Scheduler
+
+
+@dataclass(eq=False)
+class FakeJob:
+    method: str
+    params: Any = None
+    cancelled: bool = False
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled
+
+
+def generate(**params: Any) -> FakeJob:
+    return FakeJob("generate", msgspec.convert({"prompt": "x", **params}, GenerateParams))
+
+
+def prefill(cache: str, **params: Any) -> FakeJob:
+    return FakeJob("prefill", msgspec.convert({"prompt": "x", "cache": cache, **params}, PrefillParams))
+
+
+def started(admission: Admission) -> list[FakeJob]:
+    jobs = []
+    while (job := admission.next()) is not None:
+        jobs.append(job)
+    return jobs
+
+
+def test_generates_start_side_by_side_up_to_max_batch_and_the_rest_wait_in_order():
+    admission = Admission(max_batch=2)
+    jobs = [generate() for _ in range(4)]
+    for job in jobs:
+        admission.add(job)
+    assert started(admission) == jobs[:2]
+    admission.done(jobs[1])
+    assert started(admission) == [jobs[2]]
+    assert list(admission.queue) == [jobs[3]]
+
+
+def test_a_load_waits_for_running_generates_and_holds_back_the_requests_after_it():
+    admission = Admission(max_batch=8)
+    first, load, second = generate(), FakeJob("load"), generate()
+    for job in (first, load, second):
+        admission.add(job)
+    assert started(admission) == [first]
+    admission.done(first)
+    assert started(admission) == [load]
+    admission.done(load)
+    assert started(admission) == [second]
+
+
+def test_a_generate_from_a_cache_a_running_prefill_writes_waits_for_it_and_others_do_not():
+    admission = Admission(max_batch=8)
+    writing = prefill("notes")
+    admission.add(writing)
+    assert started(admission) == [writing]
+    for job in (generate(cache="other"), generate()):
+        admission.add(job)
+        assert started(admission) == [job]
+    for job in (generate(cache="notes"), generate(cache="auto"), prefill("notes"), prefill("x", base="notes")):
+        admission.add(job)
+        assert started(admission) == [], f"{job.method} {job.params} started beside the prefill of its cache"
+        admission.queue.clear()
+
+
+def test_auto_generates_do_not_wait_for_each_other():
+    admission = Admission(max_batch=8)
+    jobs = [generate(cache="auto") for _ in range(3)]
+    for job in jobs:
+        admission.add(job)
+    assert started(admission) == jobs
+
+
+def test_a_cancelled_request_leaves_the_queue_at_once_but_shutdown_keeps_its_place():
+    admission = Admission(max_batch=1)
+    running, waiting, shutdown = generate(), generate(), FakeJob("shutdown")
+    for job in (running, waiting, shutdown):
+        admission.add(job)
+    assert started(admission) == [running]
+    waiting.cancelled = shutdown.cancelled = True
+    assert started(admission) == [waiting]
+    admission.done(waiting)
+    assert started(admission) == []
+    admission.done(running)
+    assert started(admission) == [shutdown]
+
+
+# --- the loop, with a model that counts what it is asked to compute ---
+
+
+@dataclass(eq=False)
+class CountingDecoding:
+    prompt_left: int
+    tokens: int = 0
+
+    def feed(self, max_tokens: int) -> None:
+        self.prompt_left -= min(self.prompt_left, max_tokens)
+
+    def next_token(self) -> int:
+        self.tokens += 1
+        return self.tokens
+
+
+@dataclass
+class CountingModel:
+    clock: list[float]
+    step_s: float = 0.05
+    token_s: float = 0.001
+    steps: list[int] = field(default_factory=list)  # batch size of each step
+    chunks: list[int] = field(default_factory=list)  # tokens of each chunk fed
+
+    def step(self, decodings) -> None:
+        self.steps.append(len(decodings))
+        self.clock[0] += self.step_s
+
+
+@dataclass(eq=False)
+class CountingTask:
+    model: CountingModel
+    decoding: CountingDecoding
+    max_tokens: int
+    cancelled: bool = False
+    method: str = "generate"  # the task is its own job here
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled
+
+    def feed(self, max_tokens: int) -> None:
+        before = self.decoding.prompt_left
+        self.decoding.feed(max_tokens)
+        fed = before - self.decoding.prompt_left
+        self.model.chunks.append(fed)
+        self.model.clock[0] += fed * self.model.token_s
+        if not self.decoding.prompt_left:
+            self.advance()
+
+    def advance(self) -> None:
+        self.decoding.next_token()
+
+    @property
+    def done(self) -> bool:
+        return self.cancelled or self.decoding.tokens >= self.max_tokens
+
+    def finish(self) -> int:
+        return self.decoding.tokens
+
+
+class ListLane:
+    def __init__(self, tasks: list[CountingTask]) -> None:
+        self.waiting = list(tasks)
+        self.finished: list[tuple[CountingTask, Exception | None]] = []
+
+    def next_job(self, wait: bool):
+        return self.waiting.pop(0) if self.waiting else None
+
+    def run_job(self, job) -> None:
+        raise AssertionError("only tasks here")
+
+    def start_task(self, job):
+        return job
+
+    def finish_task(self, job, task, error=None) -> None:
+        self.finished.append((task, error))
+
+
+def test_requests_join_a_running_batch_and_leave_it_when_done():
+    clock = [0.0]
+    model = CountingModel(clock)
+    short, long = (CountingTask(model, CountingDecoding(prompt_left=4), max_tokens=n) for n in (3, 6))
+    lane = ListLane([short, long])
+    scheduler = Scheduler(lane, clock=lambda: clock[0])
+    scheduler.run()
+    assert [task for task, _ in lane.finished] == [short, long]
+    assert long.decoding.tokens == 6 and short.decoding.tokens == 3
+    assert 2 in model.steps and model.steps[-1] == 1  # stepped together, then the long one alone
+
+
+def test_a_prompt_fed_beside_decoding_streams_comes_in_chunks_of_about_one_step():
+    clock = [0.0]
+    model = CountingModel(clock, step_s=0.05, token_s=0.001)  # a step costs as much as 50 prompt tokens
+    running = CountingTask(model, CountingDecoding(prompt_left=1), max_tokens=1000)
+    scheduler = Scheduler(ListLane([]), clock=lambda: clock[0])
+    scheduler.begin(running)
+    for _ in range(3):
+        scheduler.advance()
+    joining = CountingTask(model, CountingDecoding(prompt_left=600), max_tokens=1)
+    scheduler.begin(joining)
+    model.chunks.clear()
+    while joining.decoding.prompt_left:
+        scheduler.advance()
+    assert model.chunks[0] == MIN_SHARED_CHUNK_TOKENS  # before a chunk was timed
+    assert all(40 <= chunk <= 60 for chunk in model.chunks[1:-1]), model.chunks
+    assert max(model.chunks) < PREFILL_CHUNK_TOKENS
+
+
+def test_a_prompt_alone_is_fed_in_full_chunks():
+    clock = [0.0]
+    model = CountingModel(clock)
+    lane = ListLane([CountingTask(model, CountingDecoding(prompt_left=600), max_tokens=1)])
+    Scheduler(lane, clock=lambda: clock[0]).run()
+    assert model.chunks == [PREFILL_CHUNK_TOKENS, PREFILL_CHUNK_TOKENS, 600 - 2 * PREFILL_CHUNK_TOKENS]
+
+
+def test_a_failing_step_fails_the_requests_in_it_and_not_a_prompt_being_fed():
+    clock = [0.0]
+
+    class BrokenModel(CountingModel):
+        def step(self, decodings) -> None:
+            raise RuntimeError("out of memory")
+
+    model = BrokenModel(clock)
+    first, second = (CountingTask(model, CountingDecoding(prompt_left=1), max_tokens=5) for _ in range(2))
+    lane = ListLane([])
+    scheduler = Scheduler(lane, clock=lambda: clock[0])
+    scheduler.begin(first)
+    scheduler.advance()  # feeds the first prompt; it takes its first token
+    scheduler.begin(second)
+    scheduler.advance()  # feeds the second prompt, then steps the first: the step fails
+    assert lane.finished == [(first, lane.finished[0][1])] and isinstance(lane.finished[0][1], RuntimeError)
+    assert scheduler.tasks == [second] and second.decoding.tokens == 1

@@ -1,0 +1,221 @@
+"""The model lane: which queued request starts when, and the loop that runs them together.
+
+``generate`` and ``prefill`` requests become tasks that run side by side, up to
+``max_batch`` of them: between two decode steps, the lane lets new requests join
+and finished ones leave, feeds one chunk of one waiting prompt, then advances
+every decoding request by one token in a single ``Model.step``. A prompt is fed in
+chunks small enough that the streams already decoding keep flowing (the chunk is
+sized from measured times to cost about one step), and a request alone gets the
+full chunk. Every other model-lane request (``load``, ``unload``, ``shutdown``, and
+those queued behind them) runs alone: it waits for the tasks before it to end, and
+the requests after it wait for it.
+
+:class:`Admission` holds these rules as a plain object, driven without threads in
+the tests; :class:`Scheduler` is the loop, run by the model thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from worker.backends.base import PREFILL_CHUNK_TOKENS, Decoding, Model
+
+TASK_METHODS = frozenset({"generate", "prefill"})
+# While others decode, a chunk costs about one step, but never fewer tokens than this.
+MIN_SHARED_CHUNK_TOKENS = 16
+DEFAULT_MAX_BATCH = 8
+
+
+class Queued(Protocol):
+    """What admission needs to know about a request (the server's Job)."""
+
+    method: str
+    params: Any
+
+    def is_cancelled(self) -> bool: ...
+
+
+class Task(Protocol):
+    """A generate or prefill in progress (generation.Generation, caching.Prefill)."""
+
+    model: Model
+    decoding: Decoding
+
+    def feed(self, max_tokens: int) -> None: ...
+
+    def advance(self) -> None: ...
+
+    @property
+    def done(self) -> bool: ...
+
+    def finish(self) -> Any: ...
+
+
+class Admission:
+    """Model-lane requests in arrival order, and which of them may start now.
+
+    - Requests start in the order they arrive; one that must wait holds back those behind it.
+    - A ``generate`` or ``prefill`` starts while fewer than ``max_batch`` run, unless it
+      reads or writes a cache that a running prefill is still writing (it would not see it).
+      A generate with ``cache: "auto"`` may use any stored cache, so it waits for every
+      running prefill; it does not wait for other auto generates (each is a separate
+      conversation and uses what is stored when it starts).
+    - Any other request starts once nothing runs, and nothing starts while it runs.
+    - A cancelled request is let out at once, wherever it is in the queue (it answers without
+      running), except ``shutdown``, which keeps its place.
+    """
+
+    def __init__(self, max_batch: int) -> None:
+        self.max_batch = max_batch
+        self.queue: deque[Queued] = deque()
+        self.running: list[Queued] = []
+
+    def add(self, job: Queued) -> None:
+        self.queue.append(job)
+
+    def next(self) -> Queued | None:
+        """The request to start now, taken off the queue; None while none may start."""
+        for job in self.queue:
+            if job.method != "shutdown" and job.is_cancelled():
+                self.queue.remove(job)
+                self.running.append(job)  # until answered, like any other
+                return job
+        if not self.queue:
+            return None
+        head = self.queue[0]
+        if head.method in TASK_METHODS:
+            if len(self.running) >= self.max_batch or any(_waits_for(head, job) for job in self.running):
+                return None
+        elif self.running:
+            return None
+        self.queue.popleft()
+        self.running.append(head)
+        return head
+
+    def done(self, job: Queued) -> None:
+        self.running.remove(job)
+
+    @property
+    def idle(self) -> bool:
+        return not self.queue and not self.running
+
+
+def _waits_for(job: Queued, running: Queued) -> bool:
+    """Whether ``job`` must wait for ``running`` to end before it starts."""
+    if running.method not in TASK_METHODS:
+        return True
+    if running.method != "prefill":  # a generate writes only auto caches, which nothing waits for
+        return False
+    written = running.params.cache
+    if job.method == "prefill":
+        return written in (job.params.cache, job.params.base)
+    return job.params.cache in (written, "auto")
+
+
+class ModelLane(Protocol):
+    """What the scheduler needs from the server: jobs to start, and where answers go."""
+
+    def next_job(self, wait: bool) -> Queued | None:
+        """The next job to start (see Admission); with ``wait``, blocks until there is one,
+        and None then means the lane should stop."""
+        ...
+
+    def run_job(self, job: Queued) -> None:
+        """Run a job that is not a task (or a cancelled one) to its answer."""
+        ...
+
+    def start_task(self, job: Queued) -> Task | None:
+        """The task of a generate or prefill; None when it failed at once (already answered)."""
+        ...
+
+    def finish_task(self, job: Queued, task: Task, error: Exception | None = None) -> None:
+        """Answer with the task's result, or with ``error`` when its computation failed."""
+        ...
+
+
+class Scheduler:
+    def __init__(self, lane: ModelLane, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._lane = lane
+        self._clock = clock
+        self._tasks: list[tuple[Queued, Task]] = []
+        self._step_s: float | None = None  # the last batched step's time
+        self._token_s: float | None = None  # a prompt token's time in chunks fed beside steps
+
+    def run(self) -> None:
+        """The model thread's loop: returns when the lane says to stop and no task is left."""
+        while True:
+            job = self._lane.next_job(wait=not self._tasks)
+            if job is None and not self._tasks:
+                return
+            while job is not None:
+                self.begin(job)
+                job = self._lane.next_job(wait=False)
+            self.advance()
+
+    def begin(self, job: Queued) -> None:
+        """Start a job the lane let out: a task joins the running ones, anything else runs now."""
+        if job.method not in TASK_METHODS or job.is_cancelled():
+            self._lane.run_job(job)
+            return
+        task = self._lane.start_task(job)
+        if task is not None:
+            self._tasks.append((job, task))
+
+    def advance(self) -> None:
+        """One round: a chunk of the first waiting prompt, then a step of every decoding task."""
+        self._let_finished_go()
+        waiting = [task for _, task in self._tasks if task.decoding.prompt_left]
+        decoding = [task for _, task in self._tasks if not task.decoding.prompt_left]
+        if waiting:
+            self._guarded([waiting[0]], lambda: self._feed(waiting[0], shared=bool(decoding)))
+        if decoding:
+            self._guarded(decoding, lambda: self._step(decoding))
+        self._let_finished_go()
+
+    def _step(self, decoding: list[Task]) -> None:
+        started = self._clock()
+        decoding[0].model.step([task.decoding for task in decoding])
+        self._step_s = self._clock() - started
+        for task in decoding:
+            task.advance()
+
+    def _guarded(self, tasks: list[Task], work: Callable[[], None]) -> None:
+        """Run ``work``; if it fails, the tasks it was for fail with its error, and only they."""
+        try:
+            work()
+        except Exception as exc:
+            failed = [(job, task) for job, task in self._tasks if any(task is t for t in tasks)]
+            for job, task in failed:
+                self._tasks.remove((job, task))
+                self._lane.finish_task(job, task, exc)
+
+    def _feed(self, task: Task, *, shared: bool) -> None:
+        if not shared:
+            task.feed(PREFILL_CHUNK_TOKENS)
+            return
+        before = task.decoding.prompt_left
+        budget = self.chunk_tokens()
+        started = self._clock()
+        task.feed(budget)
+        fed = before - task.decoding.prompt_left
+        if fed > 0:
+            self._token_s = (self._clock() - started) / fed
+
+    def chunk_tokens(self) -> int:
+        """Prompt tokens to feed beside running streams: about one step's worth of time."""
+        if self._step_s is None or not self._token_s:
+            return MIN_SHARED_CHUNK_TOKENS
+        return max(MIN_SHARED_CHUNK_TOKENS, min(PREFILL_CHUNK_TOKENS, int(self._step_s / self._token_s)))
+
+    def _let_finished_go(self) -> None:
+        finished = [(job, task) for job, task in self._tasks if task.done]
+        for job, task in finished:
+            self._tasks.remove((job, task))
+            self._lane.finish_task(job, task)
+
+    @property
+    def tasks(self) -> Sequence[Task]:
+        return [task for _, task in self._tasks]
