@@ -57,6 +57,31 @@ def test_a_batch_of_sequences_steps_as_each_would_alone(tiny_model_dir: Path, tm
         assert torch.equal(batched[row : row + 1], logits)
 
 
+def test_a_prompt_chunk_fed_in_a_step_beside_a_decoding_sequence_matches_transformers_forward(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    """The scheduler feeds a joining prompt in the same pass as the running requests' step:
+    the chunk's logits and keys match transformers' forward of it (float32 rounding apart:
+    other matrix shapes), and the decoding sequence gets what it would get alone."""
+    model = load(tiny_model_dir, tmp_path)
+    running = model.tokenize("the cat sat on the mat", add_special_tokens=True)
+    joining = model.tokenize("a red sun over the river and the dog ran far away", add_special_tokens=True)
+    with torch.inference_mode():
+        decoding = model.new_cache()
+        model.extend_cache(running[:-1], decoding)
+        alone = decoding.copy()
+        fed, forwarded = model.new_cache(), model.new_cache()
+        both = model._step.forward([running[-1:], joining[:7]], [decoding, fed])
+        theirs = forwarded.feed(model._model, torch.tensor([joining[:7]]))
+        expected = model._step([running[-1]], [alone])
+    assert fed.length == forwarded.length == 7 and decoding.length == alone.length == len(running)
+    torch.testing.assert_close(both[1:], theirs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(both[:1], expected, rtol=1e-5, atol=1e-5)
+    for mine, other in zip(fed.kv.layers, forwarded.kv.layers):
+        torch.testing.assert_close(mine.keys, other.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine.values, other.values, rtol=1e-5, atol=1e-5)
+
+
 def test_int4_weights_give_each_row_the_numbers_it_gets_alone():
     from worker.backends.fast_weights import Int4Linear
 

@@ -120,9 +120,17 @@ class CountingModel:
     steps: list[int] = field(default_factory=list)  # batch size of each step
     chunks: list[int] = field(default_factory=list)  # tokens of each chunk fed
 
-    def step(self, decodings) -> None:
+    chunks_in_step: bool = False
+
+    def step(self, decodings, chunk=None) -> None:
         self.steps.append(len(decodings))
         self.clock[0] += self.step_s
+        if chunk is not None:
+            decoding, max_tokens = chunk
+            before = decoding.prompt_left
+            decoding.feed(max_tokens)
+            self.chunks.append(before - decoding.prompt_left)
+            self.clock[0] += self.chunks[-1] * self.token_s
 
 
 @dataclass(eq=False)
@@ -142,6 +150,9 @@ class CountingTask:
         fed = before - self.decoding.prompt_left
         self.model.chunks.append(fed)
         self.model.clock[0] += fed * self.model.token_s
+        self.fed()
+
+    def fed(self) -> None:
         if not self.decoding.prompt_left:
             self.advance()
 
@@ -161,14 +172,17 @@ class ListLane:
         self.waiting = list(tasks)
         self.finished: list[tuple[CountingTask, Exception | None]] = []
 
-    def next_job(self, wait: bool):
+    def next_job(self, wait: bool, woken):
         return self.waiting.pop(0) if self.waiting else None
+
+    def wake(self) -> None:
+        pass
 
     def run_job(self, job) -> None:
         raise AssertionError("only tasks here")
 
-    def start_task(self, job):
-        return job
+    def start_task(self, job, ready) -> None:
+        ready(job)  # made at once (the worker makes it on its cache I/O thread)
 
     def finish_task(self, job, task, error=None) -> None:
         self.finished.append((task, error))
@@ -204,6 +218,26 @@ def test_a_prompt_fed_beside_decoding_streams_comes_in_chunks_of_about_one_step(
     assert max(model.chunks) < PREFILL_CHUNK_TOKENS
 
 
+def test_a_model_that_feeds_chunks_in_its_step_gets_the_joining_prompt_there_sized_to_one_step():
+    clock = [0.0]
+    model = CountingModel(clock, step_s=0.05, token_s=0.001, chunks_in_step=True)
+    running = CountingTask(model, CountingDecoding(prompt_left=1), max_tokens=1000)
+    scheduler = Scheduler(ListLane([]), clock=lambda: clock[0])
+    scheduler.begin(running)
+    for _ in range(3):
+        scheduler.advance()
+    steps_before = len(model.steps)
+    joining = CountingTask(model, CountingDecoding(prompt_left=600), max_tokens=1)
+    scheduler.begin(joining)
+    model.chunks.clear()
+    while joining.decoding.prompt_left:
+        scheduler.advance()
+    rounds = len(model.steps) - steps_before
+    assert rounds == len(model.chunks), "every chunk rode along a step, none was fed on its own"
+    assert model.chunks[0] == MIN_SHARED_CHUNK_TOKENS and all(49 <= chunk <= 50 for chunk in model.chunks[1:-1]), model.chunks
+    assert joining.decoding.tokens == 1 and running.decoding.tokens == 3 + rounds
+
+
 def test_a_prompt_alone_is_fed_in_full_chunks():
     clock = [0.0]
     model = CountingModel(clock)
@@ -229,3 +263,29 @@ def test_a_failing_step_fails_the_requests_in_it_and_not_a_prompt_being_fed():
     scheduler.advance()  # feeds the second prompt, then steps the first: the step fails
     assert lane.finished == [(first, lane.finished[0][1])] and isinstance(lane.finished[0][1], RuntimeError)
     assert scheduler.tasks == [second] and second.decoding.tokens == 1
+
+
+def test_running_requests_keep_stepping_while_a_new_one_is_made_off_the_model_thread():
+    """The lane makes a task on its cache I/O thread (reading a stored cache, say): until it is
+    ready, the requests already decoding go on, and it joins them when it is."""
+    clock = [0.0]
+    model = CountingModel(clock)
+    pending = []
+
+    class SlowStartLane(ListLane):
+        def start_task(self, job, ready) -> None:
+            pending.append((job, ready))
+
+    running = CountingTask(model, CountingDecoding(prompt_left=1), max_tokens=100)
+    joining = CountingTask(model, CountingDecoding(prompt_left=1), max_tokens=100)
+    scheduler = Scheduler(SlowStartLane([]), clock=lambda: clock[0])
+    scheduler.begin(running)
+    pending.pop()[1](running)
+    scheduler.begin(joining)
+    for _ in range(5):
+        scheduler.advance()
+    assert running.decoding.tokens == 5 and scheduler.tasks == [running]
+    job, ready = pending.pop()
+    ready(joining)
+    scheduler.advance()
+    assert scheduler.tasks == [running, joining] and joining.decoding.tokens == 1

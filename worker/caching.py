@@ -100,6 +100,9 @@ class Prefill:
 
     def feed(self, max_tokens: int) -> None:
         self.decoding.feed(max_tokens)
+        self.fed()
+
+    def fed(self) -> None:
         self._progress(len(self._tokens) - self.decoding.prompt_left)
 
     def advance(self) -> None:

@@ -144,6 +144,10 @@ class Generation:
     def feed(self, max_tokens: int) -> None:
         """A chunk of the prompt; the first token once the prompt is in."""
         self.decoding.feed(max_tokens)
+        self.fed()
+
+    def fed(self) -> None:
+        """After a chunk of the prompt (fed here or in a step): the first token once it is in."""
         if not self.decoding.prompt_left:
             self.advance()
 

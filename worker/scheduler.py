@@ -5,8 +5,9 @@
 and finished ones leave, feeds one chunk of one waiting prompt, then advances
 every decoding request by one token in a single ``Model.step``. A prompt is fed in
 chunks small enough that the streams already decoding keep flowing (the chunk is
-sized from measured times to cost about one step), and a request alone gets the
-full chunk. Every other model-lane request (``load``, ``unload``, ``shutdown``, and
+sized from measured times to cost about one step; a model that can computes it in
+the same pass as the step, reading its weights once for both), and a request alone
+gets the full chunk. Every other model-lane request (``load``, ``unload``, ``shutdown``, and
 those queued behind them) runs alone: it waits for the tasks before it to end, and
 the requests after it wait for it.
 
@@ -16,6 +17,7 @@ the tests; :class:`Scheduler` is the loop, run by the model thread.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -45,6 +47,10 @@ class Task(Protocol):
     decoding: Decoding
 
     def feed(self, max_tokens: int) -> None: ...
+
+    def fed(self) -> None:
+        """After its decoding was fed a chunk inside a step."""
+        ...
 
     def advance(self) -> None: ...
 
@@ -118,21 +124,28 @@ def _waits_for(job: Queued, running: Queued) -> bool:
 class ModelLane(Protocol):
     """What the scheduler needs from the server: jobs to start, and where answers go."""
 
-    def next_job(self, wait: bool) -> Queued | None:
-        """The next job to start (see Admission); with ``wait``, blocks until there is one,
-        and None then means the lane should stop."""
+    def next_job(self, wait: bool, woken: Callable[[], bool]) -> Queued | None:
+        """The next job to start (see Admission). With ``wait``, blocks until there is one or
+        ``woken()`` turns true (call ``wake`` then); None while waiting, with nothing woken,
+        means the lane has stopped: no job is queued or running any more."""
+        ...
+
+    def wake(self) -> None:
+        """Make a waiting ``next_job`` check ``woken`` again."""
         ...
 
     def run_job(self, job: Queued) -> None:
         """Run a job that is not a task (or a cancelled one) to its answer."""
         ...
 
-    def start_task(self, job: Queued) -> Task | None:
-        """The task of a generate or prefill; None when it failed at once (already answered)."""
+    def start_task(self, job: Queued, ready: Callable[[Task | None], None]) -> None:
+        """Make the task of a generate or prefill and hand it to ``ready``, from any thread
+        (it may read a stored cache first); None when it failed (already answered)."""
         ...
 
     def finish_task(self, job: Queued, task: Task, error: Exception | None = None) -> None:
-        """Answer with the task's result, or with ``error`` when its computation failed."""
+        """Answer with the task's result (it may store a cache first), or with ``error`` when
+        its computation failed. The model thread no longer touches the task."""
         ...
 
 
@@ -141,44 +154,79 @@ class Scheduler:
         self._lane = lane
         self._clock = clock
         self._tasks: list[tuple[Queued, Task]] = []
+        self._lock = threading.Lock()
+        self._starting = 0  # tasks being made off this thread
+        self._ready: list[tuple[Queued, Task | None]] = []  # made, not yet joined
         self._step_s: float | None = None  # the last batched step's time
         self._token_s: float | None = None  # a prompt token's time in chunks fed beside steps
 
     def run(self) -> None:
-        """The model thread's loop: returns when the lane says to stop and no task is left."""
+        """The model thread's loop: returns when the lane has stopped and no task is left."""
         while True:
-            job = self._lane.next_job(wait=not self._tasks)
-            if job is None and not self._tasks:
+            job = self._lane.next_job(wait=not self._tasks, woken=self._has_ready)
+            if job is None and not self._tasks and not self._starting and not self._has_ready():
                 return
             while job is not None:
                 self.begin(job)
-                job = self._lane.next_job(wait=False)
+                job = self._lane.next_job(wait=False, woken=self._has_ready)
             self.advance()
 
     def begin(self, job: Queued) -> None:
-        """Start a job the lane let out: a task joins the running ones, anything else runs now."""
+        """Start a job the lane let out: a task joins the running ones once made, anything
+        else runs now."""
         if job.method not in TASK_METHODS or job.is_cancelled():
             self._lane.run_job(job)
             return
-        task = self._lane.start_task(job)
-        if task is not None:
-            self._tasks.append((job, task))
+        with self._lock:
+            self._starting += 1
+        self._lane.start_task(job, lambda task: self._made(job, task))
+
+    def _made(self, job: Queued, task: Task | None) -> None:
+        with self._lock:
+            self._starting -= 1
+            self._ready.append((job, task))
+        self._lane.wake()
+
+    def _has_ready(self) -> bool:
+        with self._lock:
+            return bool(self._ready)
+
+    def _join_ready(self) -> None:
+        with self._lock:
+            ready, self._ready = self._ready, []
+        self._tasks += [(job, task) for job, task in ready if task is not None]
 
     def advance(self) -> None:
         """One round: a chunk of the first waiting prompt, then a step of every decoding task."""
+        self._join_ready()
         self._let_finished_go()
         waiting = [task for _, task in self._tasks if task.decoding.prompt_left]
         decoding = [task for _, task in self._tasks if not task.decoding.prompt_left]
-        if waiting:
-            self._guarded([waiting[0]], lambda: self._feed(waiting[0], shared=bool(decoding)))
-        if decoding:
-            self._guarded(decoding, lambda: self._step(decoding))
+        feeding = waiting[0] if waiting else None
+        if feeding is not None and decoding and getattr(feeding.model, "chunks_in_step", False):
+            self._guarded([*decoding, feeding], lambda: self._step(decoding, feeding))
+        else:
+            if feeding is not None:
+                self._guarded([feeding], lambda: self._feed(feeding, shared=bool(decoding)))
+            if decoding:
+                self._guarded(decoding, lambda: self._step(decoding))
         self._let_finished_go()
 
-    def _step(self, decoding: list[Task]) -> None:
+    def _step(self, decoding: list[Task], feeding: Task | None = None) -> None:
+        """One step of the decoding tasks; with ``feeding``, a chunk of its prompt in the same pass."""
+        budget = self.chunk_tokens()
+        before = feeding.decoding.prompt_left if feeding is not None else 0
         started = self._clock()
-        decoding[0].model.step([task.decoding for task in decoding])
-        self._step_s = self._clock() - started
+        chunk = [(feeding.decoding, budget)] if feeding is not None else []
+        decoding[0].model.step([task.decoding for task in decoding], *chunk)
+        elapsed = self._clock() - started
+        if feeding is None:
+            self._step_s = elapsed
+        else:
+            feeding.fed()
+            fed = before - feeding.decoding.prompt_left
+            if fed > 0 and self._step_s is not None and elapsed > self._step_s:
+                self._token_s = (elapsed - self._step_s) / fed
         for task in decoding:
             task.advance()
 

@@ -1,10 +1,11 @@
 """Dispatch: bytes from the host in, replies to the writer out.
 
-Three threads do the work. The reader thread (whoever calls :meth:`Server.feed`)
+Four threads do the work. The reader thread (whoever calls :meth:`Server.feed`)
 decodes frames and answers quick requests at once. Requests that use the model
 go to the model lane, one thread that runs the scheduler (worker/scheduler.py):
 generates and prefills run side by side, batched, and the other model requests
-run alone, in order. Text requests (``tokenize``, ``detokenize``, ``render``) go
+run alone, in order; the cache I/O thread makes and finishes their tasks (reads
+and stores KV caches), so decoding goes on meanwhile. Text requests (``tokenize``, ``detokenize``, ``render``) go
 to the text lane, so that a huge one delays neither the reading of a ``cancel``
 nor a generation. So ``cancel``, ``capabilities`` and ``tokenize`` are answered
 while generations stream, and a cancel only has to set an event that the
@@ -19,6 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -129,6 +131,9 @@ class Server:
         self._cancelled_at: float | None = None  # when end() cancelled everything
         self.ended = threading.Event()
         self.exit_code = 0
+        # A task is made (its prompt tokenized, its cache read and checked) and finished (its
+        # cache stored) on this thread, so that the requests decoding meanwhile go on.
+        self._cache_io = ThreadPoolExecutor(1, thread_name_prefix="lm-worker-cache-io")
         self._lanes = [
             threading.Thread(target=Scheduler(self).run, name="lm-worker-model", daemon=True),
             threading.Thread(target=self._run_text_lane, name="lm-worker-text", daemon=True),
@@ -279,10 +284,10 @@ class Server:
 
     # The model lane, as the scheduler sees it (scheduler.ModelLane):
 
-    def next_job(self, wait: bool) -> Job | None:
+    def next_job(self, wait: bool, woken: Callable[[], bool]) -> Job | None:
         with self._lock:
             while (job := self._admission.next()) is None:
-                if not wait or (self._stopping and not self._admission.queue):
+                if not wait or woken() or (self._stopping and self._admission.idle):
                     return None
                 self._lock.wait()
             if job.method in ("load", "unload", "shutdown"):
@@ -307,19 +312,27 @@ class Server:
 
         self._answer(job.id, job.method, run, job)
 
-    def start_task(self, job: Job) -> Task | None:
-        try:
-            return self._routes[job.method][0](self._context(job), job.params)
-        except Exception as exc:
-            self._release(job)
-            self._writer.send(self._error_body(job.id, job.method, exc))
-            return None
+    def wake(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
+
+    def start_task(self, job: Job, ready: Callable[[Task | None], None]) -> None:
+        def make() -> None:
+            try:
+                task = self._routes[job.method][0](self._context(job), job.params)
+            except Exception as exc:
+                self._release(job)
+                self._writer.send(self._error_body(job.id, job.method, exc))
+                task = None
+            ready(task)
+
+        self._cache_io.submit(make)
 
     def finish_task(self, job: Job, task: Task, error: Exception | None = None) -> None:
         def fail() -> Any:
             raise error  # type: ignore[misc]
 
-        self._answer(job.id, job.method, task.finish if error is None else fail, job)
+        self._cache_io.submit(self._answer, job.id, job.method, task.finish if error is None else fail, job)
 
     def _context(self, job: Job) -> Context:
         return Context(job.id, job.cancelled, _ms_since(job.queued_at), self._send_notification, lambda: job.acked)
@@ -386,6 +399,7 @@ class Server:
             for lane in self._lanes:
                 lane.join(0.05)
             if not any(lane.is_alive() for lane in self._lanes):
+                self._cache_io.shutdown(wait=True)  # the last answers may still be on their way
                 return True
             cancelled_at = self._cancelled_at
             if cancelled_at is not None and time.monotonic() - cancelled_at > grace_s:

@@ -36,6 +36,7 @@ class Model(Protocol):
 
     info: ModelInfo
     eos_token_ids: frozenset[int]
+    chunks_in_step: bool  # whether ``step`` can feed a prompt chunk in the same pass
 
     def tokenize(self, text: str, *, add_special_tokens: bool) -> list[int]: ...
 
@@ -58,8 +59,10 @@ class Model(Protocol):
         """A generation of ``params`` continuing ``prompt``; nothing is computed yet."""
         ...
 
-    def step(self, decodings: Sequence[Decoding]) -> None:
-        """Feed each decoding's last token (all of them have taken one with ``next_token``)."""
+    def step(self, decodings: Sequence[Decoding], chunk: tuple[Decoding, int] | None = None) -> None:
+        """Feed each decoding's last token (all of them have taken one with ``next_token``).
+        A model whose ``chunks_in_step`` is true may also be given ``chunk``: a decoding whose
+        prompt is being fed and a number of tokens, fed in the same pass as by ``feed``."""
         ...
 
     def close(self) -> None: ...

@@ -3,8 +3,8 @@
 transformers' forward is written for every case (prompts, masks, padding, hooks, many
 cache classes); one decode step of a small model on a CPU spends more time in that
 generality than in arithmetic (bench/README.md has the profile). This step computes
-the same layers for one new token per sequence, with the model's own weights and
-rotary embedding, and keeps the keys and values in the same cache layers that
+the same layers for one new token per sequence (and, for the scheduler, a chunk of a
+joining prompt in the same pass), with the model's own weights and rotary embedding, and keeps the keys and values in the same cache layers that
 transformers' forward fills: a prompt prefilled by transformers is continued here,
 and a cache written here is stored, restored and extended like any other.
 
@@ -112,28 +112,48 @@ class DecodeStep:
     def __call__(self, tokens: Sequence[int], caches: Sequence) -> torch.Tensor:
         """Logits of the next position of each sequence, shape (len(tokens), vocab); each
         cache then covers its token too."""
-        batch, heads, kv_heads, dim = len(tokens), self._heads, self._kv_heads, self._head_dim
+        return self.forward([[token] for token in tokens], caches)
+
+    def forward(self, sequences: Sequence[Sequence[int]], caches: Sequence) -> torch.Tensor:
+        """As a step, but each sequence may bring several new tokens (a chunk of a prompt fed
+        beside the decoding requests: one pass over the weights for all of them). Logits of
+        the last new position of each sequence, shape (len(sequences), vocab)."""
+        heads, kv_heads, dim = self._heads, self._kv_heads, self._head_dim
         groups = heads // kv_heads
+        lengths = [len(sequence) for sequence in sequences]
+        total = sum(lengths)
         device = self._embed.weight.device
-        ids = torch.tensor(tokens, dtype=torch.long, device=device)
-        positions = torch.tensor([[cache.length] for cache in caches], dtype=torch.long, device=device)
-        hidden = self._embed(ids)  # (batch, hidden)
-        cos, sin = self._rotary(hidden, position_ids=positions)  # (batch, 1, head_dim): one row per head
+        ids = torch.tensor([token for sequence in sequences for token in sequence], dtype=torch.long, device=device)
+        positions = torch.tensor(
+            [[cache.length + i] for cache, n in zip(caches, lengths) for i in range(n)], dtype=torch.long, device=device
+        )
+        hidden = self._embed(ids)  # (total, hidden)
+        cos, sin = self._rotary(hidden, position_ids=positions)  # (total, 1, head_dim): one row per head
         for index, layer in enumerate(self._layers):
             q, k, v = layer.qkv(_rms_norm(*layer.norm_in, hidden))
-            q = _rotate(q.view(batch, heads, dim), cos, sin)
-            k = _rotate(k.view(batch, kv_heads, dim), cos, sin)
-            v = v.view(batch, kv_heads, dim)
-            outputs = []
-            for row, cache in enumerate(caches):
-                # (1, kv_heads, 1, dim) per new position, as transformers' layers hold them
-                keys, values = hf_compat.append_positions(cache.kv.layers[index], k[row, :, None][None], v[row, :, None][None])
-                query = q[row].view(kv_heads, groups, dim)
-                outputs.append(hf_compat.one_query_attention(query, keys[0], values[0], self._scaling).view(1, heads * dim))
-            attended = (outputs[0] if batch == 1 else torch.cat(outputs)).to(hidden.dtype)
+            q = _rotate(q.view(total, heads, dim), cos, sin)
+            k = _rotate(k.view(total, kv_heads, dim), cos, sin)
+            v = v.view(total, kv_heads, dim)
+            outputs, first = [], 0
+            for cache, n in zip(caches, lengths):
+                rows = slice(first, first + n)
+                first += n
+                # (1, kv_heads, n, dim), as transformers' layers hold them
+                keys, values = hf_compat.append_positions(
+                    cache.kv.layers[index], k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
+                )
+                if n == 1:
+                    query = q[rows].view(kv_heads, groups, dim)
+                    attended = hf_compat.one_query_attention(query, keys[0], values[0], self._scaling)
+                else:
+                    attended = hf_compat.chunk_attention(q[rows].transpose(0, 1)[None], keys, values, self._scaling)
+                outputs.append(attended.reshape(n, heads * dim))
+            attended = (outputs[0] if len(outputs) == 1 else torch.cat(outputs)).to(hidden.dtype)
             hidden = hidden + layer.out(attended)
             gate, up = layer.gate_up(_rms_norm(*layer.norm_mid, hidden))
             hidden = hidden + layer.down(torch.nn.functional.silu(gate) * up)
-        for cache in caches:
-            cache.length += 1
+        for cache, n in zip(caches, lengths):
+            cache.length += n
+        if total > len(lengths):
+            hidden = hidden[torch.tensor(lengths, device=device).cumsum(0) - 1]
         return self._head(_rms_norm(*self._norm, hidden))

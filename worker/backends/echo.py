@@ -80,7 +80,9 @@ class EchoModel:
     def start(self, prompt: Sequence[int], params: GenerateParams | None) -> EchoDecoding:
         return EchoDecoding(prompt, self._delay_s)
 
-    def step(self, decodings: Sequence[EchoDecoding]) -> None:
+    chunks_in_step = False
+
+    def step(self, decodings: Sequence[EchoDecoding], chunk: tuple[EchoDecoding, int] | None = None) -> None:
         if self._delay_s:  # one delay per step, however many requests it advances: a batch
             time.sleep(self._delay_s)
 

@@ -62,6 +62,18 @@ def one_query_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     return torch.bmm(torch.softmax(scores, dim=-1), values.float())
 
 
+def chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal attention of the last ``n`` positions: ``query`` (1, heads, n, dim), ``keys``,
+    ``values`` (1, kv_heads, positions, dim) ending with those n. Returns (1, n, heads, dim):
+    SDPA with the grouped heads read in place and a boolean mask, as transformers calls it
+    for a chunk of a prompt on the CPU."""
+    n, held = query.shape[-2], keys.shape[-2] - query.shape[-2]
+    mask = torch.ones(n, held + n, dtype=torch.bool, device=query.device).tril(diagonal=held)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True
+    ).transpose(1, 2)
+
+
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     batch, heads, positions, dim = query.shape
     plain = attention_mask is None and not kwargs.get("softcap") and kwargs.get("s_aux") is None

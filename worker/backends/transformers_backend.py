@@ -207,19 +207,25 @@ class TransformersModel:
         return Decoding(self, prompt, params, cache if cache is not None else self.new_cache())
 
     @property
-    def batched(self) -> bool:
-        """Whether a step computes its sequences in one pass (else one after another)."""
+    def chunks_in_step(self) -> bool:
+        """Whether a step computes its sequences in one pass, a prompt chunk with them."""
         return self._step is not None
 
-    def step(self, decodings: Sequence[Decoding]) -> None:
+    def step(self, decodings: Sequence[Decoding], chunk: tuple[Decoding, int] | None = None) -> None:
         import torch
 
         with torch.inference_mode():
             if self._step is not None:
-                logits = self._step([d.tokens[-1] for d in decodings], [d.cache for d in decodings])
-                for row, decoding in enumerate(decodings):
+                sequences = [d.tokens[-1:] for d in decodings]
+                fed = list(decodings)
+                if chunk is not None:
+                    sequences.append(chunk[0].next_chunk(chunk[1]))
+                    fed.append(chunk[0])
+                logits = self._step.forward(sequences, [d.cache for d in fed])
+                for row, decoding in enumerate(fed):
                     decoding.logits = logits[row : row + 1]
                 return
+            assert chunk is None, "this model feeds prompt chunks on their own"
             for decoding in decodings:
                 token = torch.tensor([decoding.tokens[-1:]], dtype=torch.long, device=self._device)
                 decoding.logits = decoding.cache.feed(self._model, token)
@@ -250,6 +256,13 @@ class Decoding:
     @property
     def prompt_left(self) -> int:
         return max(0, self._prompt.shape[1] - self.cache.length)
+
+    def next_chunk(self, max_tokens: int) -> list[int]:
+        """The next at most ``max_tokens`` prompt tokens, for a step that feeds them beside
+        decoding sequences (models without linear-attention states only: no cut to keep)."""
+        assert not self.cache.has_states
+        start = self.cache.length
+        return self.tokens[start : min(self._prompt.shape[1], start + max(1, max_tokens))]
 
     def feed(self, max_tokens: int) -> None:
         """A cache with linear-attention states keeps them at the last two positions of the
