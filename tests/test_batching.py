@@ -147,13 +147,14 @@ async def test_streams_in_a_batch_equal_each_request_alone_with_caches_in_it(cac
         await host.call("load", {"model": cache_model}, timeout=300)
         system = "the cat sat on the mat and the dog runs quickly to the river. " * 3
         requests = [
-            {"prompt": system + "Which river?"},
+            {"prompt": system + "The river is"},  # prompts SmolLM2 continues for 16 tokens
             {"prompt": system + "And the sea?"},
             {"prompt": "hello world, the sun", "temperature": 0.9, "seed": 7},
-            {"prompt": system + "why?"},
+            {"prompt": system + "Then the dog"},
         ]
         alone = [(await host.call("generate", {**r, "max_tokens": 16}))["tokens"] for r in requests]
-        await host.call("prefill", {"prompt": system, "cache": "system"})
+        ids = (await host.call("tokenize", {"text": requests[1]["prompt"]}))["tokens"]
+        await host.call("prefill", {"tokens": ids[:30], "cache": "system"})  # a prefix of that prompt's tokens
         caches = [{}, {"cache": "system"}, {"cache": "auto"}, {"cache": "auto"}]
         started = [host.start("generate", {**r, **c, "max_tokens": 16}) for r, c in zip(requests[:3], caches)]
         await host.wait_until(lambda: len(host.chunks[started[0][0]]) >= 2, timeout=120)

@@ -289,3 +289,21 @@ def test_running_requests_keep_stepping_while_a_new_one_is_made_off_the_model_th
     ready(joining)
     scheduler.advance()
     assert scheduler.tasks == [running, joining] and joining.decoding.tokens == 1
+
+
+def test_a_request_whose_token_cannot_be_taken_fails_alone_and_the_batch_goes_on():
+    clock = [0.0]
+    model = CountingModel(clock)
+
+    class BrokenTask(CountingTask):
+        def advance(self) -> None:
+            if self.decoding.tokens >= 2:
+                raise ValueError("detokenizer failed")
+            super().advance()
+
+    broken = BrokenTask(model, CountingDecoding(prompt_left=1), max_tokens=10)
+    healthy = CountingTask(model, CountingDecoding(prompt_left=1), max_tokens=10)
+    lane = ListLane([broken, healthy])
+    Scheduler(lane, clock=lambda: clock[0]).run()
+    assert [(task, type(error)) for task, error in lane.finished] == [(broken, ValueError), (healthy, type(None))]
+    assert healthy.decoding.tokens == 10

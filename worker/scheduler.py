@@ -204,33 +204,31 @@ class Scheduler:
         decoding = [task for _, task in self._tasks if not task.decoding.prompt_left]
         feeding = waiting[0] if waiting else None
         if feeding is not None and decoding and getattr(feeding.model, "chunks_in_step", False):
-            self._guarded([*decoding, feeding], lambda: self._step(decoding, feeding))
+            before, started = feeding.decoding.prompt_left, self._clock()
+            chunk = (feeding.decoding, self.chunk_tokens())
+            stepped = self._guarded([*decoding, feeding], lambda: self._step(decoding, chunk))
+            if stepped:
+                fed = before - feeding.decoding.prompt_left
+                if fed > 0 and self._step_s is not None and self._clock() - started > self._step_s:
+                    self._token_s = (self._clock() - started - self._step_s) / fed
+                self._guarded([feeding], feeding.fed)
         else:
             if feeding is not None:
                 self._guarded([feeding], lambda: self._feed(feeding, shared=bool(decoding)))
-            if decoding:
-                self._guarded(decoding, lambda: self._step(decoding))
+            stepped = bool(decoding) and self._guarded(decoding, lambda: self._step(decoding))
+        if stepped:
+            for task in decoding:  # each takes its token; one that fails there fails alone
+                self._guarded([task], task.advance)
         self._let_finished_go()
 
-    def _step(self, decoding: list[Task], feeding: Task | None = None) -> None:
-        """One step of the decoding tasks; with ``feeding``, a chunk of its prompt in the same pass."""
-        budget = self.chunk_tokens()
-        before = feeding.decoding.prompt_left if feeding is not None else 0
+    def _step(self, decoding: list[Task], chunk: tuple[Decoding, int] | None = None) -> None:
+        """One step of the decoding tasks; with ``chunk``, a part of a prompt fed in the same pass."""
         started = self._clock()
-        chunk = [(feeding.decoding, budget)] if feeding is not None else []
-        decoding[0].model.step([task.decoding for task in decoding], *chunk)
-        elapsed = self._clock() - started
-        if feeding is None:
-            self._step_s = elapsed
-        else:
-            feeding.fed()
-            fed = before - feeding.decoding.prompt_left
-            if fed > 0 and self._step_s is not None and elapsed > self._step_s:
-                self._token_s = (elapsed - self._step_s) / fed
-        for task in decoding:
-            task.advance()
+        decoding[0].model.step([task.decoding for task in decoding], *([chunk] if chunk else []))
+        if chunk is None:
+            self._step_s = self._clock() - started
 
-    def _guarded(self, tasks: list[Task], work: Callable[[], None]) -> None:
+    def _guarded(self, tasks: list[Task], work: Callable[[], None]) -> bool:
         """Run ``work``; if it fails, the tasks it was for fail with its error, and only they."""
         try:
             work()
@@ -239,6 +237,8 @@ class Scheduler:
             for job, task in failed:
                 self._tasks.remove((job, task))
                 self._lane.finish_task(job, task, exc)
+            return False
+        return True
 
     def _feed(self, task: Task, *, shared: bool) -> None:
         if not shared:
