@@ -5,7 +5,8 @@ the first run converts it once, which takes about a minute), prefills a system
 prompt into a KV cache, then streams answers to two questions from that cache
 and prints the counts the worker reports: the system prompt is computed once.
 Then a two-turn conversation with ``cache: "auto"``: each turn is stored on
-disk, and the next turn (or the next run of the demo) starts from it.
+disk, and the next turn (or the next run of the demo) starts from it. Last, three
+questions at once: the worker decodes them in one batch.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 
 from worker.host import Host
 
 SYSTEM = "You are a concise assistant. Answer every question in one short sentence."
 QUESTIONS = ["What is the capital of France?", "What is the capital of Italy?"]
 CONVERSATION = ["Name one famous French painter.", "Tell me one of his paintings."]
+AT_ONCE = ["What is the capital of Spain?", "What is the largest ocean?", "What color is the sky?"]
 CACHE = "memory://demo-system"
 
 
@@ -56,6 +59,22 @@ async def ask(host: Host, messages: list[dict], question: str, max_tokens: int, 
     return result
 
 
+async def at_once(host: Host, system: list[dict], max_tokens: int) -> None:
+    print("\nThree questions at once, decoded together in one batch:")
+    started = time.perf_counter()
+    pending = [
+        host.start("generate", {"messages": system + [{"role": "user", "content": q}], "max_tokens": max_tokens,
+                                "cache": CACHE})
+        for q in AT_ONCE
+    ]
+    results = [(await done)["result"] for _, done in pending]
+    wall = time.perf_counter() - started
+    for question, result in zip(AT_ONCE, results):
+        print(f"\n> {question}\n{result['text'].strip()}  ({result['usage']['completion_tokens']} tokens)")
+    tokens = sum(result["usage"]["completion_tokens"] for result in results)
+    print(f"\n{tokens} tokens in {wall:.1f} s together: {tokens / wall:.1f} tokens/s over the three streams")
+
+
 async def run(load: dict, questions: list[str], max_tokens: int) -> int:
     async with await Host.spawn("--log-level", "warning") as host:
         caps = await host.call("capabilities")
@@ -89,6 +108,7 @@ async def run(load: dict, questions: list[str], max_tokens: int) -> int:
             if answer is None:
                 return 1
             messages = messages + [{"role": "assistant", "content": answer["text"]}]
+        await at_once(host, system, max_tokens)
         await host.call("shutdown")
         await host.notify("exit")
         return await host.wait()
