@@ -203,14 +203,14 @@ class Scheduler:
         waiting = [task for _, task in self._tasks if task.decoding.prompt_left]
         decoding = [task for _, task in self._tasks if not task.decoding.prompt_left]
         feeding = waiting[0] if waiting else None
-        if feeding is not None and decoding and getattr(feeding.model, "chunks_in_step", False):
+        if feeding is not None and decoding and feeding.model.chunks_in_step:
             before, started = feeding.decoding.prompt_left, self._clock()
             chunk = (feeding.decoding, self.chunk_tokens())
             stepped = self._guarded([*decoding, feeding], lambda: self._step(decoding, chunk))
             if stepped:
-                fed = before - feeding.decoding.prompt_left
-                if fed > 0 and self._step_s is not None and self._clock() - started > self._step_s:
-                    self._token_s = (self._clock() - started - self._step_s) / fed
+                fed, extra_s = before - feeding.decoding.prompt_left, self._clock() - started - (self._step_s or 0.0)
+                if fed > 0 and self._step_s is not None and extra_s > 0:
+                    self._token_s = extra_s / fed
                 self._guarded([feeding], feeding.fed)
         else:
             if feeding is not None:
