@@ -66,6 +66,14 @@ class SpecialToken(Result):
     text: str
 
 
+class ToolCallSupport(Result):
+    """How generate passes ``tools`` to this model and reads its calls back."""
+
+    template_takes_tools: bool  # the chat template renders tools; else the worker writes them as a system message
+    format: str | None  # the call format the worker parses ("hermes", "llama3_json", "functiongemma"); null: none
+    forced: bool  # tool_choice "required" or a named tool can constrain the output to calls
+
+
 class ModelInfo(Result):
     model: str  # as given to load
     backend: str
@@ -77,6 +85,7 @@ class ModelInfo(Result):
     device: str
     dtype: str
     quantization: str  # "none", "int8" or "int4": how the linear layers' weights are held
+    tool_calls: ToolCallSupport
     load_time_ms: float
 
 
@@ -116,12 +125,38 @@ class UnloadResult(Result):
 # --- tokenize / detokenize / render -----------------------------------------
 
 
+class ToolFunction(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    name: Annotated[str, Meta(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object
+
+
+class Tool(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A tool the model may call, in OpenAI's shape."""
+
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
+class CalledFunction(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    name: str
+    arguments: dict[str, Any] | str  # an object, or its JSON text
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """A call an earlier assistant message made, as the chat template receives it."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     role: str
     content: str
     name: str | None = None
-    tool_call_id: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # passed through to the chat template
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
+    tool_calls: list[MessageToolCall] | None = None  # an "assistant" message: the calls it made
 
 
 class TokenizeParams(Params):
@@ -145,7 +180,7 @@ class DetokenizeResult(Result):
 
 class RenderParams(Params):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
     add_generation_prompt: bool = True
 
 
@@ -164,8 +199,53 @@ class PromptParams(Params):
     prompt: str | None = None
     tokens: list[TokenId] | None = None
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None  # for messages
     add_special_tokens: bool = True  # for prompt: add BOS (once) as the model expects
+
+
+class JsonSchemaSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    name: str = "response"
+    schema: dict[str, Any] = {}
+    strict: bool = True  # accepted for OpenAI's shape; the output is always constrained
+    description: str | None = None
+
+
+class TextFormat(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True, tag_field="type", tag="text"):
+    pass
+
+
+class JsonObjectFormat(
+    msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True, tag_field="type", tag="json_object"
+):
+    pass
+
+
+class JsonSchemaFormat(
+    msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True, tag_field="type", tag="json_schema"
+):
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
+
+
+class ToolName(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    type: Literal["function"] = "function"
+    function: ToolName
+
+
+class ToolCall(Result):
+    """A call the model made, parsed from its output."""
+
+    id: str  # unique, "call_" and 24 hex digits
+    name: str | None  # null when the call's text named no function
+    arguments: dict[str, Any] | None  # null for a malformed call
+    raw: str  # the call as the model wrote it
+    error: str | None  # why the call is malformed (not JSON, an unknown tool); null when it is not
 
 
 class GenerateParams(PromptParams):
@@ -186,6 +266,13 @@ class GenerateParams(PromptParams):
     # stored cache sharing the longest prefix with the prompt, store the new sequence.
     cache: CacheRefOrAuto | None = None
     cache_trim_tokens: NonNegativeInt | None = None  # use at most this many of the cache's tokens
+    # Constrain the output to JSON (any object, or one matching a JSON Schema).
+    response_format: ResponseFormat | None = None
+    # With tools: "auto" parses the calls the model makes; "none" gives it no tools; "required"
+    # or a named tool constrains the output to calls (of that tool).
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice = "auto"
+    # false: a tool_choice that forces calls allows exactly one
+    parallel_tool_calls: bool = True
 
 
 class GenerateChunk(Result):
@@ -198,6 +285,8 @@ class GenerateChunk(Result):
     generated_tokens: int
     prompt_tokens: int
     cache_read_tokens: int
+    content: str  # the part of text outside tool calls (all of it for a request without tools)
+    tool_calls: list[ToolCall]  # the calls this chunk completed
 
 
 class StopReason(Result):
@@ -242,7 +331,9 @@ class CacheUse(Result):
 class GenerateResult(Result):
     text: str
     tokens: list[int]
-    finish_reason: Literal["stop", "length", "cancelled"]
+    content: str  # text outside tool calls (all of text for a request without tools)
+    tool_calls: list[ToolCall]  # every call the model made, in order
+    finish_reason: Literal["stop", "length", "cancelled", "tool_calls"]
     stop_reason: StopReason
     usage: Usage
     timings: Timings

@@ -77,7 +77,7 @@ class Prefill:
             model,
             source,
             add_special_tokens=params.add_special_tokens,
-            tools=params.tools,
+            tools=params.tools or [],
             add_generation_prompt=params.add_generation_prompt,
         )
         check_context(model, len(tokens), 0)

@@ -17,10 +17,14 @@ from protocol.methods import (
     GenerateResult,
     StopReason,
     Timings,
+    Tool,
+    ToolCall,
     Usage,
 )
 from worker.backends.base import Model
+from worker.constraints import OutputConstraint
 from worker.streaming import IncrementalDetokenizer, StopMatcher
+from worker.tool_calls import call_reader, for_template, request_tools
 
 SendChunk = Callable[[GenerateChunk], None]
 
@@ -38,7 +42,7 @@ def resolve_prompt(
     source: PromptSource,
     *,
     add_special_tokens: bool,
-    tools: list[dict[str, Any]] | None = None,
+    tools: Sequence[Tool] = (),
     add_generation_prompt: bool = True,
 ) -> list[int]:
     given = [name for name in ("prompt", "tokens", "messages") if getattr(source, name) is not None]
@@ -50,12 +54,21 @@ def resolve_prompt(
             field=f"params.{given[-1] if given else 'prompt'}",
         )
     if source.messages is not None:
-        return model.render(source.messages, tools=tools, add_generation_prompt=add_generation_prompt)[1]
+        return render_messages(model, source.messages, tools, add_generation_prompt=add_generation_prompt)[1]
     if source.tokens is not None:
         check_vocabulary(model, source.tokens, "params.tokens")
         return list(source.tokens)
     assert source.prompt is not None
     return model.tokenize(source.prompt, add_special_tokens=add_special_tokens)
+
+
+def render_messages(
+    model: Model, messages: Sequence[ChatMessage], tools: Sequence[Tool], *, add_generation_prompt: bool
+) -> tuple[str, list[int]]:
+    """A conversation as the model's prompt: text and tokens, with the tools described in the way
+    the model takes them (worker/tool_calls.py)."""
+    conversation, template_tools = for_template(messages, tools, model.info.tool_calls)
+    return model.render(conversation, tools=template_tools, add_generation_prompt=add_generation_prompt)
 
 
 def check_vocabulary(model: Model, tokens: Sequence[int], field: str) -> None:
@@ -83,7 +96,9 @@ class CacheStart(msgspec.Struct, frozen=True):
 def prompt_tokens(model: Model, params: GenerateParams) -> list[int]:
     """The prompt's tokens, checked to leave room for max_tokens in the model's context."""
     source = PromptSource(params.prompt, params.tokens, params.messages)
-    prompt = resolve_prompt(model, source, add_special_tokens=params.add_special_tokens, tools=params.tools)
+    prompt = resolve_prompt(
+        model, source, add_special_tokens=params.add_special_tokens, tools=request_tools(params)
+    )
     check_context(model, len(prompt), params.max_tokens)
     return prompt
 
@@ -124,6 +139,7 @@ class Generation:
         start: CacheStart | None = None,
         started: float | None = None,
         after: Callable[[GenerateResult], None] = lambda result: None,
+        constraint: OutputConstraint | None = None,
     ) -> None:
         self.model = model
         self._params = params
@@ -138,8 +154,10 @@ class Generation:
         )
         self._first_token_at: float | None = None
         self._stop: StopReason | None = None
-        from_cache = {"cache": start.cache} if start and start.cache is not None else {}
-        self.decoding = model.start(prompt, params, **from_cache)
+        extra: dict[str, Any] = {"cache": start.cache} if start and start.cache is not None else {}
+        if constraint is not None:
+            extra["constraint"] = constraint
+        self.decoding = model.start(prompt, params, **extra)
 
     def feed(self, max_tokens: int) -> None:
         """A chunk of the prompt; the first token once the prompt is in."""
@@ -176,10 +194,14 @@ class Generation:
         decode_s = finished - first
         tokens = self._stream.tokens
         start = self._start
+        calls = self._stream.tool_calls
+        made_calls = any(call.error is None for call in calls) and self._stop.kind in ("eos", "stop_string")
         result = GenerateResult(
             text=self._stream.text,
             tokens=tokens,
-            finish_reason=_FINISH_REASONS[self._stop.kind],
+            content=self._stream.content,
+            tool_calls=calls,
+            finish_reason="tool_calls" if made_calls else _FINISH_REASONS[self._stop.kind],
             stop_reason=self._stop,
             usage=Usage(
                 prompt_tokens=self._prompt_tokens,
@@ -205,6 +227,8 @@ def cancelled_before_start(queued_ms: float) -> GenerateResult:
     return GenerateResult(
         text="",
         tokens=[],
+        content="",
+        tool_calls=[],
         finish_reason="cancelled",
         stop_reason=_reason("cancelled"),
         usage=Usage(prompt_tokens=0, completion_tokens=0, cache_read_tokens=0, cache_write_tokens=0),
@@ -247,16 +271,26 @@ class _Stream:
         self._prompt_tokens = prompt_tokens
         self._cache_read_tokens = cache_read_tokens
         self._pieces: list[str] = []
+        self._contents: list[str] = []
+        self._calls = call_reader(params, model.info.tool_calls)
         self._stopped = False
         self._window = params.stream_window
         self._acked = acked
         self._sent = 0  # chunks sent
-        self._held: tuple[list[str], list[int]] | None = None  # text and tokens not sent yet
+        self._held: _Unsent | None = None
         self.tokens: list[int] = []
 
     @property
     def text(self) -> str:
         return "".join(self._pieces)
+
+    @property
+    def content(self) -> str:
+        return "".join(self._contents)
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self._calls.calls if self._calls else []
 
     def push(self, token: int) -> StopReason | None:
         self.tokens.append(token)
@@ -278,14 +312,28 @@ class _Stream:
             tail = text + ("" if stop is not None else self._stops.flush())
             if tail:
                 self._emit(tail, [])
+        if self._calls is not None:
+            content, calls = self._calls.finish()
+            if content or calls:
+                self._emit("", [], content, calls)
         self._send_held(force=True)
 
-    def _emit(self, text: str, tokens: list[int]) -> None:
+    def _emit(
+        self, text: str, tokens: list[int], content: str | None = None, calls: Sequence[ToolCall] = ()
+    ) -> None:
+        """``text`` goes through the tool-call reader, when there is one, for ``content`` and ``calls``."""
         self._pieces.append(text)
+        if content is None:
+            content, calls = self._calls.feed(text) if self._calls else (text, ())
+        self._contents.append(content)
         if self._send is None:
             return
-        texts, held_tokens = self._held or ([], [])
-        self._held = (texts + [text], held_tokens + tokens)
+        held = self._held or _Unsent()
+        held.texts.append(text)
+        held.tokens += tokens
+        held.contents.append(content)
+        held.calls += calls
+        self._held = held
         self._send_held(force=False)
 
     def _send_held(self, *, force: bool) -> None:
@@ -293,17 +341,27 @@ class _Stream:
             return
         if not force and self._window is not None and self._sent - (self._acked() + 1) >= self._window:
             return
-        texts, tokens = self._held
-        self._held = None
+        held, self._held = self._held, None
         self._send(
             GenerateChunk(
                 id=self._request_id,
                 index=self._sent,
-                text="".join(texts),
-                tokens=tokens,
+                text="".join(held.texts),
+                tokens=held.tokens,
                 generated_tokens=len(self.tokens),
                 prompt_tokens=self._prompt_tokens,
                 cache_read_tokens=self._cache_read_tokens,
+                content="".join(held.contents),
+                tool_calls=held.calls,
             )
         )
         self._sent += 1
+
+
+class _Unsent(msgspec.Struct):
+    """What the stream has not sent yet: merged into one chunk when it goes."""
+
+    texts: list[str] = []
+    tokens: list[int] = []
+    contents: list[str] = []
+    calls: list[ToolCall] = []

@@ -45,7 +45,8 @@ from worker.backends.base import Model
 if TYPE_CHECKING:
     from worker.caching import Prefill
     from worker.kvcache.store import CacheStore
-from worker.generation import Generation, check_vocabulary, prompt_tokens
+from worker.constraints import output_constraint
+from worker.generation import Generation, check_vocabulary, prompt_tokens, render_messages
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +142,8 @@ class Handlers:
         return DetokenizeResult(text=model.detokenize(params.tokens, skip_special_tokens=params.skip_special_tokens))
 
     def render(self, ctx: Context, params: RenderParams) -> RenderResult:
-        text, tokens = self._loaded().render(
-            params.messages, tools=params.tools, add_generation_prompt=params.add_generation_prompt
+        text, tokens = render_messages(
+            self._loaded(), params.messages, params.tools or [], add_generation_prompt=params.add_generation_prompt
         )
         return RenderResult(text=text, tokens=tokens, count=len(tokens))
 
@@ -156,6 +157,7 @@ class Handlers:
         started = time.perf_counter()  # the restore of a cache counts as prompt time
         model = self._loaded()
         prompt = prompt_tokens(model, params)
+        constraint = output_constraint(model, params)
         start = start_generate(self._store(), model, params, prompt)
         return Generation(
             model,
@@ -169,6 +171,7 @@ class Handlers:
             start=start,
             started=started,
             after=lambda result: finish_generate(self._store(), model, start, prompt, result),
+            constraint=constraint,
         )
 
     def prefill(self, ctx: Context, params: PrefillParams) -> Prefill:

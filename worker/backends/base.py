@@ -19,13 +19,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo
+from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo, Tool
 
 # The scheduler feeds a prompt in chunks of at most this many tokens, so that a cancel is
 # seen within one chunk.
 PREFILL_CHUNK_TOKENS = 256
 
 if TYPE_CHECKING:  # the container is imported only where caches are used
+    from worker.constraints import GrammarTokenizer
     from worker.kvcache.container import Identity, LoadedCache
 
 
@@ -37,6 +38,9 @@ class Model(Protocol):
     info: ModelInfo
     eos_token_ids: frozenset[int]
     chunks_in_step: bool  # whether ``step`` can feed a prompt chunk in the same pass
+    # The vocabulary for grammars that constrain output; None: this model's output cannot be
+    # constrained. A model with one also takes ``constraint=`` (an OutputConstraint) in ``start``.
+    grammar_tokenizer: GrammarTokenizer | None
 
     def tokenize(self, text: str, *, add_special_tokens: bool) -> list[int]: ...
 
@@ -48,11 +52,12 @@ class Model(Protocol):
         self,
         messages: Sequence[ChatMessage],
         *,
-        tools: list[dict[str, Any]] | None,
+        tools: Sequence[Tool],
         add_generation_prompt: bool,
     ) -> tuple[str, list[int]]:
-        """The chat template applied: prompt text and its tokens (BOS exactly once).
-        Raises ``RpcError`` (unsupported) when the model has no chat template."""
+        """The chat template applied: prompt text and its tokens (BOS exactly once). ``tools`` is
+        empty unless ``info.tool_calls.template_takes_tools``. Raises ``RpcError`` (unsupported)
+        when the model has no chat template."""
         ...
 
     def start(self, prompt: Sequence[int], params: GenerateParams | None) -> Decoding:

@@ -12,10 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from protocol.errors import ErrorKind, RpcError
-from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo, SpecialToken
+from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo, SpecialToken, Tool, ToolCallSupport
 
 BOS, EOS = 256, 257
 _SPECIAL_TEXT = {BOS: "<s>", EOS: "</s>"}
@@ -26,6 +24,7 @@ class EchoModel:
     def __init__(self, params: LoadParams, load_time_ms: float) -> None:
         self._delay_s = params.token_delay_ms / 1000.0
         self.eos_token_ids = frozenset({EOS})
+        self.grammar_tokenizer = None  # no grammar can constrain the echo
         self.info = ModelInfo(
             model=params.model,
             backend="echo",
@@ -40,6 +39,7 @@ class EchoModel:
             device="cpu",
             dtype="none",
             quantization="none",
+            tool_calls=ToolCallSupport(template_takes_tools=False, format="hermes", forced=False),
             load_time_ms=load_time_ms,
         )
 
@@ -67,11 +67,10 @@ class EchoModel:
         self,
         messages: Sequence[ChatMessage],
         *,
-        tools: list[dict[str, Any]] | None,
+        tools: Sequence[Tool],
         add_generation_prompt: bool,
     ) -> tuple[str, list[int]]:
-        if tools:
-            raise RpcError(ErrorKind.UNSUPPORTED, "The echo backend's chat template has no tools; omit 'tools'.")
+        assert not tools, "the worker writes tools into the messages for a template that takes none"
         text = "".join(f"<|im_start|>{m.role}\n{m.content}<|im_end|>\n" for m in messages)
         if add_generation_prompt:
             text += "<|im_start|>assistant\n"

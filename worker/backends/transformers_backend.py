@@ -18,13 +18,18 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import msgspec
 
 from protocol.errors import ErrorKind, RpcError
-from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo, SpecialToken
+from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo, SpecialToken, Tool
+from worker import tool_calls
 from worker.backends.base import PREFILL_CHUNK_TOKENS
+from worker.constraints import GrammarTokenizer
 
 if TYPE_CHECKING:
+    from worker.constraints import OutputConstraint
     from worker.kvcache.container import Identity, LoadedCache
     from worker.kvcache.torch_adapter import TorchCache
 
@@ -118,8 +123,10 @@ class TransformersModel:
             device=device,
             dtype=dtype,
             quantization=quantization,
+            tool_calls=tool_calls.support(getattr(tokenizer, "chat_template", None)),
             load_time_ms=(time.perf_counter() - started) * 1000.0,
         )
+        self.grammar_tokenizer = GrammarTokenizer(tokenizer, self.eos_token_ids)
 
     # --- text ---------------------------------------------------------------------
 
@@ -139,9 +146,11 @@ class TransformersModel:
         self,
         messages: Sequence[ChatMessage],
         *,
-        tools: list[dict[str, Any]] | None,
+        tools: Sequence[Tool],
         add_generation_prompt: bool,
     ) -> tuple[str, list[int]]:
+        from worker.tool_calls import template_dict
+
         if not self.info.has_chat_template:
             raise RpcError(
                 ErrorKind.UNSUPPORTED,
@@ -149,11 +158,12 @@ class TransformersModel:
                 "send 'prompt' text or 'tokens' instead.",
                 field="params.messages",
             )
-        conversation = [_message_dict(m) for m in messages]
+        conversation = [template_dict(m) for m in messages]
+        described = [msgspec.to_builtins(tool) for tool in tools] or None
         with self._lock:
             try:
                 text = self._tokenizer.apply_chat_template(
-                    conversation, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+                    conversation, tools=described, add_generation_prompt=add_generation_prompt, tokenize=False
                 )
             except Exception as exc:  # a template may raise on roles or tools it does not know
                 raise RpcError(
@@ -203,8 +213,14 @@ class TransformersModel:
 
         return TorchCache.from_file(loaded, self._model.config, self._device)
 
-    def start(self, prompt: Sequence[int], params: GenerateParams | None, cache: TorchCache | None = None) -> Decoding:
-        return Decoding(self, prompt, params, cache if cache is not None else self.new_cache())
+    def start(
+        self,
+        prompt: Sequence[int],
+        params: GenerateParams | None,
+        cache: TorchCache | None = None,
+        constraint: OutputConstraint | None = None,
+    ) -> Decoding:
+        return Decoding(self, prompt, params, cache if cache is not None else self.new_cache(), constraint)
 
     @property
     def chunks_in_step(self) -> bool:
@@ -241,7 +257,14 @@ class TransformersModel:
 class Decoding:
     """A prompt fed into a TorchCache in chunks, then tokens chosen from the logits."""
 
-    def __init__(self, owner: TransformersModel, prompt: Sequence[int], params: GenerateParams | None, cache: TorchCache):
+    def __init__(
+        self,
+        owner: TransformersModel,
+        prompt: Sequence[int],
+        params: GenerateParams | None,
+        cache: TorchCache,
+        constraint: OutputConstraint | None,
+    ):
         import torch
 
         from worker.backends.sampling import Sampler
@@ -252,6 +275,7 @@ class Decoding:
         self._owner = owner
         self._prompt = torch.tensor([self.tokens], dtype=torch.long, device=owner._device)
         self._sampler = Sampler(params, owner._device) if params is not None else None
+        self._constraint = constraint
 
     @property
     def prompt_left(self) -> int:
@@ -282,7 +306,15 @@ class Decoding:
 
     def next_token(self) -> int:
         assert self._sampler is not None and self.logits is not None, "a prefill chooses no tokens"
-        token = self._sampler.next_token(self.tokens, self.logits)
+        logits = self.logits
+        if self._constraint is not None:
+            import torch
+
+            allowed = torch.from_numpy(self._constraint.allowed(logits.shape[-1]))
+            logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+        token = self._sampler.next_token(self.tokens, logits)
+        if self._constraint is not None:
+            self._constraint.accept(token)
         self.tokens.append(token)
         return token
 
@@ -441,8 +473,3 @@ def _special_tokens(tokenizer, eos_ids: frozenset[int]) -> list[SpecialToken]:
     ]
     return tokens
 
-
-def _message_dict(message: ChatMessage) -> dict[str, Any]:
-    import msgspec
-
-    return msgspec.to_builtins(message)

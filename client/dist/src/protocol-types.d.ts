@@ -36,12 +36,19 @@ export interface ModelInfo {
     device: string;
     dtype: string;
     quantization: string;
+    tool_calls: ToolCallSupport;
     load_time_ms: number;
 }
 export interface SpecialToken {
     role: string;
     id: number;
     text: string;
+}
+/** How generate passes ``tools`` to this model and reads its calls back. */
+export interface ToolCallSupport {
+    template_takes_tools: boolean;
+    format: string | null;
+    forced: boolean;
 }
 export interface LoadParams {
     /** Default `"default"`. */
@@ -85,7 +92,7 @@ export interface RenderParams {
     /** minItems 1. */
     messages: ChatMessage[];
     /** Default `null`. */
-    tools?: Record<string, unknown>[] | null;
+    tools?: Tool[] | null;
     /** Default `true`. */
     add_generation_prompt?: boolean;
 }
@@ -97,7 +104,33 @@ export interface ChatMessage {
     /** Default `null`. */
     tool_call_id?: string | null;
     /** Default `null`. */
-    tool_calls?: Record<string, unknown>[] | null;
+    tool_calls?: MessageToolCall[] | null;
+}
+/** A call an earlier assistant message made, as the chat template receives it. */
+export interface MessageToolCall {
+    /** Default `null`. */
+    id?: string | null;
+    /** Default `"function"`. */
+    type?: "function";
+    function: CalledFunction;
+}
+export interface CalledFunction {
+    name: string;
+    arguments: Record<string, unknown> | string;
+}
+/** A tool the model may call, in OpenAI's shape. */
+export interface Tool {
+    /** Default `"function"`. */
+    type?: "function";
+    function: ToolFunction;
+}
+export interface ToolFunction {
+    /** minLength 1; maxLength 256. */
+    name: string;
+    /** Default `null`. */
+    description?: string | null;
+    /** Default `null`. */
+    parameters?: Record<string, unknown> | null;
 }
 export interface RenderResult {
     text: string;
@@ -112,7 +145,7 @@ export interface GenerateParams {
     /** minItems 1. Default `null`. */
     messages?: ChatMessage[] | null;
     /** Default `null`. */
-    tools?: Record<string, unknown>[] | null;
+    tools?: Tool[] | null;
     /** Default `true`. */
     add_special_tokens?: boolean;
     /** minimum 1. Default `256`. */
@@ -139,15 +172,59 @@ export interface GenerateParams {
     cache?: string | null;
     /** minimum 0. Default `null`. */
     cache_trim_tokens?: number | null;
+    /** Default `null`. */
+    response_format?: TextFormat | JsonObjectFormat | JsonSchemaFormat | null;
+    /** Default `"auto"`. */
+    tool_choice?: "auto" | "none" | "required" | NamedToolChoice;
+    /** Default `true`. */
+    parallel_tool_calls?: boolean;
+}
+export interface TextFormat {
+    type: "text";
+}
+export interface JsonObjectFormat {
+    type: "json_object";
+}
+export interface JsonSchemaFormat {
+    type: "json_schema";
+    json_schema: JsonSchemaSpec;
+}
+export interface JsonSchemaSpec {
+    /** Default `"response"`. */
+    name?: string;
+    /** Default `{}`. */
+    schema?: Record<string, unknown>;
+    /** Default `true`. */
+    strict?: boolean;
+    /** Default `null`. */
+    description?: string | null;
+}
+export interface NamedToolChoice {
+    /** Default `"function"`. */
+    type?: "function";
+    function: ToolName;
+}
+export interface ToolName {
+    name: string;
 }
 export interface GenerateResult {
     text: string;
     tokens: number[];
-    finish_reason: "cancelled" | "length" | "stop";
+    content: string;
+    tool_calls: ToolCall[];
+    finish_reason: "cancelled" | "length" | "stop" | "tool_calls";
     stop_reason: StopReason;
     usage: Usage;
     timings: Timings;
     cache: CacheUse | null;
+}
+/** A call the model made, parsed from its output. */
+export interface ToolCall {
+    id: string;
+    name: string | null;
+    arguments: Record<string, unknown> | null;
+    raw: string;
+    error: string | null;
 }
 export interface StopReason {
     kind: "cancelled" | "eos" | "max_tokens" | "stop_string";
@@ -190,7 +267,7 @@ export interface PrefillParams {
     /** minItems 1. Default `null`. */
     messages?: ChatMessage[] | null;
     /** Default `null`. */
-    tools?: Record<string, unknown>[] | null;
+    tools?: Tool[] | null;
     /** Default `true`. */
     add_special_tokens?: boolean;
     /** Default `true`. */
@@ -252,6 +329,8 @@ export interface GenerateChunk {
     generated_tokens: number;
     prompt_tokens: number;
     cache_read_tokens: number;
+    content: string;
+    tool_calls: ToolCall[];
 }
 /** params of the prefill/progress notification, sent after each chunk of a long prefill. */
 export interface PrefillProgress {

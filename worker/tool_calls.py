@@ -1,0 +1,275 @@
+"""Tools in, tool calls out: how a model is told about tools and how its calls are read back.
+
+A model's chat template decides how tools reach it and how its calls look. The worker
+recognizes the call formats of the common templates from the template's source:
+
+- ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Qwen2.5, Qwen3,
+  SmolLM3, Hermes; a JSON list inside the tags, as SmolLM2 writes, is read as several calls);
+- ``llama3_json``: the whole answer is ``{"name": ..., "parameters": {...}}``, after an optional
+  ``<|python_tag|>`` (Llama 3.1, 3.2, 3.3);
+- ``functiongemma``: ``<start_function_call>call:name{key:<escape>text<escape>}<end_function_call>``.
+
+A template that does not render tools (SmolLM2, Gemma 3) gets them from the worker instead, as a
+system message in the ``hermes`` format, which is also the format read back.
+
+Calls are read with transformers' streaming response parser, driven by one response template
+per format, so that each call is reported as soon as its closing delimiter arrives.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from protocol.errors import ErrorKind, RpcError
+from protocol.methods import ChatMessage, GenerateParams, NamedToolChoice, Tool, ToolCall, ToolCallSupport
+
+# transformers response templates; only the generated text is parsed (an empty prefix), so the
+# start anchor, which finds the assistant message in a whole conversation, is never searched.
+_CONTENT = {"content": "text", "content_args": {"strip": False}}
+_JSON_BODY = {"content": "json", "content_args": {"allow_non_json": True}, "repeats": True}
+_RESPONSE_TEMPLATES: dict[str, dict[str, Any]] = {
+    "hermes": {
+        "start_anchor": "<|im_start|>assistant\n",
+        "fields": {"content": _CONTENT, "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", **_JSON_BODY}},
+    },
+    "llama3_json": {
+        "start_anchor": "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        "fields": {
+            "content": _CONTENT,
+            # A call is the whole answer: from its opening brace to the end.
+            "tool_calls": {"open_pattern": r'^\s*(?:<\|python_tag\|>)?\s*(?=\{\s*"name")', **_JSON_BODY},
+        },
+    },
+    "functiongemma": {
+        "start_anchor": "<start_of_turn>model\n",
+        "fields": {
+            "content": _CONTENT,
+            "tool_calls": {
+                "open_pattern": r"<start_function_call>call:(?P<name>[^{\s]+)",
+                "close": "<end_function_call>",
+                "content": "json",
+                "content_args": {
+                    "unquoted_keys": True,
+                    "string_delims": [["<escape>", "<escape>"]],
+                    "allow_non_json": True,
+                },
+                "transform": {"name": "{name}", "arguments": "{content}"},
+                "repeats": True,
+            },
+        },
+    },
+}
+# Formats whose calls are JSON throughout, so that a grammar can force them.
+_FORCEABLE = {"hermes", "llama3_json"}
+
+
+def support(chat_template: str | None) -> ToolCallSupport:
+    """What the worker can do with tools for a model with this chat template."""
+    source = chat_template or ""
+    takes_tools = "tools" in source
+    if not takes_tools:  # the worker writes the tools as a system message, in its own format
+        return ToolCallSupport(template_takes_tools=False, format="hermes", forced=True)
+    if "<tool_call>" in source:
+        found = "hermes"
+    elif "<start_function_call>" in source:
+        found = "functiongemma"
+    elif "<|python_tag|>" in source or '"parameters"' in source:
+        found = "llama3_json"
+    else:
+        found = None
+    return ToolCallSupport(template_takes_tools=True, format=found, forced=found in _FORCEABLE)
+
+
+def request_tools(params: GenerateParams) -> list[Tool]:
+    """The tools a request gives the model (also with tool_choice "none": the prompt, and so a
+    cache of it, stays the same across the steps of a tool loop), checked against tool_choice."""
+    if not params.tools and params.tool_choice not in ("auto", "none"):
+        raise RpcError(
+            ErrorKind.INVALID_PARAMS,
+            "tool_choice asks for a tool call, but no tools are given; give 'tools' or leave out tool_choice.",
+            field="params.tool_choice",
+        )
+    if not params.tools:
+        return []
+    if isinstance(params.tool_choice, NamedToolChoice):
+        names = [tool.function.name for tool in params.tools]
+        if params.tool_choice.function.name not in names:
+            raise RpcError(
+                ErrorKind.INVALID_PARAMS,
+                f"tool_choice names the tool {params.tool_choice.function.name!r}, which is not among the "
+                f"tools given ({', '.join(map(repr, names))}); name one of them.",
+                field="params.tool_choice.function.name",
+            )
+    return params.tools
+
+
+def for_template(
+    messages: Sequence[ChatMessage], tools: Sequence[Tool], support: ToolCallSupport
+) -> tuple[list[ChatMessage], list[Tool]]:
+    """The conversation and tools as the chat template gets them. A template that does not
+    render tools gets them as a system message, and earlier calls and their results as text."""
+    if support.template_takes_tools:
+        return list(messages), list(tools)
+    conversation = [_as_text(m) for m in messages]
+    if tools:
+        described = _HERMES_SYSTEM.format(tools="\n".join(json.dumps(msgspec.to_builtins(t)) for t in tools))
+        if conversation[0].role == "system":
+            conversation[0] = ChatMessage(role="system", content=conversation[0].content + "\n\n" + described)
+        else:
+            conversation.insert(0, ChatMessage(role="system", content=described))
+    return conversation, []
+
+
+_HERMES_SYSTEM = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def template_dict(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates expect it: the arguments of earlier calls as objects."""
+    as_dict = msgspec.to_builtins(message)
+    for call in as_dict.get("tool_calls") or []:
+        arguments = call["function"]["arguments"]
+        if isinstance(arguments, str):
+            try:
+                call["function"]["arguments"] = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass  # a template prints a string as it is
+    return as_dict
+
+
+def _as_text(message: ChatMessage) -> ChatMessage:
+    """A message for a template that knows no tools: calls written as the model writes them,
+    results as a user turn."""
+    if message.role == "tool":
+        return ChatMessage(role="user", content=f"<tool_response>\n{message.content}\n</tool_response>")
+    content = message.content
+    for call in template_dict(message).get("tool_calls") or []:
+        written = json.dumps({"name": call["function"]["name"], "arguments": call["function"]["arguments"]})
+        content += f"\n<tool_call>\n{written}\n</tool_call>"
+    return ChatMessage(role=message.role, content=content.lstrip("\n"), name=message.name)
+
+
+def call_reader(params: GenerateParams, support: ToolCallSupport) -> ToolCallReader | None:
+    """What reads a request's calls back; None when nothing is read ("none", no tools, or a
+    template whose call format the worker does not know)."""
+    tools = request_tools(params)
+    if not tools or params.tool_choice == "none" or support.format is None:
+        return None
+    return ToolCallReader(support.format, tools)
+
+
+class ToolCallReader:
+    """Generated text in, piece by piece; out: the text outside calls, and each call once whole."""
+
+    def __init__(self, format: str, tools: Sequence[Tool]) -> None:
+        from transformers.utils.chat_parsing import ResponseParser
+
+        self._close = _RESPONSE_TEMPLATES[format]["fields"]["tool_calls"].get("close")
+        self._names = {tool.function.name for tool in tools}
+        self._parser = ResponseParser(_RESPONSE_TEMPLATES[format], prefix="")
+        self._raw = ""
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        return self._read(self._parser.feed(text))
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        return self._read(self._parser.finalize()[1])
+
+    def _read(self, events: list[dict[str, Any]]) -> tuple[str, list[ToolCall]]:
+        content, calls = [], []
+        for event in events:
+            if event["field"] == "content":
+                if event["type"] == "region_chunk":
+                    content.append(event["text"])
+            elif event["type"] == "region_open":
+                self._raw = ""
+            elif event["type"] == "region_chunk":
+                self._raw += event["text"]
+            elif event["type"] == "region_close":
+                calls.extend(self._calls(event["value"]))
+        self.calls.extend(calls)
+        return "".join(content), calls
+
+    def _calls(self, value: Any) -> list[ToolCall]:
+        if isinstance(value, list) and value:  # several calls in one region
+            return [self._call(item) for item in value]
+        return [self._call(value)]
+
+    def _call(self, value: Any) -> ToolCall:
+        raw = self._raw.strip()
+        if not isinstance(value, dict) and self._close is not None:
+            raw, value = _cut_in_close(raw, self._close, value)
+        if not isinstance(value, dict):
+            return _malformed(raw, None, "the call is not a JSON object")
+        name = value.get("name")
+        arguments = value.get("arguments", value.get("parameters", {}))
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError:
+                pass
+        if not isinstance(name, str):
+            return _malformed(raw, None, "the call names no function ('name' is missing or not a string)")
+        if name not in self._names:
+            return _malformed(raw, name, f"there is no tool named {name!r} among the tools given")
+        if not isinstance(arguments, dict):
+            return _malformed(raw, name, "the call's arguments are not a JSON object")
+        return ToolCall(id=_call_id(), name=name, arguments=arguments, raw=raw, error=None)
+
+
+def _cut_in_close(raw: str, close: str, value: Any) -> tuple[str, Any]:
+    """A call whose text ends inside its closing delimiter (cut by max_tokens): its JSON read
+    without that part, when it is whole."""
+    for length in range(len(close) - 1, 0, -1):
+        if raw.endswith(close[:length]):
+            body = raw[:-length].rstrip()
+            try:
+                return body, json.loads(body)
+            except json.JSONDecodeError:
+                return body, value
+    return raw, value
+
+
+def _malformed(raw: str, name: str | None, error: str) -> ToolCall:
+    return ToolCall(id=_call_id(), name=name, arguments=None, raw=raw, error=error)
+
+
+def _call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def forced_grammar(format: str, tools: Sequence[Tool], only: str | None, *, parallel: bool) -> str:
+    """A llguidance grammar for output that is nothing but calls (one, or one or more when
+    ``parallel``) of the given tools, or of the one named ``only``, each with arguments matching
+    the tool's schema."""
+    from llguidance import LLMatcher
+
+    from worker.constraints import COMPACT_JSON
+
+    key = "parameters" if format == "llama3_json" else "arguments"
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.function.name}, key: t.function.parameters or {"type": "object"}},
+            "required": ["name", key],
+            "additionalProperties": False,
+        }
+        for t in tools
+        if only is None or t.function.name == only
+    ]
+    call = json.dumps({"anyOf": calls, "x-guidance": COMPACT_JSON})
+    if format == "llama3_json":  # one call is the whole answer
+        return LLMatcher.grammar_from_lark(f"start: %json {call}\n")
+    more = ' ("\\n" call)*' if parallel else ""
+    return LLMatcher.grammar_from_lark(f'start: call{more}\ncall: "<tool_call>\\n" %json {call} "\\n</tool_call>"\n')
