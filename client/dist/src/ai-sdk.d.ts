@@ -1,0 +1,41 @@
+/**
+ * An AI SDK provider (`import { createLmWorker } from "lm-worker/ai-sdk"`): `generateText`,
+ * `streamText`, tools and structured output of the `ai` package, run by an lm-worker.
+ *
+ * It implements the AI SDK's LanguageModelV4 specification. Only its types come from
+ * `@ai-sdk/provider` (an optional peer dependency), so this module adds nothing at run time;
+ * the errors it throws carry the AI SDK's markers, so `NoSuchModelError.isInstance` and the
+ * like recognize them.
+ */
+import type { LanguageModelV4, ProviderV4 } from "@ai-sdk/provider";
+import { LmWorker, type WorkerOptions } from "./client.js";
+import type { LoadParams } from "./protocol-types.js";
+export interface LmWorkerProviderSettings {
+    /** A running worker to use; the provider neither starts nor closes it. */
+    worker?: LmWorker;
+    /** How to start the provider's own worker (once, on first use) when `worker` is not given. */
+    workerOptions?: WorkerOptions;
+    /** The rest of `load`'s params (`backend`, `dtype`, `quantization`, …); the model id is `model`. */
+    load?: Omit<LoadParams, "model">;
+}
+/** `providerOptions["lm-worker"]` of a call. */
+export interface LmWorkerCallOptions {
+    /** `"auto"` (find the longest stored prefix, store this turn) or a cache ref (PROTOCOL §18). */
+    cache?: string;
+    /** With a cache ref: use at most this many of its tokens. */
+    cacheTrimTokens?: number;
+    minP?: number;
+    repetitionPenalty?: number;
+    /** With `toolChoice` "required" or a named tool: false allows exactly one call (default true). */
+    parallelToolCalls?: boolean;
+}
+export interface LmWorkerProvider extends ProviderV4 {
+    /** The language model that `load` names `modelId` ("default", a model directory, a .gguf file). */
+    (modelId?: string): LanguageModelV4;
+    languageModel(modelId?: string): LanguageModelV4;
+    /** The worker, started if the provider starts its own. */
+    worker(): Promise<LmWorker>;
+    /** Close the worker the provider started (a `worker` passed in is left running). */
+    close(): Promise<void>;
+}
+export declare function createLmWorker(settings?: LmWorkerProviderSettings): LmWorkerProvider;

@@ -1,0 +1,327 @@
+// The AI SDK provider (lm-worker/ai-sdk) driven by the real `ai` package against real workers:
+// the echo backend (its output is the rendered prompt, so the prompt's mapping shows in it) and
+// the tiny transformers model (random weights: gibberish, but constrained output still parses).
+
+import assert from "node:assert/strict";
+import { mkdtemp, rm } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { setTimeout as sleep } from "node:timers/promises";
+import { after, before, describe, test } from "node:test";
+
+import { generateText, isStepCount, NoSuchModelError, Output, streamText, tool, type ModelMessage } from "ai";
+import { z } from "zod";
+
+import { createLmWorker, type LmWorkerProvider } from "../src/ai-sdk.js";
+import { LmWorker, type ChatMessage } from "../src/index.js";
+import { python, tinyModel, workerEnv } from "./support.js";
+
+// The tests check warnings themselves; the AI SDK would also print them.
+globalThis.AI_SDK_LOG_WARNINGS = false;
+
+const workerOptions = (args: string[] = []) => ({ python: python(), env: workerEnv(), args });
+
+/** What the echo backend answers to these messages: their rendered prompt. */
+async function render(lm: LmWorkerProvider, messages: ChatMessage[]) {
+  return (await lm.worker()).render({ messages });
+}
+
+/** Wait until the worker has answered every request (a cancelled generate answers at once). */
+async function drained(worker: LmWorker, withinMs = 5000): Promise<void> {
+  const deadline = Date.now() + withinMs;
+  while (worker.pendingRequests > 0) {
+    assert.ok(Date.now() < deadline, `${worker.pendingRequests} requests still pending after ${withinMs} ms`);
+    await sleep(10);
+  }
+}
+
+// A tool whose input the random model can always complete: a short string, nothing else.
+const cityInput = z.object({ city: z.string().max(8) });
+const weather = tool({ description: "The weather in a city", inputSchema: cityInput });
+
+describe("the AI SDK provider with the echo backend", () => {
+  let lm: LmWorkerProvider;
+  before(() => {
+    lm = createLmWorker({ workerOptions: workerOptions(), load: { backend: "echo" } });
+  });
+  after(async () => {
+    await lm.close();
+  });
+
+  test("streamText streams the echoed prompt in order, with usage and finish reason", async () => {
+    const result = streamText({
+      model: lm("default"),
+      instructions: "Be brief.",
+      prompt: "héllo wörld 🙂",
+      presencePenalty: 0.5,
+    });
+    const deltas: string[] = [];
+    for await (const delta of result.textStream) {
+      deltas.push(delta);
+    }
+    const rendered = await render(lm, [
+      { role: "system", content: "Be brief." },
+      { role: "user", content: "héllo wörld 🙂" },
+    ]);
+    assert.ok(deltas.length > 10, `only ${deltas.length} deltas`);
+    assert.equal(deltas.join(""), rendered.text);
+    assert.equal(await result.finishReason, "stop");
+    const usage = await result.usage;
+    assert.equal(usage.inputTokens, rendered.count);
+    assert.equal(usage.outputTokens, Buffer.byteLength(rendered.text) + 1); // and EOS
+    assert.deepEqual(await result.warnings, [{ type: "unsupported", feature: "presencePenalty" }]);
+  });
+
+  test("a conversation with a tool call and its result reaches the chat template as messages", async () => {
+    const messages: ModelMessage[] = [
+      { role: "user", content: "Weather in Paris?" },
+      {
+        role: "assistant",
+        content: [
+          { type: "text", text: "Let me look." },
+          { type: "tool-call", toolCallId: "call_1", toolName: "weather", input: { city: "Paris" } },
+        ],
+      },
+      {
+        role: "tool",
+        content: [{ type: "tool-result", toolCallId: "call_1", toolName: "weather", output: { type: "json", value: { sky: "clear" } } }],
+      },
+    ];
+    const { text } = await generateText({ model: lm("default"), messages, maxOutputTokens: 10_000 });
+    const expected = await render(lm, [
+      { role: "user", content: "Weather in Paris?" },
+      {
+        role: "assistant",
+        content: "Let me look.",
+        tool_calls: [{ id: "call_1", type: "function", function: { name: "weather", arguments: { city: "Paris" } } }],
+      },
+      { role: "tool", tool_call_id: "call_1", name: "weather", content: '{"sky":"clear"}' },
+    ]);
+    assert.equal(text, expected.text);
+    assert.match(text, /\{"sky":"clear"\}/);
+  });
+
+  test("a file part is refused before anything is sent", async () => {
+    await assert.rejects(
+      generateText({
+        model: lm("default"),
+        messages: [{ role: "user", content: [{ type: "file", data: new Uint8Array([1]), mediaType: "image/png" }] }],
+      }),
+      /lm-worker runs text models/,
+    );
+  });
+
+  test("an aborted streamText and generateText cancel their requests and the worker goes on", async () => {
+    const worker = await lm.worker();
+    // Another provider on the same worker, with a slow model: each token takes 20 ms.
+    const slow = createLmWorker({ worker, load: { backend: "echo", token_delay_ms: 20 } })("default");
+    const controller = new AbortController();
+    const streamed = streamText({ model: slow, prompt: "z".repeat(2000), abortSignal: controller.signal });
+    let received = "";
+    for await (const delta of streamed.textStream) {
+      received += delta;
+      if (received.length >= 3) controller.abort();
+    }
+    assert.ok(received.length >= 3 && received.length < 100, `received ${received.length} characters`);
+    await assert.rejects(Promise.resolve(streamed.text), { name: "AbortError" });
+    await drained(worker);
+
+    const started = Date.now();
+    await assert.rejects(
+      generateText({ model: slow, prompt: "y".repeat(2000), abortSignal: AbortSignal.timeout(300) }),
+      { name: "TimeoutError" },
+    );
+    assert.ok(Date.now() - started < 5000, "the abort ended the call");
+    await drained(worker);
+
+    const { text } = await generateText({ model: lm("default"), prompt: "still here" });
+    assert.equal(text, (await render(lm, [{ role: "user", content: "still here" }])).text);
+  });
+});
+
+describe("the AI SDK provider and the model a worker runs", () => {
+  let worker: LmWorker;
+  const loads: unknown[] = [];
+  before(async () => {
+    worker = await LmWorker.start(workerOptions());
+    // Count the loads the providers send (the worker is real; only the call is recorded).
+    const load = worker.load.bind(worker);
+    worker.load = (params) => (loads.push(params), load(params));
+  });
+  after(async () => {
+    await worker.close();
+  });
+
+  test("a model the worker runs is used as it is; concurrent calls for another one load it once", async () => {
+    await worker.load({ backend: "echo" }); // as a program sharing its worker with a provider would
+    loads.length = 0;
+    const plain = createLmWorker({ worker, load: { backend: "echo" } });
+    await generateText({ model: plain("default"), prompt: "a" });
+    assert.deepEqual(loads, []);
+
+    const slow = createLmWorker({ worker, load: { backend: "echo", token_delay_ms: 1 } });
+    const texts = await Promise.all(["b", "c", "d"].map((prompt) => generateText({ model: slow("default"), prompt })));
+    assert.deepEqual(texts.map((result) => result.finishReason), ["stop", "stop", "stop"]);
+    assert.deepEqual(loads, [{ model: "default", backend: "echo", token_delay_ms: 1 }]);
+
+    await generateText({ model: plain("default"), prompt: "e" });
+    assert.equal(loads.length, 2);
+    await plain.close(); // a worker passed in is left running
+    assert.equal((await worker.tokenize({ text: "f" })).count, 2);
+  });
+
+  test("the provider has language models only", () => {
+    const lm = createLmWorker({ worker });
+    assert.throws(() => lm.embeddingModel("default"), (error: unknown) => NoSuchModelError.isInstance(error));
+  });
+});
+
+describe("the AI SDK provider with the tiny model", () => {
+  let lm: LmWorkerProvider;
+  let modelDir: string;
+  let cacheDir: string;
+  before(async () => {
+    modelDir = await tinyModel();
+    cacheDir = await mkdtemp(join(tmpdir(), "lm-worker-ai-sdk-caches-"));
+    lm = createLmWorker({ workerOptions: workerOptions(["--cache-dir", cacheDir]) });
+  });
+  after(async () => {
+    await lm.close();
+    await rm(cacheDir, { recursive: true, force: true });
+  });
+
+  test("generateText with a required tool returns a call whose input matches the schema", async () => {
+    const result = await generateText({
+      model: lm(modelDir),
+      prompt: "What is the weather in Paris?",
+      tools: { weather },
+      toolChoice: "required",
+      maxOutputTokens: 200,
+    });
+    assert.equal(result.finishReason, "tool-calls");
+    assert.ok(result.toolCalls.length >= 1, JSON.stringify(result.content));
+    const [call] = result.toolCalls;
+    assert.equal(call!.toolName, "weather");
+    assert.ok(!call!.invalid, JSON.stringify(call));
+    assert.ok(cityInput.safeParse(call!.input).success, JSON.stringify(call!.input));
+    assert.match(call!.toolCallId, /^call_[0-9a-f]{24}$/);
+  });
+
+  test("streamText with a named tool streams the call's input, then the call", async () => {
+    const result = streamText({
+      model: lm(modelDir),
+      prompt: "What is the weather in Paris?",
+      tools: { weather },
+      toolChoice: { type: "tool", toolName: "weather" },
+      maxOutputTokens: 200,
+    });
+    const types: string[] = [];
+    for await (const part of result.fullStream) {
+      types.push(part.type);
+    }
+    const calls = await result.toolCalls;
+    assert.equal(calls.length, 1, JSON.stringify(await result.content));
+    assert.equal(calls[0]!.toolName, "weather");
+    const order = ["tool-input-start", "tool-input-delta", "tool-input-end", "tool-call", "finish"];
+    assert.deepEqual(types.filter((type) => order.includes(type)), order);
+  });
+
+  test("a call cut off by maxOutputTokens reaches the AI SDK as an invalid tool call, with the model's text", async () => {
+    const result = await generateText({
+      model: lm(modelDir),
+      prompt: "What is the weather in Paris?",
+      tools: { weather },
+      toolChoice: "required",
+      maxOutputTokens: 30,
+    });
+    assert.equal(result.finishReason, "length");
+    const [call] = result.toolCalls;
+    assert.equal(result.toolCalls.length, 1);
+    assert.equal(call!.invalid, true);
+    assert.match(call!.input as string, /^\{"name":"weather"/);
+    assert.ok(result.content.some((part) => part.type === "tool-error" && part.toolCallId === call!.toolCallId));
+  });
+
+  test("a tool loop: the calls are run and their results go back to the model as tool messages", async () => {
+    const result = await generateText({
+      model: lm(modelDir),
+      prompt: "What is the weather in Paris?",
+      tools: { weather: tool({ inputSchema: cityInput, execute: async ({ city }) => ({ city, sky: "clear" }) }) },
+      toolChoice: "required",
+      prepareStep: ({ stepNumber }) => (stepNumber > 0 ? { toolChoice: "none" } : {}),
+      stopWhen: isStepCount(2),
+      maxOutputTokens: 200,
+      include: { requestBody: true },
+    });
+    const [calling, answering] = result.steps;
+    assert.equal(result.steps.length, 2);
+    const calls = calling!.toolCalls.map((call) => ({ id: call.toolCallId, input: call.input as { city: string } }));
+    assert.ok(calls.length >= 1);
+    assert.equal(answering!.toolCalls.length, 0);
+    const sent = (answering!.request.body as { messages: ChatMessage[] }).messages;
+    assert.deepEqual(
+      sent.filter((message) => message.role === "tool"),
+      calls.map(({ id, input }) => ({
+        role: "tool",
+        tool_call_id: id,
+        name: "weather",
+        content: JSON.stringify({ city: input.city, sky: "clear" }),
+      })),
+    );
+    assert.deepEqual(
+      sent.find((message) => message.role === "assistant")?.tool_calls,
+      calls.map(({ id, input }) => ({ id, type: "function", function: { name: "weather", arguments: input } })),
+    );
+  });
+
+  // Bounded strings and numbers: the random model's output always ends within max tokens.
+  const person = z.object({
+    name: z.string().max(8),
+    mood: z.enum(["happy", "sad"]),
+    age: z.number().int().min(0).max(120),
+  });
+
+  test("generateText with Output.object returns an object that matches a zod schema", async () => {
+    const { output, finishReason } = await generateText({
+      model: lm(modelDir),
+      output: Output.object({ schema: person }),
+      prompt: "Describe someone.",
+      maxOutputTokens: 200,
+    });
+    assert.equal(finishReason, "stop");
+    assert.deepEqual(person.parse(output), output);
+  });
+
+  test("streamText with Output.object streams partial objects, then the whole one", async () => {
+    const result = streamText({
+      model: lm(modelDir),
+      output: Output.object({ schema: person }),
+      prompt: "Describe someone else.",
+      maxOutputTokens: 200,
+    });
+    const partials: unknown[] = [];
+    for await (const partial of result.partialOutputStream) {
+      partials.push(partial);
+    }
+    const output = await result.output;
+    assert.ok(partials.length > 1, `${partials.length} partial objects`);
+    assert.deepEqual(partials.at(-1), output);
+    assert.deepEqual(person.parse(output), output);
+  });
+
+  test('a second turn with cache "auto" reads the first turn\'s tokens from the cache', async () => {
+    const providerOptions = { "lm-worker": { cache: "auto" } };
+    const messages: ModelMessage[] = [{ role: "user", content: "Tell me a story about a cat." }];
+    const first = await generateText({ model: lm(modelDir), messages, maxOutputTokens: 8, providerOptions });
+    assert.equal(first.usage.inputTokenDetails.cacheReadTokens, 0);
+    assert.ok(first.usage.inputTokenDetails.cacheWriteTokens! > 0);
+    const stored = (first.providerMetadata?.["lm-worker"]?.cache as { stored: string | null } | null)?.stored;
+    assert.match(stored ?? "", /^auto-[0-9a-f]{24}$/);
+
+    messages.push(...first.response.messages, { role: "user", content: "And about a dog?" });
+    const second = await generateText({ model: lm(modelDir), messages, maxOutputTokens: 8, providerOptions });
+    const read = second.usage.inputTokenDetails.cacheReadTokens!;
+    assert.ok(read > 0, JSON.stringify(second.usage));
+    assert.equal(second.usage.inputTokenDetails.noCacheTokens, second.usage.inputTokens! - read);
+  });
+});
