@@ -14,11 +14,9 @@ scheduler checks between decode steps.
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -49,45 +47,12 @@ from protocol.methods import (
 )
 from worker.generation import cancelled_before_start
 from worker.handlers import Context, Handlers
-from worker.scheduler import DEFAULT_MAX_BATCH, Admission, Scheduler, Task
+from worker.scheduler import DEFAULT_MAX_BATCH, Scheduler, Task
+from worker.session import Job, Lane, Session
 from worker.transcript import Recorder
 from worker.writer import Writer
 
 log = logging.getLogger(__name__)
-
-
-# Methods that check for cancellation while they run; the others finish once started.
-_STOPPABLE_WHILE_RUNNING = frozenset({"generate", "prefill"})
-
-
-class Lane(enum.Enum):
-    INLINE = enum.auto()  # answered by the reader thread at once
-    TEXT = enum.auto()  # the text lane, unless a load or unload is still ahead of it (then the model lane)
-    MODEL = enum.auto()  # queued for the model thread, in order
-    AFTER_CACHE_USE = enum.auto()  # inline, unless a prefill, or a generate from a cache, is ahead of it
-
-
-class Job(msgspec.Struct):
-    id: RequestId
-    method: str
-    params: Params
-    queued_at: float
-    text_lane: bool = False
-    cancelled: threading.Event = msgspec.field(default_factory=threading.Event)
-    running: bool = False
-    acked: int = -1  # the last generate/chunk the host acknowledged (generate/ack)
-
-    def is_cancelled(self) -> bool:
-        return self.cancelled.is_set()
-
-
-# For each lane that may wait: which earlier, unfinished model-lane jobs it waits behind,
-# so that it sees their effect (the model they load, the cache they write or read).
-_WAITS_FOR: dict[Lane, Callable[[Job], bool]] = {
-    Lane.INLINE: lambda job: False,
-    Lane.TEXT: lambda job: job.method in ("load", "unload"),
-    Lane.AFTER_CACHE_USE: lambda job: job.method == "prefill" or getattr(job.params, "cache", None) is not None,
-}
 
 
 class Server:
@@ -122,12 +87,10 @@ class Server:
             "shutdown": (lambda ctx, params: None, Lane.MODEL),
         }
         assert self._routes.keys() == METHODS.keys(), "every protocol method needs a route"
+        # The session's state (worker/session.py) is read and changed under this lock only;
+        # lanes wait on it for their next request.
         self._lock = threading.Condition()
-        self._jobs: dict[RequestId, Job] = {}  # queued or running on a lane
-        self._admission = Admission(max_batch)  # the model lane's queue
-        self._text_queue: deque[Job] = deque()
-        self._shutdown_requested = False
-        self._stopping = False  # no more input is read; the lane finishes its queue
+        self._session = Session(max_batch)
         self._cancelled_at: float | None = None  # when end() cancelled everything
         self.ended = threading.Event()
         self.exit_code = 0
@@ -155,7 +118,7 @@ class Server:
         """Handle bytes from the host; False once no more input should be read."""
         for event in self._decoder.feed(data):
             self._on_event(event)
-            if self._stopping:
+            if self._session.stopping:
                 return False
         return True
 
@@ -165,7 +128,7 @@ class Server:
         self.end("end of input", cancel=not self._drain_on_eof)
 
     def _on_event(self, event: Any) -> None:
-        if self._stopping:
+        if self._session.stopping:
             return
         if not isinstance(event, Frame):
             if self._recorder is not None:
@@ -197,37 +160,14 @@ class Server:
         except RpcError as exc:
             self._send_error(request.id, exc)
             return
-        with self._lock:
-            if request.id in self._jobs:
-                error = RpcError(
-                    ErrorKind.DUPLICATE_ID,
-                    f"Request id {request.id!r} is already in flight; give every request its own id.",
-                    field="id",
-                )
-            elif self._shutdown_requested:
-                error = RpcError(
-                    ErrorKind.SHUTTING_DOWN,
-                    "The worker is shutting down after a 'shutdown' request and takes no more requests; "
-                    "send 'exit', or start a new worker.",
-                )
-            else:
-                error = None
-                behind = lane is Lane.MODEL or any(map(_WAITS_FOR[lane], self._jobs.values()))
-                queue_it = behind or lane is Lane.TEXT
-                if queue_it:
-                    job = Job(request.id, request.method, params, time.perf_counter(), not behind)
-                    self._jobs[request.id] = job
-                    if behind:
-                        self._admission.add(job)
-                    else:
-                        self._text_queue.append(job)
-                    self._lock.notify_all()
-                if request.method == "shutdown":
-                    self._shutdown_requested = True
-                    self._cancel_all()
-        if error is not None:
-            self._send_error(request.id, error)
-        elif not queue_it:
+        try:
+            with self._lock:
+                job = self._session.receive(request.id, request.method, params, lane, time.perf_counter())
+                self._lock.notify_all()
+        except RpcError as exc:
+            self._send_error(request.id, exc)
+            return
+        if job is None:
             ctx = Context(request.id, threading.Event(), 0.0, self._send_notification)
             self._answer(request.id, request.method, lambda: handler(ctx, params))
 
@@ -247,57 +187,36 @@ class Server:
         if isinstance(params, CancelParams):
             self._cancel(None, params)
         elif isinstance(params, AckParams):
-            job = self._jobs.get(params.id)  # a stream that already ended needs no acks
-            if job is not None:
-                job.acked = max(job.acked, params.index)
+            with self._lock:
+                self._session.ack(params.id, params.index)
         else:  # exit: 0 after a shutdown request, 1 without one (as LSP does)
-            self.end("exit notification", cancel=True, exit_code=0 if self._shutdown_requested else 1)
+            self.end("exit notification", cancel=True, exit_code=0 if self._session.shutdown_requested else 1)
 
     def _cancel(self, ctx: Context | None, params: CancelParams) -> CancelResult:
         with self._lock:
-            job = self._jobs.get(params.id)
-            if job is None:
-                return CancelResult(cancelled=False, state="unknown")
-            job.cancelled.set()
             self._lock.notify_all()  # the model lane answers a cancelled queued request at once
-            if job.running:  # a running load or unload cannot stop halfway; it answers as usual
-                return CancelResult(cancelled=job.method in _STOPPABLE_WHILE_RUNNING, state="running")
-            return CancelResult(cancelled=True, state="queued")
-
-    def _cancel_all(self) -> None:
-        for job in self._jobs.values():
-            job.cancelled.set()
+            return self._session.cancel(params.id)
 
     # --- the lanes ---------------------------------------------------------------
 
     def _run_text_lane(self) -> None:
-        queue = self._text_queue
         while True:
             with self._lock:
-                while not queue and not self._stopping:
+                while (job := self._session.next_text_job()) is None:
+                    if self._session.text_lane_done:
+                        return
                     self._lock.wait()
-                if not queue:
-                    return
-                job = queue.popleft()
-                job.running = True
             self.run_job(job)
 
     # The model lane, as the scheduler sees it (scheduler.ModelLane):
 
     def next_job(self, wait: bool, woken: Callable[[], bool]) -> Job | None:
         with self._lock:
-            while (job := self._admission.next()) is None:
-                if not wait or woken() or (self._stopping and self._admission.idle):
+            while (job := self._session.next_model_job()) is None:
+                if not wait or woken() or self._session.model_lane_done:
                     return None
                 self._lock.wait()
-            if job.method in ("load", "unload", "shutdown"):
-                # Text requests received before it finish first: they see the model as it was,
-                # and shutdown answers after every earlier request.
-                earlier = [j for j in self._jobs.values() if j.text_lane]
-                while any(self._jobs.get(j.id) is j for j in earlier):
-                    self._lock.wait()
-            job.running = True
-            return job  # type: ignore[return-value]
+            return job
 
     def run_job(self, job: Job) -> None:
         """Run a request to its answer on this thread (a model-lane request that is not a task,
@@ -350,9 +269,7 @@ class Server:
 
     def _release(self, job: Job) -> None:
         with self._lock:
-            del self._jobs[job.id]
-            if not job.text_lane:
-                self._admission.done(job)
+            self._session.release(job)
             self._lock.notify_all()
 
     @staticmethod
@@ -382,12 +299,10 @@ class Server:
     def end(self, reason: str, *, cancel: bool, exit_code: int = 0) -> None:
         """Stop reading; cancel what is in flight (or let it finish), then let the lane drain."""
         with self._lock:
-            if not self._stopping:
+            if self._session.end(cancel=cancel):
                 log.info("stopping: %s", reason)
-                self._stopping = True
                 self.exit_code = exit_code
             if cancel:
-                self._cancel_all()
                 self._cancelled_at = self._cancelled_at or time.monotonic()
             self._lock.notify_all()
         self.ended.set()

@@ -1,0 +1,165 @@
+"""The session's state: the requests in flight, where each waits, cancels, acks and the end.
+
+A plain object in the spirit of h11: it does no I/O and starts no thread, and every rule about
+who runs when is here, so that tests drive it call by call. The server holds it under one lock,
+calls it from its threads and waits on that lock when it says nothing is ready yet.
+
+- A request runs on a lane: answered at once by the reader (``INLINE``), on the text lane, or
+  on the model lane, whose order and batching :class:`~worker.scheduler.Admission` decides.
+  Some wait behind earlier model-lane requests to see their effect: text requests behind a
+  ``load``/``unload`` (they run on the model lane then), ``cache/*`` behind a ``prefill`` or a
+  ``generate`` that uses a cache.
+- An id is in flight from the request until its answer is sent; a second request with it is
+  refused. After ``shutdown`` every new request is refused, and what was in flight is cancelled.
+- A ``load``, ``unload`` or ``shutdown`` starts only after the text requests received before it
+  have answered (they see the model as it was; ``shutdown`` answers last).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import deque
+from collections.abc import Callable
+
+import msgspec
+
+from protocol.envelope import RequestId
+from protocol.errors import ErrorKind, RpcError
+from protocol.methods import CancelResult, Params
+from worker.scheduler import Admission
+
+# Requests that stop when cancelled while they run; a running load or unload finishes.
+_STOPPABLE_WHILE_RUNNING = frozenset({"generate", "prefill"})
+_ALONE = frozenset({"load", "unload", "shutdown"})
+
+
+class Lane(enum.Enum):
+    INLINE = enum.auto()  # answered by the reader thread at once
+    TEXT = enum.auto()  # the text lane, unless a load or unload is still ahead of it (then the model lane)
+    MODEL = enum.auto()  # queued for the model thread, in order
+    AFTER_CACHE_USE = enum.auto()  # inline, unless a prefill, or a generate from a cache, is ahead of it
+
+
+class Job(msgspec.Struct):
+    id: RequestId
+    method: str
+    params: Params
+    queued_at: float
+    text_lane: bool = False
+    cancelled: threading.Event = msgspec.field(default_factory=threading.Event)
+    running: bool = False
+    acked: int = -1  # the last generate/chunk the host acknowledged (generate/ack)
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled.is_set()
+
+
+# For each lane that may wait: which earlier, unfinished model-lane jobs it waits behind,
+# so that it sees their effect (the model they load, the cache they write or read).
+_WAITS_FOR: dict[Lane, Callable[[Job], bool]] = {
+    Lane.INLINE: lambda job: False,
+    Lane.TEXT: lambda job: job.method in ("load", "unload"),
+    Lane.AFTER_CACHE_USE: lambda job: job.method == "prefill" or getattr(job.params, "cache", None) is not None,
+}
+
+
+class Session:
+    def __init__(self, max_batch: int) -> None:
+        self.jobs: dict[RequestId, Job] = {}  # queued or running on a lane
+        self.admission = Admission(max_batch)  # the model lane's queue
+        self.text_queue: deque[Job] = deque()
+        self.shutdown_requested = False
+        self.stopping = False  # no more input is read; the lanes finish their queues
+        self._starting: Job | None = None  # a load/unload/shutdown waiting for earlier text requests
+
+    def receive(self, request_id: RequestId, method: str, params: Params, lane: Lane, now: float) -> Job | None:
+        """A request to queue: its job, or None when the reader answers it at once.
+        Raises RpcError for an id already in flight and for any request after shutdown."""
+        if request_id in self.jobs:
+            raise RpcError(
+                ErrorKind.DUPLICATE_ID,
+                f"Request id {request_id!r} is already in flight; give every request its own id.",
+                field="id",
+            )
+        if self.shutdown_requested:
+            raise RpcError(
+                ErrorKind.SHUTTING_DOWN,
+                "The worker is shutting down after a 'shutdown' request and takes no more requests; "
+                "send 'exit', or start a new worker.",
+            )
+        behind = lane is Lane.MODEL or any(map(_WAITS_FOR[lane], self.jobs.values()))
+        job = None
+        if behind or lane is Lane.TEXT:
+            job = Job(request_id, method, params, now, text_lane=not behind)
+            self.jobs[request_id] = job
+            if behind:
+                self.admission.add(job)
+            else:
+                self.text_queue.append(job)
+        if method == "shutdown":
+            self.shutdown_requested = True
+            for other in self.jobs.values():
+                if other is not job:
+                    other.cancelled.set()
+        return job
+
+    def cancel(self, request_id: RequestId) -> CancelResult:
+        job = self.jobs.get(request_id)
+        if job is None:
+            return CancelResult(cancelled=False, state="unknown")
+        job.cancelled.set()
+        if job.running:  # a running load or unload cannot stop halfway; it answers as usual
+            return CancelResult(cancelled=job.method in _STOPPABLE_WHILE_RUNNING, state="running")
+        return CancelResult(cancelled=True, state="queued")
+
+    def cancel_all(self) -> None:
+        for job in self.jobs.values():
+            job.cancelled.set()
+
+    def ack(self, request_id: RequestId, index: int) -> None:
+        job = self.jobs.get(request_id)  # a stream that already ended needs no acks
+        if job is not None:
+            job.acked = max(job.acked, index)
+
+    def next_text_job(self) -> Job | None:
+        """The text lane's next request, marked running; None while there is none."""
+        if not self.text_queue:
+            return None
+        job = self.text_queue.popleft()
+        job.running = True
+        return job
+
+    @property
+    def text_lane_done(self) -> bool:
+        return self.stopping and not self.text_queue
+
+    def next_model_job(self) -> Job | None:
+        """The model lane's next request, marked running; None while none may start."""
+        job = self._starting or self.admission.next()
+        if job is None:
+            return None
+        if job.method in _ALONE and any(j.text_lane for j in self.jobs.values()):
+            self._starting = job  # taken off the queue: it starts once those have answered
+            return None
+        self._starting = None
+        job.running = True
+        return job
+
+    @property
+    def model_lane_done(self) -> bool:
+        return self.stopping and self.admission.idle
+
+    def release(self, job: Job) -> None:
+        """The job has its answer: its id is free again."""
+        del self.jobs[job.id]
+        if not job.text_lane:
+            self.admission.done(job)
+
+    def end(self, *, cancel: bool) -> bool:
+        """Stop taking input; cancel what is in flight, or let it finish. True the first time."""
+        first = not self.stopping
+        self.stopping = True
+        if cancel:
+            self.cancel_all()
+        return first
