@@ -107,6 +107,12 @@ async def test_cancel_ends_a_constrained_generation(spawn_worker: SpawnWorker, t
         ({"type": "object", "properties": {"when": {"type": "string", "format": "stardate"}}}, "stardate"),
         ({"$ref": "#/$defs/missing"}, "missing"),
         ({"type": "strng"}, "strng"),
+        # Accepted by the schema compiler, failing when the grammar runs: recursion that cannot
+        # end, a pattern too large to compile, a number past 64 bits.
+        ({"type": "object", "properties": {"n": {"$ref": "#"}}, "required": ["n"]}, "Too many items"),
+        ({"type": "string", "pattern": "^a{1000000}$"}, "too many expressions"),
+        ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "constrained"),
+        ({"type": "integer", "minimum": -(10**30)}, "not valid"),
     ],
 )
 async def test_a_schema_that_cannot_be_enforced_is_invalid_params_naming_the_part(
@@ -115,7 +121,7 @@ async def test_a_schema_that_cannot_be_enforced_is_invalid_params_naming_the_par
     host = await loaded(spawn_worker, str(tiny_model_dir))
     with pytest.raises(WorkerError) as refused:
         await host.call("generate", {"prompt": "x", "response_format": json_schema(schema)})
-    assert refused.value.code == -32602 and named in refused.value.message
+    assert refused.value.code == -32602 and named in refused.value.message and len(refused.value.message) < 500
     assert refused.value.data["field"] == "params.response_format.json_schema.schema"
     assert (await host.call("generate", {"prompt": "x", "max_tokens": 1}))["finish_reason"] == "length"
 

@@ -167,7 +167,7 @@ def test_a_forced_call_grammar_allows_a_second_call_only_when_parallel(tiny_mode
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     vocabulary = llguidance.hf.from_tokenizer(tokenizer, eos_token=tokenizer.eos_token_id)
-    one = '<tool_call>\n{"name":"get_time","arguments":{}}\n</tool_call>'
+    one = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
     matcher = LLMatcher(vocabulary, forced_grammar("hermes", TOOLS, None, parallel=parallel))
     assert matcher.consume_tokens(tokenizer(one, add_special_tokens=False).input_ids), matcher.get_error()
     assert matcher.is_accepting()

@@ -127,7 +127,9 @@ async def test_a_tool_turn_and_its_result_continue_from_the_auto_cache(spawn_wor
         "generate", {"messages": [*ASK, turn, answer], "tools": [WEATHER], "cache": "auto", "max_tokens": 4}
     )
     rendered = await host.call("render", {"messages": [*ASK, turn, answer], "tools": [WEATHER]})
-    assert second["usage"]["cache_read_tokens"] > first["usage"]["prompt_tokens"]
+    # The call is written back into the conversation as the grammar made the model write it:
+    # the whole first turn is reused.
+    assert second["usage"]["cache_read_tokens"] == first["cache"]["stored_tokens"]
     assert second["usage"]["prompt_tokens"] == rendered["count"]
 
 
@@ -209,3 +211,76 @@ async def test_smollm2_asked_for_the_weather_calls_the_weather_tool(spawn_worker
     call = result["tool_calls"][0]
     assert call["name"] == "get_weather" and call["arguments"]["city"] == "Paris"
     jsonschema.validate(call["arguments"], WEATHER["function"]["parameters"])
+
+
+ADDRESS = {  # as Pydantic writes a model with a nested one: local $refs into $defs
+    "$defs": {
+        "Address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"],
+            "additionalProperties": False,
+        }
+    },
+    "type": "object",
+    "properties": {"to": {"$ref": "#/$defs/Address"}},
+    "required": ["to"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("parameters", "valid_against"),
+    [
+        (ADDRESS, ADDRESS),
+        # No "type": an arguments object all the same.
+        ({"properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}, None),
+    ],
+)
+async def test_a_forced_call_matches_a_schema_with_local_refs_or_without_a_type(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, parameters: dict, valid_against: dict | None
+):
+    host = await tiny(spawn_worker, tiny_model_dir)
+    tool = {"type": "function", "function": {"name": "ship", "parameters": parameters}}
+    result = await host.call(
+        "generate",
+        {"messages": ASK, "tools": [tool], "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 200},
+    )
+    [call] = result["tool_calls"]
+    assert call["error"] is None and result["finish_reason"] == "tool_calls"
+    jsonschema.validate(call["arguments"], valid_against or {**parameters, "type": "object"})
+
+
+@pytest.mark.parametrize(
+    ("tools", "field", "says"),
+    [
+        ([{"type": "function", "function": {"name": "f", "parameters": {"type": "integer"}}}], "params.tools[0].function.parameters", "JSON object"),
+        (
+            [
+                {"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}},
+                {"type": "function", "function": {"name": "b", "parameters": {"not": {"type": "object"}}}},
+            ],
+            "params.tools[1].function.parameters",
+            '"not"',
+        ),
+        (
+            [{"type": "function", "function": {"name": f"t{i}", "parameters": {"type": "object"}}} for i in range(2001)],
+            "params.tool_choice",
+            "2001 items",
+        ),
+        (
+            [{"type": "function", "function": {"name": "a"}}, {"type": "function", "function": {"name": "a"}}],
+            "params.tools[1].function.name",
+            "both named 'a'",
+        ),
+    ],
+)
+async def test_tools_that_cannot_be_forced_are_invalid_params_naming_the_tool_briefly(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, tools: list, field: str, says: str
+):
+    host = await tiny(spawn_worker, tiny_model_dir)
+    with pytest.raises(WorkerError) as refused:
+        await host.call("generate", {"prompt": "x", "tools": tools, "tool_choice": "required"})
+    assert refused.value.code == -32602 and refused.value.data["field"] == field
+    assert says in refused.value.message and len(refused.value.message) < 500
+    assert (await host.call("generate", {"prompt": "x", "max_tokens": 1}))["usage"]["completion_tokens"] == 1

@@ -43,8 +43,32 @@ def output_constraint(model: Model, params: GenerateParams) -> OutputConstraint 
     support = model.info.tool_calls
     grammar, field = grammar_for(params, forces_calls, support.format, support.forced)
     tokenizer = model.grammar_tokenizer.get()
-    OutputConstraint.validate(tokenizer, grammar, field)
-    return OutputConstraint(tokenizer, grammar)
+    try:
+        return OutputConstraint(tokenizer, grammar, field)
+    except GrammarError as exc:
+        if forces_calls:  # name the tool whose schema it is, when it is one
+            field = next((f for f in _tool_schema_problems(params, tokenizer)), field)
+        raise RpcError(
+            ErrorKind.INVALID_PARAMS,
+            f"The output cannot be constrained to this: {exc}. Remove or rewrite that part.",
+            field=field,
+        ) from None
+
+
+def _tool_schema_problems(params: GenerateParams, tokenizer: Any):
+    """The fields of the tools' parameters that no grammar can be made of, one by one."""
+    from llguidance import LLMatcher
+
+    from worker.tool_calls import arguments_schema
+
+    for i, tool in enumerate(params.tools or []):
+        try:
+            grammar = LLMatcher.grammar_from_json_schema(arguments_schema(tool, i))
+        except ValueError:
+            yield f"params.tools[{i}].function.parameters"
+            continue
+        if LLMatcher.validate_grammar(grammar, tokenizer):
+            yield f"params.tools[{i}].function.parameters"
 
 
 def grammar_for(
@@ -72,20 +96,18 @@ def grammar_for(
         grammar = forced_grammar(tool_format, params.tools, only, parallel=params.parallel_tool_calls)
         return grammar, "params.tool_choice"
     if isinstance(fmt, JsonSchemaFormat):
-        schema = fmt.json_schema.schema or {}
-        return _json_grammar(schema), "params.response_format.json_schema.schema"
-    return _json_grammar({"type": "object"}), "params.response_format"
+        field = "params.response_format.json_schema.schema"
+        return _json_grammar(fmt.json_schema.schema or {}, field), field
+    return _json_grammar({"type": "object"}, "params.response_format"), "params.response_format"
 
 
-def _json_grammar(schema: dict[str, Any]) -> str:
+def _json_grammar(schema: dict[str, Any], field: str) -> str:
     from llguidance import LLMatcher
 
     try:
         return LLMatcher.grammar_from_json_schema(schema, overrides=COMPACT_JSON)
-    except ValueError as exc:  # not a JSON object at all
-        raise RpcError(
-            ErrorKind.INVALID_PARAMS, f"The JSON Schema is not valid: {exc}", field="params.response_format"
-        ) from exc
+    except ValueError as exc:  # not JSON llguidance can read (an integer past 64 bits, say)
+        raise RpcError(ErrorKind.INVALID_PARAMS, f"The JSON Schema is not valid: {_short(str(exc))}", field=field) from exc
 
 
 def _choice(params: GenerateParams) -> str:
@@ -112,34 +134,40 @@ class GrammarTokenizer:
             return self._made
 
 
+class GrammarError(Exception):
+    """What a grammar cannot do, in one short line."""
+
+
+def _short(problem: str) -> str:
+    """llguidance's errors can carry the whole grammar (megabytes): the first line, cut short."""
+    line = problem.strip().split("\n", 1)[0]
+    return line if len(line) <= 300 else line[:300] + "…"
+
+
 class OutputConstraint:
     """One request's grammar, advanced token by token (only the model thread touches it)."""
 
-    def __init__(self, tokenizer: Any, grammar: str) -> None:
-        from llguidance import LLMatcher
-
-        self._matcher = LLMatcher(tokenizer, grammar)
-        self._vocab = tokenizer.vocab_size
-        self._check()
-
-    @staticmethod
-    def validate(tokenizer: Any, grammar: str, field: str) -> None:
-        """Raises INVALID_PARAMS naming what the grammar cannot enforce."""
+    def __init__(self, tokenizer: Any, grammar: str, field: str) -> None:
+        """Raises GrammarError for a grammar llguidance refuses, or one that fails at once."""
         from llguidance import LLMatcher
 
         problem = LLMatcher.validate_grammar(grammar, tokenizer)
         if problem:
-            raise RpcError(
-                ErrorKind.INVALID_PARAMS,
-                f"The output cannot be constrained to this: {problem}. Remove or rewrite that part.",
-                field=field,
-            )
+            raise GrammarError(_short(problem))
+        self._matcher = LLMatcher(tokenizer, grammar)
+        self._vocab = tokenizer.vocab_size
+        self._field = field
+        self._taken = 0
+        self._matcher.compute_bitmask()  # the first mask: where most such grammars fail
+        if self._matcher.is_error():
+            raise GrammarError(_short(self._matcher.get_error()))
 
     def allowed(self, vocab_size: int) -> Any:
         """A boolean numpy array of ``vocab_size``: True for the tokens that may come next."""
         import numpy as np
 
         bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        self._check()
         allowed = np.zeros(vocab_size, dtype=bool)
         n = min(vocab_size, self._vocab, bits.size)
         allowed[:n] = bits[:n].astype(bool)
@@ -147,8 +175,16 @@ class OutputConstraint:
 
     def accept(self, token: int) -> None:
         self._matcher.consume_token(token)
+        self._taken += 1
         self._check()
 
     def _check(self) -> None:
+        """A grammar can also fail later, when its parser reaches a limit (a schema that can only
+        recurse forever, a pattern too large, too many alternatives): the request fails then."""
         if self._matcher.is_error():
-            raise RuntimeError(f"the output constraint failed: {self._matcher.get_error()}")
+            raise RpcError(
+                ErrorKind.INVALID_PARAMS,
+                f"The output cannot be constrained to this: {_short(self._matcher.get_error())} "
+                f"(after {self._taken} tokens). Remove or rewrite that part.",
+                field=self._field,
+            )

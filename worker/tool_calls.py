@@ -96,6 +96,14 @@ def request_tools(params: GenerateParams) -> list[Tool]:
         )
     if not params.tools:
         return []
+    first: dict[str, int] = {}
+    for i, tool in enumerate(params.tools):
+        if (earlier := first.setdefault(tool.function.name, i)) != i:
+            raise RpcError(
+                ErrorKind.INVALID_PARAMS,
+                f"Tools {earlier} and {i} are both named {tool.function.name!r}; give each tool its own name.",
+                field=f"params.tools[{i}].function.name",
+            )
     if isinstance(params.tool_choice, NamedToolChoice):
         names = [tool.function.name for tool in params.tools]
         if params.tool_choice.function.name not in names:
@@ -154,7 +162,10 @@ def _as_text(message: ChatMessage) -> ChatMessage:
         return ChatMessage(role="user", content=f"<tool_response>\n{message.content}\n</tool_response>")
     content = message.content
     for call in template_dict(message).get("tool_calls") or []:
-        written = json.dumps({"name": call["function"]["name"], "arguments": call["function"]["arguments"]})
+        # As a forced call is written (forced_grammar), so that the next prompt continues its text.
+        written = json.dumps(
+            {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}, ensure_ascii=False
+        )
         content += f"\n<tool_call>\n{written}\n</tool_call>"
     return ChatMessage(role=message.role, content=content.lstrip("\n"), name=message.name)
 
@@ -252,24 +263,54 @@ def _call_id() -> str:
 def forced_grammar(format: str, tools: Sequence[Tool], only: str | None, *, parallel: bool) -> str:
     """A llguidance grammar for output that is nothing but calls (one, or one or more when
     ``parallel``) of the given tools, or of the one named ``only``, each with arguments matching
-    the tool's schema."""
+    the tool's schema. Each schema goes under ``$defs`` with its local refs rewritten, so that
+    ``#/$defs/...`` (what Pydantic writes) still points into it. The JSON is written as
+    ``json.dumps`` writes it, as the worker writes earlier calls back into a conversation, so a
+    tool loop's next prompt continues this one's text."""
     from llguidance import LLMatcher
 
-    from worker.constraints import COMPACT_JSON
-
     key = "parameters" if format == "llama3_json" else "arguments"
+    chosen = [(i, t) for i, t in enumerate(tools) if only is None or t.function.name == only]
+    defs = {f"tool_{i}": _moved(arguments_schema(t, i), f"#/$defs/tool_{i}") for i, t in chosen}
     calls = [
         {
             "type": "object",
-            "properties": {"name": {"const": t.function.name}, key: t.function.parameters or {"type": "object"}},
+            "properties": {"name": {"const": t.function.name}, key: {"$ref": f"#/$defs/tool_{i}"}},
             "required": ["name", key],
             "additionalProperties": False,
         }
-        for t in tools
-        if only is None or t.function.name == only
+        for i, t in chosen
     ]
-    call = json.dumps({"anyOf": calls, "x-guidance": COMPACT_JSON})
+    spaced = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    call = json.dumps({"$defs": defs, "anyOf": calls, "x-guidance": spaced})
     if format == "llama3_json":  # one call is the whole answer
         return LLMatcher.grammar_from_lark(f"start: %json {call}\n")
     more = ' ("\\n" call)*' if parallel else ""
     return LLMatcher.grammar_from_lark(f'start: call{more}\ncall: "<tool_call>\\n" %json {call} "\\n</tool_call>"\n')
+
+
+def arguments_schema(tool: Tool, index: int) -> dict[str, Any]:
+    """A tool's ``parameters`` as the schema of an arguments object."""
+    schema = tool.function.parameters or {}
+    if "type" not in schema:
+        return {**schema, "type": "object"}
+    if schema["type"] != "object":
+        raise RpcError(
+            ErrorKind.INVALID_PARAMS,
+            f"The parameters of tool {tool.function.name!r} describe a {json.dumps(schema['type'])}, but a call's "
+            'arguments are a JSON object; give "type": "object" with properties.',
+            field=f"params.tools[{index}].function.parameters",
+        )
+    return schema
+
+
+def _moved(schema: Any, to: str) -> Any:
+    """``schema`` with its local refs ("#...") rewritten for the place ``to`` (a JSON pointer)."""
+    if isinstance(schema, dict):
+        return {
+            k: to + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _moved(v, to)
+            for k, v in schema.items()
+        }
+    if isinstance(schema, list):
+        return [_moved(v, to) for v in schema]
+    return schema
