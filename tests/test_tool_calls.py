@@ -205,7 +205,9 @@ async def test_smollm2_asked_for_the_weather_calls_the_weather_tool(spawn_worker
     host = await spawn_worker(env=TORCH_ENV)
     await host.call("load", {"model": "default"}, timeout=600)
     result = await host.call(
-        "generate", {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required", "max_tokens": 60}, timeout=300
+        "generate",
+        {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 60},
+        timeout=300,
     )
     assert result["finish_reason"] == "tool_calls"
     call = result["tool_calls"][0]

@@ -9,7 +9,17 @@ import { join } from "node:path";
 import { setTimeout as sleep } from "node:timers/promises";
 import { after, before, describe, test } from "node:test";
 
-import { generateText, isStepCount, NoSuchModelError, Output, streamText, tool, type ModelMessage } from "ai";
+import {
+  generateObject,
+  generateText,
+  isStepCount,
+  NoSuchModelError,
+  Output,
+  streamObject,
+  streamText,
+  tool,
+  type ModelMessage,
+} from "ai";
 import { z } from "zod";
 
 import { createLmWorker, type LmWorkerProvider } from "../src/ai-sdk.js";
@@ -197,6 +207,8 @@ describe("the AI SDK provider with the tiny model", () => {
       tools: { weather },
       toolChoice: "required",
       maxOutputTokens: 200,
+      // One call: a random model would go on writing calls until maxOutputTokens.
+      providerOptions: { "lm-worker": { parallelToolCalls: false } },
     });
     assert.equal(result.finishReason, "tool-calls");
     assert.ok(result.toolCalls.length >= 1, JSON.stringify(result.content));
@@ -214,6 +226,7 @@ describe("the AI SDK provider with the tiny model", () => {
       tools: { weather },
       toolChoice: { type: "tool", toolName: "weather" },
       maxOutputTokens: 200,
+      providerOptions: { "lm-worker": { parallelToolCalls: false } },
     });
     const types: string[] = [];
     for await (const part of result.fullStream) {
@@ -238,7 +251,7 @@ describe("the AI SDK provider with the tiny model", () => {
     const [call] = result.toolCalls;
     assert.equal(result.toolCalls.length, 1);
     assert.equal(call!.invalid, true);
-    assert.match(call!.input as string, /^\{"name":"weather"/);
+    assert.match(call!.input as string, /^\{"name": "weather"/);
     assert.ok(result.content.some((part) => part.type === "tool-error" && part.toolCallId === call!.toolCallId));
   });
 
@@ -307,6 +320,19 @@ describe("the AI SDK provider with the tiny model", () => {
     assert.ok(partials.length > 1, `${partials.length} partial objects`);
     assert.deepEqual(partials.at(-1), output);
     assert.deepEqual(person.parse(output), output);
+  });
+
+  test("generateObject and streamObject return objects that match a zod schema", async () => {
+    const generated = await generateObject({ model: lm(modelDir), schema: person, prompt: "Describe a friend." });
+    assert.deepEqual(person.parse(generated.object), generated.object);
+    const streamed = streamObject({ model: lm(modelDir), schema: person, prompt: "Describe a neighbour." });
+    const partials: unknown[] = [];
+    for await (const partial of streamed.partialObjectStream) {
+      partials.push(partial);
+    }
+    const object = await streamed.object;
+    assert.deepEqual(person.parse(object), object);
+    assert.deepEqual(partials.at(-1), object);
   });
 
   test('a second turn with cache "auto" reads the first turn\'s tokens from the cache', async () => {

@@ -5,13 +5,15 @@
 //   python()     the Python that runs the worker: $LM_WORKER_PYTHON, else .venv/bin/python
 //   workerEnv()  process.env, with thread counts pinned and Hugging Face kept offline
 //   tinyModel()  the offline tiny transformers model, built once per process; its directory
+//   runDocExample(file, heading?)  the first ```js block of a doc (under a heading), run as written
 
 import { execFile } from "node:child_process";
 import { existsSync, rmSync } from "node:fs";
-import { mkdtemp } from "node:fs/promises";
+import { mkdtemp, readFile, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { dirname, join, resolve } from "node:path";
 import { fileURLToPath } from "node:url";
+import { promisify } from "node:util";
 
 /** The repository root: client/dist/test/support.js → ../../.. */
 export const repoRoot: string = resolve(dirname(fileURLToPath(import.meta.url)), "..", "..", "..");
@@ -83,4 +85,28 @@ async function buildTinyModel(): Promise<string> {
     throw new Error(`python -m worker.tiny_model ${dir} exited 0 but wrote no config.json`);
   }
   return dir;
+}
+
+/**
+ * The first ```js block of `file` (a path from the repository root), after the line `heading`
+ * if given, run as written on the tiny model with a fresh data directory; its stdout. The
+ * script is written inside the package, so that `import ... from "lm-worker"` (and
+ * "lm-worker/ai-sdk") resolve to this package by its name, as in a project that installed it.
+ */
+export async function runDocExample(file: string, heading?: string): Promise<string> {
+  const doc = await readFile(join(repoRoot, file), "utf8");
+  const from = heading === undefined ? 0 : doc.indexOf(`\n${heading}\n`);
+  const match = from < 0 ? null : /```js\n([\s\S]*?)```/.exec(doc.slice(from));
+  if (match === null) throw new Error(`${file} has no \`\`\`js example${heading ? ` under "${heading}"` : ""}`);
+  const dataDir = await mkdtemp(join(tmpdir(), "lm-worker-example-"));
+  const script = join(repoRoot, "client", "dist", "test", `example-${process.pid}.mjs`);
+  try {
+    await writeFile(script, match[1]!);
+    const env = { ...workerEnv(), LM_WORKER_PYTHON: python(), LM_WORKER_MODEL: await tinyModel(), LM_WORKER_DATA_DIR: dataDir };
+    const { stdout } = await promisify(execFile)(process.execPath, [script], { env, timeout: 180_000 });
+    return stdout;
+  } finally {
+    await rm(script, { force: true });
+    await rm(dataDir, { recursive: true, force: true });
+  }
 }
