@@ -9,8 +9,9 @@ llguidance (MIT) computes a token mask in well under a millisecond on the CPU fo
 the tests use (bench/constraint_bench.py), checks a schema before any token is computed, and
 names what it cannot enforce ("Unimplemented keys: ["not"]"), which the request's error repeats.
 
-JSON is written compactly (no whitespace outside strings): a model cannot wander off into
-newlines and spaces, a failure of small models that flexible whitespace allows.
+JSON is written without optional whitespace (compactly for response_format; forced tool calls
+as ``json.dumps`` writes them, see tool_calls.py): a model cannot wander off into newlines and
+spaces, a failure of small models that flexible whitespace allows.
 """
 
 from __future__ import annotations
