@@ -146,19 +146,21 @@ async def test_streams_in_a_batch_equal_each_request_alone_with_caches_in_it(cac
     try:
         await host.call("load", {"model": cache_model}, timeout=300)
         system = "the cat sat on the mat and the dog runs quickly to the river. " * 3
+        # Prompts SmolLM2 continues for at least 16 tokens; the first runs longest, so that the
+        # others join it while it decodes even on a crowded machine.
         requests = [
-            {"prompt": system + "The river is"},  # prompts SmolLM2 continues for 16 tokens
-            {"prompt": system + "And the sea?"},
-            {"prompt": "hello world, the sun", "temperature": 0.9, "seed": 7},
-            {"prompt": system + "Then the dog"},
+            {"prompt": system + "The river is", "max_tokens": 40},
+            {"prompt": system + "And the sea?", "max_tokens": 16},
+            {"prompt": "hello world, the sun", "temperature": 0.9, "seed": 7, "max_tokens": 16},
+            {"prompt": system + "Then the dog", "max_tokens": 16},
         ]
-        alone = [(await host.call("generate", {**r, "max_tokens": 16}))["tokens"] for r in requests]
+        alone = [(await host.call("generate", r))["tokens"] for r in requests]
         ids = (await host.call("tokenize", {"text": requests[1]["prompt"]}))["tokens"]
         await host.call("prefill", {"tokens": ids[:30], "cache": "system"})  # a prefix of that prompt's tokens
         caches = [{}, {"cache": "system"}, {"cache": "auto"}, {"cache": "auto"}]
-        started = [host.start("generate", {**r, **c, "max_tokens": 16}) for r, c in zip(requests[:3], caches)]
+        started = [host.start("generate", {**r, **c}) for r, c in zip(requests[:3], caches)]
         await host.wait_until(lambda: len(host.chunks[started[0][0]]) >= 2, timeout=120)
-        started.append(host.start("generate", {**requests[3], **caches[3], "max_tokens": 16}))
+        started.append(host.start("generate", {**requests[3], **caches[3]}))
         results = [(await done)["result"] for _, done in started]
         assert [r["tokens"] for r in results] == alone
         assert results[1]["usage"]["cache_read_tokens"] > 0
