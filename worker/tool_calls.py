@@ -172,11 +172,11 @@ def _as_text(message: ChatMessage) -> ChatMessage:
 
 def call_reader(params: GenerateParams, support: ToolCallSupport) -> ToolCallReader | None:
     """What reads a request's calls back; None when nothing is read ("none", no tools, or a
-    template whose call format the worker does not know)."""
-    tools = request_tools(params)
-    if not tools or params.tool_choice == "none" or support.format is None:
+    template whose call format the worker does not know). The tools were checked with the
+    prompt (request_tools)."""
+    if not params.tools or params.tool_choice == "none" or support.format is None:
         return None
-    return ToolCallReader(support.format, tools)
+    return ToolCallReader(support.format, params.tools)
 
 
 class ToolCallReader:

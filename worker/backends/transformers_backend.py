@@ -149,8 +149,6 @@ class TransformersModel:
         tools: Sequence[Tool],
         add_generation_prompt: bool,
     ) -> tuple[str, list[int]]:
-        from worker.tool_calls import template_dict
-
         if not self.info.has_chat_template:
             raise RpcError(
                 ErrorKind.UNSUPPORTED,
@@ -158,7 +156,7 @@ class TransformersModel:
                 "send 'prompt' text or 'tokens' instead.",
                 field="params.messages",
             )
-        conversation = [template_dict(m) for m in messages]
+        conversation = [tool_calls.template_dict(m) for m in messages]
         described = [msgspec.to_builtins(tool) for tool in tools] or None
         with self._lock:
             try:
