@@ -5,7 +5,7 @@ An example is a fenced block with lines `→ {request}` (sent to the worker) and
 (what the worker writes, in order). The line just before the block says how to run it:
 
     <!-- example: [worker flags] [load=echo|load=echo:DELAY_MS] [model=tinydoc] [cache-dir=kvdoc]
-                  [plugin=slow] [gap=SECONDS] [stdout-next] [slow] -->
+                  [plugin=slow] [gap=SECONDS] [per-request] [stdout-next] [slow] -->
 
 - a `→` line is sent once every `←` line above it has arrived (so the block shows what a host
   saw before it sent each line); `gap` waits that long before a `→` line that follows another;
@@ -17,6 +17,8 @@ An example is a fenced block with lines `→ {request}` (sent to the worker) and
   (kept for the examples after it), `plugin=slow` installs a backend that sleeps 1 s in `load`;
 - `stdout-next`: the expected output is the next fenced block (a worker's stdout, or one message
   pretty-printed as JSON); `slow`: the example needs the default model (the slow tier);
+- `per-request`: each request's messages are compared in order, not how the requests' messages
+  interleave (which step a request that arrives beside a running one joins depends on timing);
 - in expected lines, `…` stands for anything.
 """
 
@@ -37,6 +39,7 @@ from worker.host import REPO_ROOT, Host
 
 DOC = REPO_ROOT / "docs" / "PROTOCOL.md"
 ANNOTATION = re.compile(r"<!-- example:(.*)-->")
+REQUEST_ID = re.compile(r'"id":(-?\d+|"[^"]*")')
 EXITED = re.compile(r"\(worker exited with code (\d+)\)")
 END_OF_INPUT = "(end of input: stdin closed)"
 NEW_WORKER = "(a new worker, started with the same command line)"
@@ -84,11 +87,21 @@ def options(example: Example) -> tuple[list[str], dict[str, str]]:
         key, sep, value = token.partition("=")
         if sep and not key.startswith("--"):
             named[key] = value
-        elif token in ("stdout-next", "slow"):
+        elif token in ("stdout-next", "slow", "per-request"):
             named[token] = "yes"
         else:
             flags.append(token)
     return flags, named
+
+
+def by_request(lines: list[str]) -> list[str]:
+    """The messages grouped by the request they belong to, each group in its order."""
+
+    def request(line: str) -> str:  # a reply's own id or a notification's params.id comes first
+        found = REQUEST_ID.search(line)
+        return found.group(1) if found else ""
+
+    return sorted(lines, key=request)  # sorted() is stable: order within a request is kept
 
 
 def matches(expected: str, actual: str) -> bool:
@@ -206,5 +219,7 @@ async def test_the_example_is_what_the_worker_answers(example: Example, places: 
         expected = [local(line) for line in example.next_block]
     actual = [msgspec.json.encode(message).decode() for message in received[: len(expected)]]
     assert len(actual) == len(expected), f"{len(actual)} messages, the example shows {len(expected)}: {actual}"
+    if "per-request" in named:
+        expected, actual = by_request(expected), by_request(actual)
     for number, (want, got) in enumerate(zip(expected, actual), 1):
         assert matches(want, got), f"message {number} of the example at line {example.line}:\n{want}\n{got}"
