@@ -1,9 +1,10 @@
 """Concurrent conversations on one model: aggregate decode speed with 1, 2, 4 and 8 streams,
 and what a request arriving mid-batch costs the streams already running.
 
-    .venv/bin/python bench/batch_bench.py [--model default] [--tokens 128] [--json FILE]
+    .venv/bin/python bench/batch_bench.py [--model default] [--quantization auto] [--tokens 128] [--json FILE]
 
-One worker (dense float32 on the CPU, SmolLM2-135M by default), driven over real pipes:
+One worker (SmolLM2-135M on the CPU with the default weights, int8, unless told), driven
+over real pipes:
 
 1. Throughput. For N in 1, 2, 4, 8: N greedy ``generate`` requests sent at once, each
    for ``--tokens`` new tokens (prompts that ask for long answers; each stream's own
@@ -88,6 +89,7 @@ async def join(host: Host, tokens: int, join_prompt: int) -> dict:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
+    parser.add_argument("--quantization", default="auto", help="the load param: auto (int8 on the CPU), none, int8, int4")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--streams", default="1,2,4,8")
     parser.add_argument("--join-prompt", default="48,512", help="prompt lengths of the joining request")
@@ -98,7 +100,9 @@ async def main() -> None:
     host = await Host.spawn("--max-batch", str(max(counts)), env=env)
     report: dict = {"model": args.model, "tokens": args.tokens, "cpus": os.cpu_count()}
     try:
-        await host.call("load", {"model": args.model}, timeout=900)
+        info = await host.call("load", {"model": args.model, "quantization": args.quantization}, timeout=900)
+        weights = f"{info['dtype']}, quantization {info['quantization']}"
+        report["weights"] = weights
         await host.call("generate", params(TOPICS[0], 8))  # warm-up
         pressure = cpu_pressure_us()
         alone = {}
@@ -111,7 +115,7 @@ async def main() -> None:
             rates[n].append(sum(r["usage"]["completion_tokens"] for r in results) / wall)
             differ[n] += sum(r["tokens"] != alone[t] for r, t in zip(results, TOPICS[:n]))
         single = statistics.mean(rates[counts[0]])
-        print(f"\naggregate decode, {args.model}, dense float32, {args.tokens} tokens per stream, {os.cpu_count()} CPUs")
+        print(f"\naggregate decode, {args.model} ({weights}), {args.tokens} tokens per stream, {os.cpu_count()} CPUs")
         print("| streams | tokens/s (2 runs) | × one stream | streams differing from alone |")
         print("| --- | --- | --- | --- |")
         for n in counts:

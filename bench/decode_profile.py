@@ -33,8 +33,8 @@ DENSE = {"dtype": "float32", "quantization": "none"}
 PATHS = [
     ("transformers forward, dense float32 (the worker before)", DENSE, "forward"),
     ("transformers forward, int8 weights", {"quantization": "int8"}, "forward"),
-    ("lm-worker step, dense float32 (the default)", DENSE, "step"),
-    ("lm-worker step, int8 weights", {"quantization": "int8"}, "step"),
+    ("lm-worker step, dense float32", DENSE, "step"),
+    ("lm-worker step, int8 weights (the default)", {"quantization": "int8"}, "step"),
     ("lm-worker step, int4 weights", {"quantization": "int4"}, "step"),
 ]
 

@@ -1,6 +1,6 @@
 // lm-worker beside llama.cpp (node-llama-cpp), driven from one Node process, on the same
 // model (SmolLM2-135M-Instruct: llama.cpp on the shipped Q4_1 gguf, the worker on its
-// conversion of it, with int8 weights and dense), the same prompt tokens, greedy,
+// conversion of it, with int8 weights (the default on the CPU) and dense), the same prompt tokens, greedy,
 // interleaved round by round.
 //
 //   node bench/llama_cpp_bench.mjs [--quick] [--rounds N] [--json FILE] [--workers int8,none,int4]
@@ -157,7 +157,7 @@ async function workerRestart(state, loadParams, ref) {
 
 const quantizations = (options.workers ?? (options.quick ? "int8" : "int8,none")).split(",");
 const contestants = quantizations.map((quantization) => ({
-  name: `lm-worker ${quantization === "none" ? "dense (the default)" : quantization}`,
+  name: `lm-worker ${quantization === "int8" ? "int8 (the default)" : quantization === "none" ? "dense" : quantization}`,
   load: { dtype: "float32", quantization },
 }));
 for (const contestant of contestants) contestant.state = await startWorker(contestant.load);

@@ -23,7 +23,7 @@ def load(model_dir: Path, data_dir: Path, **params):
     return TransformersBackend().load(LoadParams(model=str(model_dir), **params), data_dir=data_dir)
 
 
-@pytest.mark.parametrize("quantization", ["auto", "none", "int8"])
+@pytest.mark.parametrize("quantization", ["auto", "none", "int4"])
 def test_a_decode_step_gives_transformers_forward_logits_bit_for_bit(tiny_model_dir: Path, tmp_path: Path, quantization):
     model = load(tiny_model_dir, tmp_path, quantization=quantization)
     assert model._step is not None
@@ -82,6 +82,34 @@ def test_a_prompt_chunk_fed_in_a_step_beside_a_decoding_sequence_matches_transfo
         torch.testing.assert_close(mine.values, other.values, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_5"])
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_give_a_position_the_same_logits_however_its_prompt_was_cut(
+    tiny_models, tmp_path: Path, family: str, quantization: str
+):
+    """With quantized weights every position's numbers are independent of the chunk it was
+    computed in (its products are row by row, its attention float64 rounded to float32):
+    one prompt fed whole, in odd chunks, or its tail one decode step at a time (a cache's
+    prefix, then the rest) gives the same logits bit for bit."""
+    model = load(tiny_models(family), tmp_path, quantization=quantization)
+    text = "the cat sat on the mat and the dog ran to the river, a red sun over the hills " * 6
+    ids = model.tokenize(text, add_special_tokens=True)[:160]
+    step = model._step or (lambda tokens, caches: caches[0].feed(model._model, torch.tensor([tokens])))
+
+    def logits(cuts: list[int], steps_from: int) -> torch.Tensor:
+        cache, rows, start = model.new_cache(), [], 0
+        with torch.inference_mode():
+            for cut in [*cuts, steps_from]:
+                rows.append(cache.feed(model._model, torch.tensor([ids[start:cut]])))
+                start = cut
+            rows += [step([token], [cache]) for token in ids[steps_from:]]
+        return torch.cat(rows[len(cuts):])
+
+    whole = logits([], 100)
+    assert torch.equal(logits([37, 64, 91], 100), whole)
+    assert torch.equal(logits([50], 80)[20:], whole)
+
+
 def test_int4_weights_give_each_row_the_numbers_it_gets_alone():
     from worker.backends.fast_weights import Int4Linear
 
@@ -91,6 +119,16 @@ def test_int4_weights_give_each_row_the_numbers_it_gets_alone():
     together = linear(rows)
     for start, count in ((0, 1), (17, 3), (100, 256 - 100), (299, 1)):
         assert torch.equal(linear(rows[start : start + count]), together[start : start + count])
+
+
+def test_int4_gives_a_linear_it_cannot_take_8_bit_rows_not_dense_weights():
+    """Every product of a quantized model gives each row the numbers it gets alone; a dense
+    one would not, so a shape the int4 kernel refuses gets 8-bit rows."""
+    from worker.backends.fast_weights import Int4Linear, Int8Linear, quantize
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 40, bias=False))
+    assert quantize(model, "int4") == 2
+    assert [type(layer) for layer in model] == [Int4Linear, Int8Linear]
 
 
 def test_int4_weights_keep_the_values_of_4_bit_groups_exactly():
@@ -164,16 +202,16 @@ def test_a_copied_cache_holds_no_spare_room(tiny_model_dir: Path, tmp_path: Path
 # --- through the worker ---------------------------------------------------------------------------
 
 
-async def test_load_reports_dense_float32_by_default_on_the_cpu_and_quantized_weights_on_request(
+async def test_load_reports_float32_with_int8_weights_by_default_on_the_cpu_and_others_on_request(
     tiny_model_dir: Path, tmp_path: Path
 ):
     host = await Host.spawn("--data-dir", str(tmp_path), env=TORCH_ENV)
     model = str(tiny_model_dir)
     try:
         info = await host.call("load", {"model": model}, timeout=120)
-        assert (info["dtype"], info["quantization"]) == ("float32", "none")
-        info = await host.call("load", {"model": model, "device": "cpu:0", "quantization": "int8"}, timeout=120)
         assert (info["dtype"], info["quantization"]) == ("float32", "int8")
+        info = await host.call("load", {"model": model, "device": "cpu:0", "quantization": "none"}, timeout=120)
+        assert (info["dtype"], info["quantization"]) == ("float32", "none")
         info = await host.call("load", {"model": model, "dtype": "bfloat16", "quantization": "int4"}, timeout=120)
         assert (info["dtype"], info["quantization"]) == ("bfloat16", "int4")
         for wrong in ({"device": "cuda", "quantization": "int4"}, {"quantization": "int3"}):
@@ -190,7 +228,7 @@ async def test_load_reports_dense_float32_by_default_on_the_cpu_and_quantized_we
 async def test_a_cache_made_with_other_weights_is_refused_naming_the_quantization(tiny_model_dir: Path, tmp_path: Path):
     host = await Host.spawn("--data-dir", str(tmp_path), env=TORCH_ENV)
     try:
-        await host.call("load", {"model": str(tiny_model_dir), "quantization": "int8"}, timeout=120)
+        await host.call("load", {"model": str(tiny_model_dir), "quantization": "none"}, timeout=120)
         await host.call("prefill", {"prompt": "the cat sat on the mat", "cache": "dense"}, timeout=60)
         await host.call("load", {"model": str(tiny_model_dir)}, timeout=120)
         with pytest.raises(WorkerError) as caught:
@@ -203,7 +241,7 @@ async def test_a_cache_made_with_other_weights_is_refused_naming_the_quantizatio
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("load_params", [{}, {"quantization": "int8"}], ids=["default", "int8"])
+@pytest.mark.parametrize("load_params", [{}, {"quantization": "none"}], ids=["default", "dense"])
 async def test_smollm2_greedy_equals_in_process_generate_on_the_same_weights(tmp_path: Path, load_params: dict):
     from protocol.methods import LoadParams
     from worker.backends.transformers_backend import TransformersBackend

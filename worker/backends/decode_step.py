@@ -16,7 +16,8 @@ What differs from transformers' decode step, and why:
   CPU BLAS runs two to five times faster (measured for SmolLM2's shapes: with the
   other form, a step over 2 sequences cost 1.6 times one over 1);
 - attention is hf_compat.one_query_attention, which the worker also has transformers
-  use for one query position (the ``lm_worker`` attention implementation);
+  use for one query position (the ``lm_worker`` attention implementations), in the
+  dtype the model was loaded with it (float64 for quantized weights);
 - RMSNorm and RoPE are transformers' operations, in its order.
 
 So a step equals transformers' forward on the same model bit for bit, and greedy
@@ -108,6 +109,7 @@ class DecodeStep:
         self._kv_heads = config.num_key_value_heads
         self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // self._heads
         self._scaling = self._head_dim**-0.5
+        self._attention_dtype = hf_compat.attention_dtype(model)
 
     def __call__(self, tokens: Sequence[int], caches: Sequence) -> torch.Tensor:
         """Logits of the next position of each sequence, shape (len(tokens), vocab); each
@@ -144,9 +146,11 @@ class DecodeStep:
                 )
                 if n == 1:
                     query = q[rows].view(kv_heads, groups, dim)
-                    attended = hf_compat.one_query_attention(query, keys[0], values[0], self._scaling)
+                    attended = hf_compat.one_query_attention(query, keys[0], values[0], self._scaling, self._attention_dtype)
                 else:
-                    attended = hf_compat.chunk_attention(q[rows].transpose(0, 1)[None], keys, values, self._scaling)
+                    attended = hf_compat.chunk_attention(
+                        q[rows].transpose(0, 1)[None], keys, values, self._scaling, self._attention_dtype
+                    )
                 outputs.append(attended.reshape(n, heads * dim))
             attended = (outputs[0] if len(outputs) == 1 else torch.cat(outputs)).to(hidden.dtype)
             hidden = hidden + layer.out(attended)

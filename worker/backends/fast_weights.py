@@ -13,18 +13,19 @@ CPU kernels for weight-only quantized products.
 The kernels are fast with bfloat16 inputs only (float32 ones take 10 to 20 times
 longer), so a linear rounds its input to bfloat16 and gives its output back in the
 model's dtype: a float32 model keeps float32 everywhere else (norms, attention, the
-residual sum, the KV cache). That is not enough for caches: a position's numbers differ
-in the last bits depending on the prompt chunk (or decode step) it was computed in, as
-attention is not computed row by row, and the bfloat16 rounding makes some of those
-differences a whole bfloat16 step; greedy output with a cache was seen to differ from
-greedy output without one (SmolLM2, int8). So these weights are chosen at ``load``,
-not the default.
+residual sum, the KV cache). The kernels compute each output row from its input row
+alone: a chunk of 256 rows gives each row the numbers it gets alone. Attention is not
+computed row by row (SDPA for a prompt chunk, one_query_attention for a decode step), so
+the worker computes it in float64 for these weights (hf_compat.WIDE_ATTENTION): rounded
+to float32, both give the same numbers, and a position's numbers no longer depend on
+the chunk or step it was computed in. Without that, the bfloat16 rounding made
+last-bit differences a whole bfloat16 step, and greedy output with a cache differed
+from greedy output without one (seen on SmolLM2). ``int8`` is the default on the CPU.
 
 Every ``nn.Linear`` of the model is replaced, the output projection (``lm_head``)
-included; embeddings stay as they are. A linear whose shape the kernel does not take
-(inputs not a multiple of 32, outputs not of 16) stays dense. The kernels compute each
-output row from its input row alone: a chunk of 256 rows gives each row the numbers
-it gets alone.
+included; embeddings stay as they are. A linear whose shape the int4 kernel does not
+take (inputs not a multiple of 32, outputs not of 16) gets 8-bit rows: a dense product
+would not give each row the numbers it gets alone.
 """
 
 from __future__ import annotations
@@ -78,21 +79,19 @@ class Int8Linear(torch.nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def _fits(scheme: str, linear: torch.nn.Linear) -> bool:
-    if scheme == "int4":
-        return linear.in_features % GROUP == 0 and linear.out_features % 16 == 0
-    return True
+def _fits_int4(linear: torch.nn.Linear) -> bool:
+    return linear.in_features % GROUP == 0 and linear.out_features % 16 == 0
 
 
 def quantize(model: torch.nn.Module, scheme: str) -> int:
     """Replace the model's linears, in place, by ``scheme``'s; how many were replaced.
     The model must be on the CPU."""
-    kind = {"int4": Int4Linear, "int8": Int8Linear}[scheme]
     dtype = next(model.parameters()).dtype
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear and _fits(scheme, child):
+            if type(child) is torch.nn.Linear:
+                kind = Int4Linear if scheme == "int4" and _fits_int4(child) else Int8Linear
                 setattr(parent, name, kind(child, dtype))
                 replaced += 1
     return replaced

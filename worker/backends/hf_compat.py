@@ -44,54 +44,79 @@ def _use_gqa_in_sdpa(attention_mask: torch.Tensor | None, key: torch.Tensor, *re
 
 sdpa_attention.use_gqa_in_sdpa = _use_gqa_in_sdpa
 
-# The attention implementation lm-worker loads models with: transformers' SDPA, but for one
+# The attention implementations lm-worker loads models with: transformers' SDPA, but for one
 # query position on the CPU (a decode step), one_query_attention. decode_step.py computes
-# with the same function, so its steps equal transformers' forward on the same model.
+# with the same functions, so its steps equal transformers' forward on the same model.
+# WIDE_ATTENTION computes attention in float64 and rounds it to float32: for quantized
+# weights, whose products give each row the numbers it gets alone, it makes a position's
+# numbers the same however the prompt was chunked (see wide_attention).
 ATTENTION = "lm_worker"
+WIDE_ATTENTION = "lm_worker_float64"
 
 
-def one_query_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+def attention_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype a model's attention is computed in (its implementation is one of ours)."""
+    return torch.float64 if model.config._attn_implementation == WIDE_ATTENTION else torch.float32
+
+
+def one_query_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Attention of one position: ``query`` (kv_heads, groups, dim), the query heads grouped
-    by the key/value head they read; ``keys``, ``values`` (kv_heads, n, dim). Returns
-    (kv_heads, groups, dim) in float32.
+    by the key/value head they read; ``keys``, ``values`` (kv_heads, n, dim). Computed in
+    ``dtype``; returns (kv_heads, groups, dim) in float32.
 
     Each key/value head is read once for its group (SDPA's decode path copies it per query
-    head), in float32: bfloat16 products this small cost more on the CPU than the conversion,
-    and the softmax is float32 as in transformers' eager attention."""
-    scores = torch.bmm(query.float(), keys.float().transpose(1, 2)) * scaling
-    return torch.bmm(torch.softmax(scores, dim=-1), values.float())
+    head), in float32 at least: bfloat16 products this small cost more on the CPU than the
+    conversion, and the softmax is float32 as in transformers' eager attention."""
+    scores = torch.bmm(query.to(dtype), keys.to(dtype).transpose(1, 2)) * scaling
+    return torch.bmm(torch.softmax(scores, dim=-1), values.to(dtype)).float()
 
 
-def chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+def chunk_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Causal attention of the last ``n`` positions: ``query`` (1, heads, n, dim), ``keys``,
-    ``values`` (1, kv_heads, positions, dim) ending with those n. Returns (1, n, heads, dim):
-    SDPA with the grouped heads read in place and a boolean mask, as transformers calls it
-    for a chunk of a prompt on the CPU."""
+    ``values`` (1, kv_heads, positions, dim) ending with those n. Returns (1, n, heads, dim)
+    in the query's dtype: SDPA with the grouped heads read in place and a boolean mask, as
+    transformers calls it for a chunk of a prompt on the CPU (in float64 with ``dtype``)."""
     n, held = query.shape[-2], keys.shape[-2] - query.shape[-2]
     mask = torch.ones(n, held + n, dtype=torch.bool, device=query.device).tril(diagonal=held)
+    wide = dtype == torch.float64
     return torch.nn.functional.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True
-    ).transpose(1, 2)
+        *((query.to(dtype), keys.to(dtype), values.to(dtype)) if wide else (query, keys, values)),
+        attn_mask=mask, scale=scaling, enable_gqa=True,
+    ).transpose(1, 2).to(query.dtype)
 
 
-def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    batch, heads, positions, dim = query.shape
-    plain = attention_mask is None and not kwargs.get("softcap") and kwargs.get("s_aux") is None
-    if positions != 1 or not plain or query.device.type != "cpu" or dropout:
-        return sdpa_attention.sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    kv_heads = key.shape[1]
-    scaling = module.scaling if scaling is None else scaling
-    rows = [
-        one_query_attention(query[row].view(kv_heads, heads // kv_heads, dim), key[row], value[row], scaling)
-        for row in range(batch)
-    ]
-    return torch.stack(rows).view(batch, 1, heads, dim).to(query.dtype), None
+def _attention_in(dtype: torch.dtype):
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        batch, heads, positions, dim = query.shape
+        plain = attention_mask is None and not kwargs.get("softcap") and kwargs.get("s_aux") is None
+        if positions != 1 or not plain or query.device.type != "cpu" or dropout:
+            if dtype == torch.float64 and query.device.type == "cpu":
+                wide = [tensor.to(dtype) for tensor in (query, key, value)]
+                out, weights = sdpa_attention.sdpa_attention_forward(
+                    module, *wide, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+                )
+                return out.to(query.dtype), weights
+            return sdpa_attention.sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
+        kv_heads = key.shape[1]
+        scaling = module.scaling if scaling is None else scaling
+        rows = [
+            one_query_attention(query[row].view(kv_heads, heads // kv_heads, dim), key[row], value[row], scaling, dtype)
+            for row in range(batch)
+        ]
+        return torch.stack(rows).view(batch, 1, heads, dim).to(query.dtype), None
+
+    return attention
 
 
-AttentionInterface.register(ATTENTION, _attention)
-AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+for _name, _dtype in ((ATTENTION, torch.float32), (WIDE_ATTENTION, torch.float64)):
+    AttentionInterface.register(_name, _attention_in(_dtype))
+    AttentionMaskInterface.register(_name, sdpa_mask)
 
 
 def new_cache(config: transformers.PretrainedConfig) -> DynamicCache:
