@@ -260,3 +260,29 @@ async def test_smollm2_greedy_equals_in_process_generate_on_the_same_weights(tmp
             assert ours == out[0, len(ids) :].tolist(), text
     finally:
         await host.close()
+
+
+def test_torch_work_off_the_model_thread_runs_on_one_thread_and_leaves_the_model_threads_alone():
+    """A thread other than the model's that does torch work (the cache I/O thread) must not
+    make an OpenMP pool of its own: while one exists, the model thread's decode steps wait
+    for sleeping threads (worker/torch_threads.py)."""
+    import threading
+
+    from worker.torch_threads import keep_to_one_thread
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen: list[int] = []
+
+    def io_thread() -> None:
+        keep_to_one_thread()
+        torch.ones(1 << 20).sum()
+        seen.append(torch.get_num_threads())
+
+    try:
+        thread = threading.Thread(target=io_thread)
+        thread.start()
+        thread.join()
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -50,6 +50,7 @@ from worker.handlers import Context, Handlers
 from worker.scheduler import DEFAULT_MAX_BATCH, Scheduler, Task
 from worker.session import Job, Lane, Session
 from worker.transcript import Recorder
+from worker.torch_threads import keep_to_one_thread
 from worker.writer import Writer
 
 log = logging.getLogger(__name__)
@@ -237,6 +238,7 @@ class Server:
 
     def start_task(self, job: Job, ready: Callable[[Task | None], None]) -> None:
         def make() -> None:
+            keep_to_one_thread()
             try:
                 task = self._routes[job.method][0](self._context(job), job.params)
             except Exception as exc:
@@ -251,7 +253,11 @@ class Server:
         def fail() -> Any:
             raise error  # type: ignore[misc]
 
-        self._cache_io.submit(self._answer, job.id, job.method, task.finish if error is None else fail, job)
+        def finish() -> Any:
+            keep_to_one_thread()
+            return task.finish() if error is None else fail()
+
+        self._cache_io.submit(self._answer, job.id, job.method, finish, job)
 
     def _context(self, job: Job) -> Context:
         return Context(job.id, job.cancelled, _ms_since(job.queued_at), self._send_notification, lambda: job.acked)
