@@ -286,3 +286,17 @@ def test_torch_work_off_the_model_thread_runs_on_one_thread_and_leaves_the_model
         assert seen == [1] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_cache_computed_with_float32_attention_is_another_identity_than_one_with_float64(tiny_model_dir: Path):
+    """Quantized weights compute attention in float64, which changes a position's last bits:
+    a cache computed before (float32 attention) must not pass for one computed now."""
+    from transformers import AutoConfig
+
+    from worker.backends import hf_compat
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config._attn_implementation = hf_compat.ATTENTION
+    narrow = hf_compat.config_digest(config)
+    config._attn_implementation = hf_compat.WIDE_ATTENTION
+    assert hf_compat.config_digest(config) != narrow

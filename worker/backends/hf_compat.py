@@ -49,7 +49,7 @@ sdpa_attention.use_gqa_in_sdpa = _use_gqa_in_sdpa
 # with the same functions, so its steps equal transformers' forward on the same model.
 # WIDE_ATTENTION computes attention in float64 and rounds it to float32: for quantized
 # weights, whose products give each row the numbers it gets alone, it makes a position's
-# numbers the same however the prompt was chunked (see wide_attention).
+# numbers the same however the prompt was chunked (fast_weights says why).
 ATTENTION = "lm_worker"
 WIDE_ATTENTION = "lm_worker_float64"
 
@@ -240,13 +240,17 @@ def rope_theta(config: transformers.PretrainedConfig) -> float | None:
 def config_digest(config: transformers.PretrainedConfig) -> str:
     """SHA-256 of the configuration as transformers resolved it, less what does not change the
     computation (where the model was loaded from, which transformers wrote it, the dtype,
-    which the identity holds separately)."""
+    which the identity holds separately), with the attention the worker computes in where
+    it is not the float32 one (to_dict leaves it out): a cache computed with float32
+    attention differs in the last bits from one computed with float64 attention."""
     import hashlib
     import json
 
     described = config.to_dict()
     for key in ("_name_or_path", "transformers_version", "dtype", "torch_dtype"):
         described.pop(key, None)
+    if config._attn_implementation == WIDE_ATTENTION:
+        described["attention"] = WIDE_ATTENTION
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=repr).encode()).hexdigest()
 
 

@@ -521,7 +521,9 @@ def _read_and_check(path, fd: int, header: Header, buffer: mmap.mmap, header_end
 
 
 def check_identity(path: str | os.PathLike[str], found: Identity, expected: Identity) -> None:
-    for field in expected.__struct_fields__:
+    # The fields a person can read (the quantization, say) before the digests that also
+    # cover them, so that a mismatch is named plainly.
+    for field in sorted(expected.__struct_fields__, key=lambda name: name.endswith("_sha256")):
         if getattr(found, field) != getattr(expected, field):
             raise IdentityMismatch(path, field, getattr(expected, field), getattr(found, field))
 
