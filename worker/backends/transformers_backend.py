@@ -89,7 +89,7 @@ class TransformersBackend:
 
 def resolve_weights(params: LoadParams) -> tuple[str, str]:
     """The dtype and quantization that ``auto`` stands for: the device's usual dtype; on the
-    CPU, 8-bit weights (a decode step reads a third of the bytes, and with them every
+    CPU, 8-bit weights (a decode step reads a quarter of the bytes, and with them every
     position's numbers are independent of the chunk it is computed in: fast_weights)."""
     kind = params.device.split(":")[0]
     dtype = _DEFAULT_DTYPES[kind] if params.dtype == "auto" else params.dtype
