@@ -238,7 +238,6 @@ class Server:
 
     def start_task(self, job: Job, ready: Callable[[Task | None], None]) -> None:
         def make() -> None:
-            keep_to_one_thread()
             try:
                 task = self._routes[job.method][0](self._context(job), job.params)
             except Exception as exc:
@@ -247,17 +246,22 @@ class Server:
                 task = None
             ready(task)
 
-        self._cache_io.submit(make)
+        self._on_cache_io(make)
 
     def finish_task(self, job: Job, task: Task, error: Exception | None = None) -> None:
         def fail() -> Any:
             raise error  # type: ignore[misc]
 
-        def finish() -> Any:
-            keep_to_one_thread()
-            return task.finish() if error is None else fail()
+        self._on_cache_io(self._answer, job.id, job.method, task.finish if error is None else fail, job)
 
-        self._cache_io.submit(self._answer, job.id, job.method, finish, job)
+    def _on_cache_io(self, work: Callable[..., Any], *args: Any) -> None:
+        """Run ``work`` on the cache I/O thread, whose torch work stays on one thread."""
+
+        def run() -> None:
+            keep_to_one_thread()
+            work(*args)
+
+        self._cache_io.submit(run)
 
     def _context(self, job: Job) -> Context:
         return Context(job.id, job.cancelled, _ms_since(job.queued_at), self._send_notification, lambda: job.acked)
