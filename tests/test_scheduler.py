@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import pytest
 
 from protocol.methods import GenerateParams, PrefillParams
 from worker.backends.base import PREFILL_CHUNK_TOKENS
-from worker.scheduler import MIN_SHARED_CHUNK_TOKENS, Admission, Scheduler
+from worker.scheduler import MIN_SHARED_CHUNK_TOKENS, SHARED_ROUND_OVER_SOLO, Admission, Scheduler
 
 
 @dataclass(eq=False)
@@ -117,6 +118,7 @@ class CountingModel:
     clock: list[float]
     step_s: float = 0.05
     token_s: float = 0.001
+    seq_s: float = 0.0  # what each decoding sequence adds to a step
     steps: list[int] = field(default_factory=list)  # batch size of each step
     chunks: list[int] = field(default_factory=list)  # tokens of each chunk fed
 
@@ -124,7 +126,7 @@ class CountingModel:
 
     def step(self, decodings, chunk=None) -> None:
         self.steps.append(len(decodings))
-        self.clock[0] += self.step_s
+        self.clock[0] += self.step_s + self.seq_s * len(decodings)
         if chunk is not None:
             decoding, max_tokens = chunk
             before = decoding.prompt_left
@@ -200,42 +202,66 @@ def test_requests_join_a_running_batch_and_leave_it_when_done():
     assert 2 in model.steps and model.steps[-1] == 1  # stepped together, then the long one alone
 
 
-def test_a_prompt_fed_beside_decoding_streams_comes_in_chunks_of_about_one_step():
-    clock = [0.0]
-    model = CountingModel(clock, step_s=0.05, token_s=0.001)  # a step costs as much as 50 prompt tokens
-    running = CountingTask(model, CountingDecoding(prompt_left=1), max_tokens=1000)
+def join_beside(model: CountingModel, clock: list[float], running: int, solo_first: bool) -> tuple[list[float], int]:
+    """Start ``running`` streams (the first alone for a while when ``solo_first``), let a
+    600-token prompt join them, and return the time of each round until it was fed and how
+    many steps there were meanwhile."""
     scheduler = Scheduler(ListLane([]), clock=lambda: clock[0])
-    scheduler.begin(running)
-    for _ in range(3):
+    streams = [CountingTask(model, CountingDecoding(prompt_left=1), max_tokens=10_000) for _ in range(running)]
+    for index, stream in enumerate(streams):
+        scheduler.begin(stream)
+        if solo_first and index == 0:
+            for _ in range(3):
+                scheduler.advance()
+    for _ in range(running + 3):  # each prompt fed, then steps of them all
         scheduler.advance()
     joining = CountingTask(model, CountingDecoding(prompt_left=600), max_tokens=1)
     scheduler.begin(joining)
     model.chunks.clear()
+    steps_before, rounds = len(model.steps), []
     while joining.decoding.prompt_left:
+        started = clock[0]
         scheduler.advance()
-    assert model.chunks[0] == MIN_SHARED_CHUNK_TOKENS  # before a chunk was timed
-    assert all(40 <= chunk <= 60 for chunk in model.chunks[1:-1]), model.chunks
-    assert max(model.chunks) < PREFILL_CHUNK_TOKENS
+        rounds.append(clock[0] - started)
+    assert joining.decoding.tokens == 1
+    return rounds, len(model.steps) - steps_before
 
 
-def test_a_model_that_feeds_chunks_in_its_step_gets_the_joining_prompt_there_sized_to_one_step():
+@pytest.mark.parametrize("chunks_in_step", [False, True])
+def test_a_prompt_fed_beside_one_stream_comes_in_chunks_that_cost_about_its_step(chunks_in_step: bool):
     clock = [0.0]
-    model = CountingModel(clock, step_s=0.05, token_s=0.001, chunks_in_step=True)
-    running = CountingTask(model, CountingDecoding(prompt_left=1), max_tokens=1000)
-    scheduler = Scheduler(ListLane([]), clock=lambda: clock[0])
-    scheduler.begin(running)
-    for _ in range(3):
-        scheduler.advance()
-    steps_before = len(model.steps)
-    joining = CountingTask(model, CountingDecoding(prompt_left=600), max_tokens=1)
-    scheduler.begin(joining)
-    model.chunks.clear()
-    while joining.decoding.prompt_left:
-        scheduler.advance()
-    rounds = len(model.steps) - steps_before
-    assert rounds == len(model.chunks), "every chunk rode along a step, none was fed on its own"
-    assert model.chunks[0] == MIN_SHARED_CHUNK_TOKENS and all(49 <= chunk <= 50 for chunk in model.chunks[1:-1]), model.chunks
-    assert joining.decoding.tokens == 1 and running.decoding.tokens == 3 + rounds
+    # a step costs as much as 50 prompt tokens; a round may add three quarters of it
+    model = CountingModel(clock, step_s=0.05, token_s=0.001, chunks_in_step=chunks_in_step)
+    rounds, steps = join_beside(model, clock, running=1, solo_first=True)
+    # the first chunk too: sized from the time of the running stream's prompt, fed alone
+    assert all(36 <= chunk <= 37 for chunk in model.chunks[:-1]), model.chunks
+    assert max(rounds) <= SHARED_ROUND_OVER_SOLO * 0.05 + 1e-9, rounds
+    if chunks_in_step:
+        assert steps == len(model.chunks), "every chunk rode along a step, none was fed on its own"
+
+
+@pytest.mark.parametrize("chunks_in_step", [False, True])
+def test_a_round_feeding_a_prompt_beside_three_streams_costs_at_most_twice_a_step_of_one_alone(chunks_in_step: bool):
+    clock = [0.0]
+    # one stream alone steps in 40 ms, three together in 60 ms: a round may add 10 ms, 10 tokens
+    model = CountingModel(clock, step_s=0.03, seq_s=0.01, token_s=0.001, chunks_in_step=chunks_in_step)
+    rounds, _ = join_beside(model, clock, running=3, solo_first=True)
+    assert all(9 <= chunk <= 10 for chunk in model.chunks[1:-1]), model.chunks
+    assert max(rounds) <= SHARED_ROUND_OVER_SOLO * 0.04 + 1e-9 < 2 * 0.04, rounds
+
+
+def test_until_one_stream_was_timed_alone_a_chunk_adds_half_the_batch_step():
+    clock = [0.0]
+    model = CountingModel(clock, step_s=0.03, seq_s=0.01, token_s=0.001, chunks_in_step=True)
+    join_beside(model, clock, running=3, solo_first=False)
+    assert all(29 <= chunk <= 30 for chunk in model.chunks[1:-1]), model.chunks
+
+
+def test_a_batch_step_already_past_twice_a_solo_step_still_feeds_the_smallest_chunk():
+    clock = [0.0]
+    model = CountingModel(clock, step_s=0.01, seq_s=0.02, token_s=0.001, chunks_in_step=True)  # 30 ms alone, 70 ms for 3
+    join_beside(model, clock, running=3, solo_first=True)
+    assert set(model.chunks) == {MIN_SHARED_CHUNK_TOKENS}, model.chunks
 
 
 def test_a_prompt_alone_is_fed_in_full_chunks():
@@ -307,3 +333,36 @@ def test_a_request_whose_token_cannot_be_taken_fails_alone_and_the_batch_goes_on
     Scheduler(lane, clock=lambda: clock[0]).run()
     assert [(task, type(error)) for task, error in lane.finished] == [(broken, ValueError), (healthy, type(None))]
     assert healthy.decoding.tokens == 10
+
+
+class LaneMakingTasksElsewhere(ListLane):
+    """Lets ``joining`` out once ``model`` has stepped ``after`` times, and makes each task on a
+    thread of its own a few milliseconds later, as the worker's cache I/O thread does."""
+
+    def __init__(self, model: CountingModel, running: CountingTask, joining: CountingTask, after: int) -> None:
+        super().__init__([running])
+        self.model, self.joining, self.after = model, joining, after
+
+    def next_job(self, wait: bool, woken):
+        if self.joining is not None and len(self.model.steps) >= self.after:
+            joining, self.joining = self.joining, None
+            return joining
+        return super().next_job(wait, woken)
+
+    def start_task(self, job, ready) -> None:
+        import threading
+        import time
+
+        threading.Thread(target=lambda: (time.sleep(0.003), ready(job))).start()
+
+
+def test_a_request_made_off_the_model_thread_joins_the_round_right_after_it_was_let_out():
+    clock = [0.0]
+    model = CountingModel(clock, step_s=0.2, chunks_in_step=True)  # a quarter of a step: 50 ms to be made
+    running = CountingTask(model, CountingDecoding(prompt_left=1), max_tokens=12)
+    joining = CountingTask(model, CountingDecoding(prompt_left=5), max_tokens=1)
+    fed_at: list[int] = []
+    feed = joining.decoding.feed
+    joining.decoding.feed = lambda n: (fed_at.append(len(model.steps)), feed(n))[1]
+    Scheduler(LaneMakingTasksElsewhere(model, running, joining, after=4), clock=lambda: clock[0]).run()
+    assert fed_at[0] == 5, f"let out after step 4, first fed in step {fed_at[0]}"

@@ -5,11 +5,12 @@
 and finished ones leave, feeds one chunk of one waiting prompt, then advances
 every decoding request by one token in a single ``Model.step``. A prompt is fed in
 chunks small enough that the streams already decoding keep flowing (the chunk is
-sized from measured times to cost about one step; a model that can computes it in
-the same pass as the step, reading its weights once for both), and a request alone
-gets the full chunk. Every other model-lane request (``load``, ``unload``, ``shutdown``, and
-those queued behind them) runs alone: it waits for the tasks before it to end, and
-the requests after it wait for it.
+sized from measured times so that a round with it costs under twice a step of one
+stream alone; a model that can computes it in the same pass as the step, reading its
+weights once for both), and a request alone gets the full chunk. Every other
+model-lane request (``load``, ``unload``, ``shutdown``, and those queued behind them)
+runs alone: it waits for the tasks before it to end, and the requests after it wait
+for it.
 
 :class:`Admission` holds these rules as a plain object, driven without threads in
 the tests; :class:`Scheduler` is the loop, run by the model thread.
@@ -26,8 +27,13 @@ from typing import Any, Protocol
 from worker.backends.base import PREFILL_CHUNK_TOKENS, Decoding, Model
 
 TASK_METHODS = frozenset({"generate", "prefill"})
-# While others decode, a chunk costs about one step, but never fewer tokens than this.
-MIN_SHARED_CHUNK_TOKENS = 16
+# While others decode, a round that feeds a chunk is sized to cost this many times a step of
+# one stream alone: under the 2x the running streams are promised, because the times it is
+# sized from vary by a fifth or more from one step to the next on a busy CPU...
+SHARED_ROUND_OVER_SOLO = 1.75
+# ...but a chunk is never smaller than this (a prompt must progress; below it each round's
+# fixed costs outweigh the tokens).
+MIN_SHARED_CHUNK_TOKENS = 4
 DEFAULT_MAX_BATCH = 8
 
 
@@ -155,9 +161,10 @@ class Scheduler:
         self._clock = clock
         self._tasks: list[tuple[Queued, Task]] = []
         self._lock = threading.Lock()
+        self._made_one = threading.Condition(self._lock)
         self._starting = 0  # tasks being made off this thread
         self._ready: list[tuple[Queued, Task | None]] = []  # made, not yet joined
-        self._step_s: float | None = None  # the last batched step's time
+        self._step_s: dict[int, float] = {}  # a step's time (recent ones averaged), by how many it decoded
         self._token_s: float | None = None  # a prompt token's time in chunks fed beside steps
 
     def run(self) -> None:
@@ -166,9 +173,12 @@ class Scheduler:
             job = self._lane.next_job(wait=not self._tasks, woken=self._has_ready)
             if job is None and not self._tasks and not self._starting and not self._has_ready():
                 return
+            begun = job is not None
             while job is not None:
                 self.begin(job)
                 job = self._lane.next_job(wait=False, woken=self._has_ready)
+            if begun and self._tasks:
+                self._await_starting()
             self.advance()
 
     def begin(self, job: Queued) -> None:
@@ -185,7 +195,16 @@ class Scheduler:
         with self._lock:
             self._starting -= 1
             self._ready.append((job, task))
+            self._made_one.notify_all()
         self._lane.wake()
+
+    def _await_starting(self) -> None:
+        """Give tasks just begun a moment (a quarter of a step) to be made, so that they join
+        this round rather than the next: making one takes a millisecond or two unless it reads a
+        stored cache, and the running ones are held up no longer than that quarter."""
+        timeout = self._step_s.get(len(self._tasks), 0.0) / 4
+        with self._made_one:
+            self._made_one.wait_for(lambda: not self._starting, timeout)
 
     def _has_ready(self) -> bool:
         with self._lock:
@@ -205,16 +224,17 @@ class Scheduler:
         feeding = waiting[0] if waiting else None
         if feeding is not None and decoding and feeding.model.chunks_in_step:
             before, started = feeding.decoding.prompt_left, self._clock()
-            chunk = (feeding.decoding, self.chunk_tokens())
+            chunk = (feeding.decoding, self.chunk_tokens(len(decoding)))
             stepped = self._guarded([*decoding, feeding], lambda: self._step(decoding, chunk))
+            step_s = self._step_s.get(len(decoding))
             if stepped:
-                fed, extra_s = before - feeding.decoding.prompt_left, self._clock() - started - (self._step_s or 0.0)
-                if fed > 0 and self._step_s is not None and extra_s > 0:
-                    self._token_s = extra_s / fed
+                fed, extra_s = before - feeding.decoding.prompt_left, self._clock() - started - (step_s or 0.0)
+                if fed > 0 and step_s is not None and extra_s > 0:
+                    self._timed_tokens(extra_s / fed)
                 self._guarded([feeding], feeding.fed)
         else:
             if feeding is not None:
-                self._guarded([feeding], lambda: self._feed(feeding, shared=bool(decoding)))
+                self._guarded([feeding], lambda: self._feed(feeding, beside=len(decoding)))
             stepped = bool(decoding) and self._guarded(decoding, lambda: self._step(decoding))
         if stepped:
             for task in decoding:  # each takes its token; one that fails there fails alone
@@ -225,8 +245,9 @@ class Scheduler:
         """One step of the decoding tasks; with ``chunk``, a part of a prompt fed in the same pass."""
         started = self._clock()
         decoding[0].model.step([task.decoding for task in decoding], *([chunk] if chunk else []))
-        if chunk is None:
-            self._step_s = self._clock() - started
+        if chunk is None:  # averaged with the ones before: one step's time is noisy
+            took_s, before = self._clock() - started, self._step_s.get(len(decoding))
+            self._step_s[len(decoding)] = took_s if before is None else (before + took_s) / 2
 
     def _guarded(self, tasks: list[Task], work: Callable[[], None]) -> bool:
         """Run ``work``; if it fails, the tasks it was for fail with its error, and only they."""
@@ -240,23 +261,34 @@ class Scheduler:
             return False
         return True
 
-    def _feed(self, task: Task, *, shared: bool) -> None:
-        if not shared:
-            task.feed(PREFILL_CHUNK_TOKENS)
-            return
-        before = task.decoding.prompt_left
-        budget = self.chunk_tokens()
-        started = self._clock()
-        task.feed(budget)
-        fed = before - task.decoding.prompt_left
-        if fed > 0:
-            self._token_s = (self._clock() - started) / fed
+    def _feed(self, task: Task, *, beside: int) -> None:
+        """Feed a chunk of ``task``'s prompt on its own, ``beside`` that many decoding tasks
+        (a full chunk when none decodes)."""
+        before, started = task.decoding.prompt_left, self._clock()
+        task.feed(self.chunk_tokens(beside) if beside else PREFILL_CHUNK_TOKENS)
+        fed, took_s = before - task.decoding.prompt_left, self._clock() - started
+        if not beside and task.model.chunks_in_step:  # beside a step, the pass over the weights is the step's
+            took_s -= self._step_s.get(1, 0.0)
+        if fed > 0 and took_s > 0:
+            self._timed_tokens(took_s / fed)
 
-    def chunk_tokens(self) -> int:
-        """Prompt tokens to feed beside running streams: about one step's worth of time."""
-        if self._step_s is None or not self._token_s:
+    def _timed_tokens(self, token_s: float) -> None:
+        """A prompt token's time, as just measured: averaged with the ones before (a small
+        chunk's time is noisy), the first from a prompt fed alone (cheaper per token, so the
+        first chunk beside streams may be too big; the next ones correct it)."""
+        self._token_s = token_s if self._token_s is None else (self._token_s + token_s) / 2
+
+    def chunk_tokens(self, decoding: int) -> int:
+        """Prompt tokens to feed beside ``decoding`` running streams: what a round can add to
+        their step and still cost SHARED_ROUND_OVER_SOLO steps of one stream alone.
+
+        Until a step of one stream was timed, the chunk may add half the batch's step."""
+        step_s = self._step_s.get(decoding)
+        if step_s is None or not self._token_s:
             return MIN_SHARED_CHUNK_TOKENS
-        return max(MIN_SHARED_CHUNK_TOKENS, min(PREFILL_CHUNK_TOKENS, int(self._step_s / self._token_s)))
+        solo_s = self._step_s.get(1)
+        budget_s = step_s / 2 if solo_s is None else SHARED_ROUND_OVER_SOLO * min(solo_s, step_s) - step_s
+        return max(MIN_SHARED_CHUNK_TOKENS, min(PREFILL_CHUNK_TOKENS, int(budget_s / self._token_s)))
 
     def _let_finished_go(self) -> None:
         finished = [(job, task) for job, task in self._tasks if task.done]
