@@ -50,6 +50,7 @@ bench: compile
 	$(BIN)/python bench/generate_bench.py
 	$(BIN)/python bench/batch_bench.py
 	$(BIN)/python bench/constraint_bench.py
+	$(BIN)/python bench/draft_bench.py
 
 # lm-worker beside llama.cpp (node-llama-cpp, installed into bench/llama-cpp on first use).
 bench-llama-cpp: compile $(NODE_STAMP)

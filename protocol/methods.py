@@ -248,6 +248,18 @@ class ToolCall(Result):
     error: str | None  # why the call is malformed (not JSON, an unknown tool); null when it is not
 
 
+class PromptLookup(
+    msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True, tag_field="method", tag="prompt_lookup"
+):
+    """Draft tokens from the sequence itself: after its last n tokens, those that followed
+    their latest earlier occurrence. The model checks a draft in one pass and the output is
+    the same as without it."""
+
+    draft_tokens: Annotated[int, Meta(ge=1, le=64)] = 8  # at most this many drafted per step
+    ngram_max: Annotated[int, Meta(ge=1, le=16)] = 3  # the longest tail looked up...
+    ngram_min: Annotated[int, Meta(ge=1, le=16)] = 2  # ...down to this one
+
+
 class GenerateParams(PromptParams):
     max_tokens: Annotated[int, Meta(ge=1)] = 256
     temperature: Annotated[float, Meta(ge=0)] = 0.0  # 0 is greedy
@@ -273,6 +285,8 @@ class GenerateParams(PromptParams):
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice = "auto"
     # false: a tool_choice that forces calls allows exactly one
     parallel_tool_calls: bool = True
+    # Speculative decoding: tokens drafted and checked several per step (same output, sooner).
+    draft: PromptLookup | None = None
 
 
 class GenerateChunk(Result):
@@ -308,6 +322,8 @@ class Timings(Result):
     decode_ms: float  # first token to last
     total_ms: float
     tokens_per_second: float  # completion tokens after the first, per second of decode
+    draft_tokens: int  # drafted tokens the model checked (params.draft)
+    draft_accepted_tokens: int  # of those, the ones the output took
 
 
 class SkippedCache(Result):

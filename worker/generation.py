@@ -121,6 +121,23 @@ def check_context(model: Model, prompt_length: int, max_tokens: int) -> None:
         )
 
 
+def check_draft(model: Model, params: GenerateParams) -> None:
+    draft = params.draft
+    if draft is None:
+        return
+    drafting = getattr(model, "drafting", None)  # optional (DraftingModel)
+    refused = f"The {model.info.backend} backend does not draft tokens; leave out 'draft'." if drafting is None else drafting()
+    if refused is not None:
+        raise RpcError(ErrorKind.UNSUPPORTED, refused, field="params.draft")
+    if draft.ngram_min > draft.ngram_max:
+        raise RpcError(
+            ErrorKind.INVALID_PARAMS,
+            f"draft.ngram_min ({draft.ngram_min}) is more than draft.ngram_max ({draft.ngram_max}); "
+            "the lookup tries tails from ngram_max tokens down to ngram_min.",
+            field="params.draft.ngram_min",
+        )
+
+
 class Generation:
     """One generate request on its way: the scheduler feeds its prompt and steps it; each token
     goes through the stream (text deltas, stop strings) and the limits, until something stops it."""
@@ -170,15 +187,16 @@ class Generation:
             self.advance()
 
     def advance(self) -> None:
-        """Take the token the last step (or the prompt's last chunk) made possible; a request
-        cancelled meanwhile takes none."""
-        if self.done:
-            return
-        token = self.decoding.next_token()
-        self._first_token_at = self._first_token_at or time.perf_counter()
-        self._stop = self._stream.push(token)
-        if self._stop is None and len(self._stream.tokens) >= self._params.max_tokens:
-            self._stop = _reason("max_tokens")
+        """Take the tokens the last step (or the prompt's last chunk) made possible: one, or
+        more where it checked a draft; a request cancelled meanwhile takes none."""
+        while not self.done:
+            token = self.decoding.next_token()
+            self._first_token_at = self._first_token_at or time.perf_counter()
+            self._stop = self._stream.push(token)
+            if self._stop is None and len(self._stream.tokens) >= self._params.max_tokens:
+                self._stop = _reason("max_tokens")
+            if self._params.draft is None or not self.decoding.has_next():
+                return
 
     @property
     def done(self) -> bool:
@@ -195,6 +213,7 @@ class Generation:
         tokens = self._stream.tokens
         start = self._start
         calls = self._stream.tool_calls
+        drafted = self._params.draft is not None  # then the decoding is a DraftingDecoding (check_draft)
         made_calls = any(call.error is None for call in calls) and self._stop.kind in ("eos", "stop_string")
         result = GenerateResult(
             text=self._stream.text,
@@ -216,6 +235,8 @@ class Generation:
                 decode_ms=decode_s * 1000.0,
                 total_ms=(finished - self._started) * 1000.0,
                 tokens_per_second=(len(tokens) - 1) / decode_s if decode_s > 0 and len(tokens) > 1 else 0.0,
+                draft_tokens=self.decoding.drafted_tokens if drafted else 0,
+                draft_accepted_tokens=self.decoding.accepted_tokens if drafted else 0,
             ),
         )
         self._after(result)
@@ -232,7 +253,10 @@ def cancelled_before_start(queued_ms: float) -> GenerateResult:
         finish_reason="cancelled",
         stop_reason=_reason("cancelled"),
         usage=Usage(prompt_tokens=0, completion_tokens=0, cache_read_tokens=0, cache_write_tokens=0),
-        timings=Timings(queued_ms=queued_ms, prompt_ms=0.0, decode_ms=0.0, total_ms=0.0, tokens_per_second=0.0),
+        timings=Timings(
+            queued_ms=queued_ms, prompt_ms=0.0, decode_ms=0.0, total_ms=0.0, tokens_per_second=0.0,
+            draft_tokens=0, draft_accepted_tokens=0,
+        ),
         cache=None,
     )
 

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from worker.caching import Prefill
     from worker.kvcache.store import CacheStore
 from worker.constraints import output_constraint
-from worker.generation import Generation, check_vocabulary, prompt_tokens, render_messages
+from worker.generation import Generation, check_draft, check_vocabulary, prompt_tokens, render_messages
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +158,7 @@ class Handlers:
         model = self._loaded()
         prompt = prompt_tokens(model, params)
         constraint = output_constraint(model, params)
+        check_draft(model, params)
         start = start_generate(self._store(), model, params, prompt)
         return Generation(
             model,

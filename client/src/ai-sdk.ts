@@ -59,6 +59,8 @@ export interface LmWorkerCallOptions {
   repetitionPenalty?: number;
   /** With `toolChoice` "required" or a named tool: false allows exactly one call (default true). */
   parallelToolCalls?: boolean;
+  /** Speculative decoding, the same output sooner where it repeats the prompt: `{ method: "prompt_lookup" }` (PROTOCOL §21). */
+  draft?: GenerateParams["draft"];
 }
 
 export interface LmWorkerProvider extends ProviderV4 {
@@ -310,7 +312,7 @@ function toResponseFormat(format: LanguageModelV4CallOptions["responseFormat"]):
 }
 
 function toWorkerOptions(options: JSONObject | undefined, warnings: SharedV4Warning[]): Partial<GenerateParams> {
-  const { cache, cacheTrimTokens, minP, repetitionPenalty, parallelToolCalls, ...rest } = (options ?? {}) as LmWorkerCallOptions;
+  const { cache, cacheTrimTokens, minP, repetitionPenalty, parallelToolCalls, draft, ...rest } = (options ?? {}) as LmWorkerCallOptions;
   for (const name of Object.keys(rest)) {
     warnings.push({ type: "unsupported", feature: `providerOptions["${PROVIDER}"].${name}` });
   }
@@ -321,6 +323,7 @@ function toWorkerOptions(options: JSONObject | undefined, warnings: SharedV4Warn
     min_p: minP,
     repetition_penalty: repetitionPenalty,
     parallel_tool_calls: parallelToolCalls,
+    draft,
   };
 }
 

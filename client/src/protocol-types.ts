@@ -202,6 +202,8 @@ export interface GenerateParams {
   tool_choice?: "auto" | "none" | "required" | NamedToolChoice;
   /** Default `true`. */
   parallel_tool_calls?: boolean;
+  /** Default `null`. */
+  draft?: PromptLookup | null;
 }
 
 export interface TextFormat {
@@ -236,6 +238,17 @@ export interface NamedToolChoice {
 
 export interface ToolName {
   name: string;
+}
+
+/** Draft tokens from the sequence itself: after its last n tokens, those that followed their latest earlier occurrence. The model checks a draft in one pass and the output is the same as without it. */
+export interface PromptLookup {
+  method: "prompt_lookup";
+  /** minimum 1; maximum 64. Default `8`. */
+  draft_tokens?: number;
+  /** minimum 1; maximum 16. Default `3`. */
+  ngram_max?: number;
+  /** minimum 1; maximum 16. Default `2`. */
+  ngram_min?: number;
 }
 
 export interface GenerateResult {
@@ -278,6 +291,8 @@ export interface Timings {
   decode_ms: number;
   total_ms: number;
   tokens_per_second: number;
+  draft_tokens: number;
+  draft_accepted_tokens: number;
 }
 
 /** What a generate did with its cache. */

@@ -335,6 +335,18 @@ describe("the AI SDK provider with the tiny model", () => {
     assert.deepEqual(partials.at(-1), object);
   });
 
+  test("a draft in providerOptions gives the text of plain decoding, and its counts in the metadata", async () => {
+    const prompt = "one two three four one two three four one two three four";
+    const plain = await generateText({ model: lm(modelDir), prompt, maxOutputTokens: 40 });
+    const drafted = await generateText({
+      model: lm(modelDir), prompt, maxOutputTokens: 40,
+      providerOptions: { "lm-worker": { draft: { method: "prompt_lookup" } } },
+    });
+    assert.equal(drafted.text, plain.text);
+    const timings = drafted.providerMetadata?.["lm-worker"]?.timings as { draft_tokens: number } | undefined;
+    assert.ok(timings !== undefined && timings.draft_tokens > 0, JSON.stringify(drafted.providerMetadata));
+  });
+
   test('a second turn with cache "auto" reads the first turn\'s tokens from the cache', async () => {
     const providerOptions = { "lm-worker": { cache: "auto" } };
     const messages: ModelMessage[] = [{ role: "user", content: "Tell me a story about a cat." }];

@@ -88,6 +88,30 @@ class Decoding(Protocol):
         ...
 
 
+class DraftingModel(Model, Protocol):
+    """A model whose generations can draft tokens and check them in a step (``params.draft``).
+    Optional: the worker refuses ``draft`` for a model without ``drafting``."""
+
+    def drafting(self) -> str | None:
+        """None when a generation may draft tokens; else why it may not."""
+        ...
+
+    def start(self, prompt: Sequence[int], params: GenerateParams | None) -> DraftingDecoding: ...
+
+
+class DraftingDecoding(Decoding, Protocol):
+    """A decoding of a ``DraftingModel`` whose params have a ``draft``: ``next_token`` may be
+    called again while ``has_next``."""
+
+    drafted_tokens: int  # drafted tokens checked so far
+    accepted_tokens: int  # of those, the ones chosen
+
+    def has_next(self) -> bool:
+        """Whether another token can be chosen before the next step: a step that checked
+        drafted tokens gives one more for each one the previous choice took."""
+        ...
+
+
 class CachingModel(Model, Protocol):
     """A model whose KV cache lm-worker can store and reuse (``supports_cache = True``)."""
 

@@ -116,10 +116,13 @@ class DecodeStep:
         cache then covers its token too."""
         return self.forward([[token] for token in tokens], caches)
 
-    def forward(self, sequences: Sequence[Sequence[int]], caches: Sequence) -> torch.Tensor:
+    def forward(
+        self, sequences: Sequence[Sequence[int]], caches: Sequence, last: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """As a step, but each sequence may bring several new tokens (a chunk of a prompt fed
-        beside the decoding requests: one pass over the weights for all of them). Logits of
-        the last new position of each sequence, shape (len(sequences), vocab)."""
+        beside the decoding requests, or a decoding's drafted tokens to check: one pass over
+        the weights for all of them). Logits of the last ``last[i]`` (default 1) new
+        positions of each sequence, in order, shape (sum(last), vocab)."""
         heads, kv_heads, dim = self._heads, self._kv_heads, self._head_dim
         groups = heads // kv_heads
         lengths = [len(sequence) for sequence in sequences]
@@ -158,6 +161,9 @@ class DecodeStep:
             hidden = hidden + layer.down(torch.nn.functional.silu(gate) * up)
         for cache, n in zip(caches, lengths):
             cache.length += n
-        if total > len(lengths):
-            hidden = hidden[torch.tensor(lengths, device=device).cumsum(0) - 1]
+        wanted = [1] * len(lengths) if last is None else last
+        if sum(wanted) < total:
+            ends = torch.tensor(lengths).cumsum(0).tolist()
+            rows = [end - k + j for end, k in zip(ends, wanted) for j in range(k)]
+            hidden = hidden[torch.tensor(rows, device=device)]
         return self._head(_rms_norm(*self._norm, hidden))

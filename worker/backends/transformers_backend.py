@@ -24,7 +24,7 @@ import msgspec
 
 from protocol.errors import ErrorKind, RpcError
 from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo, SpecialToken, Tool
-from worker import tool_calls
+from worker import prompt_lookup, tool_calls
 from worker.backends.base import PREFILL_CHUNK_TOKENS
 from worker.constraints import GrammarTokenizer
 
@@ -230,19 +230,39 @@ class TransformersModel:
         """Whether a step computes its sequences in one pass, a prompt chunk with them."""
         return self._step is not None
 
+    def drafting(self) -> str | None:
+        if self._step is None:
+            return (
+                f"'draft' needs a model of the Llama architecture (this one is {self._model.config.model_type!r}): "
+                "its decode step checks a draft in one pass. Leave out 'draft'."
+            )
+        if self.info.quantization == "none":
+            return (
+                "'draft' needs quantized weights (load with quantization 'auto' or 'int8' on the CPU): with them a "
+                "position's numbers are the same however many positions a pass computes, so a checked draft gives "
+                "exactly the output of plain decoding; with dense weights they may differ in the last bits. "
+                "Leave out 'draft', or load quantized weights."
+            )
+        return None
+
     def step(self, decodings: Sequence[Decoding], chunk: tuple[Decoding, int] | None = None) -> None:
         import torch
 
         with torch.inference_mode():
             if self._step is not None:
-                sequences = [d.tokens[-1:] for d in decodings]
+                drafts = [d.propose() for d in decodings]
+                sequences = [d.tokens[-1:] + draft for d, draft in zip(decodings, drafts)]
+                outputs = [1 + len(draft) for draft in drafts]
                 fed = list(decodings)
                 if chunk is not None:
                     sequences.append(chunk[0].next_chunk(chunk[1]))
+                    outputs.append(1)
                     fed.append(chunk[0])
-                logits = self._step.forward(sequences, [d.cache for d in fed])
-                for row, decoding in enumerate(fed):
-                    decoding.logits = logits[row : row + 1]
+                logits = self._step.forward(sequences, [d.cache for d in fed], outputs)
+                first = 0
+                for decoding, rows in zip(fed, outputs):
+                    decoding.logits = logits[first : first + rows]
+                    first += rows
                 return
             assert chunk is None, "this model feeds prompt chunks on their own"
             for decoding in decodings:
@@ -258,7 +278,12 @@ class TransformersModel:
 
 
 class Decoding:
-    """A prompt fed into a TorchCache in chunks, then tokens chosen from the logits."""
+    """A prompt fed into a TorchCache in chunks, then tokens chosen from the logits.
+
+    With ``params.draft``, each step also feeds the tokens prompt lookup drafts after the
+    last one, and its logits have a row for each position: a token chosen from a row that
+    equals the draft's token there lets the next row be chosen from too (the cache already
+    holds that token); at the first that differs, the cache is cut back to the tokens chosen."""
 
     def __init__(
         self,
@@ -274,7 +299,13 @@ class Decoding:
 
         self.cache = cache
         self.tokens = list(prompt)  # the prompt and the tokens chosen so far
-        self.logits = None  # of the last position fed
+        self._logits = None  # of the positions fed last: one, or one per drafted token and one
+        self._row = 0  # the row the next token is chosen from
+        self._draft: list[int] = []  # the tokens drafted after tokens[-1] in the last step
+        self._lookup = params.draft if params is not None else None
+        self._draft_length = self._lookup.draft_tokens if self._lookup is not None else 0
+        self._max_length = len(self.tokens) + (params.max_tokens if params is not None else 0)
+        self.drafted_tokens = self.accepted_tokens = 0
         self._owner = owner
         self._prompt = torch.tensor([self.tokens], dtype=torch.long, device=owner._device)
         self._sampler = Sampler(params, owner._device) if params is not None else None
@@ -283,6 +314,34 @@ class Decoding:
     @property
     def prompt_left(self) -> int:
         return max(0, self._prompt.shape[1] - self.cache.length)
+
+    @property
+    def logits(self):
+        return self._logits
+
+    @logits.setter
+    def logits(self, logits) -> None:
+        self._logits, self._row = logits, 0
+
+    def propose(self) -> list[int]:
+        """The tokens to feed after the last one in this step: a draft that does not reach past
+        max_tokens (none without ``params.draft``).
+
+        Each drafted token costs a step a few percent more, taken or not: after a draft taken
+        whole the next may be twice as long (up to ``draft_tokens``); after one taken in part,
+        one token longer than the part taken."""
+        self._draft = []
+        if self._lookup is not None:
+            room = self._max_length - len(self.tokens) - 1  # the step chooses one token past the draft
+            self._draft = prompt_lookup.draft(
+                self.tokens, max_tokens=min(self._draft_length, room),
+                ngram_max=self._lookup.ngram_max, ngram_min=self._lookup.ngram_min,
+            )
+            self.drafted_tokens += len(self._draft)
+        return self._draft
+
+    def has_next(self) -> bool:
+        return self._logits is not None and self._row < self._logits.shape[0]
 
     def next_chunk(self, max_tokens: int) -> list[int]:
         """The next at most ``max_tokens`` prompt tokens, for a step that feeds them beside
@@ -308,8 +367,8 @@ class Decoding:
                     self.cache.checkpoint()
 
     def next_token(self) -> int:
-        assert self._sampler is not None and self.logits is not None, "a prefill chooses no tokens"
-        logits = self.logits
+        assert self._sampler is not None and self._logits is not None, "a prefill chooses no tokens"
+        logits = self._logits[self._row : self._row + 1]
         if self._constraint is not None:
             import torch
 
@@ -319,6 +378,17 @@ class Decoding:
         if self._constraint is not None:
             self._constraint.accept(token)
         self.tokens.append(token)
+        if self._row < len(self._draft) and token == self._draft[self._row]:
+            self._row += 1
+            self.accepted_tokens += 1
+        else:  # the rest of the draft is not the output: its positions leave the cache
+            if self._draft and self._lookup is not None:
+                taken = self._row
+                whole = taken == len(self._draft)
+                self._draft_length = min(self._lookup.draft_tokens, max(self._draft_length, 2 * taken) if whole else taken + 1)
+            self._row = self._logits.shape[0]
+            if self.cache.length >= len(self.tokens):
+                self.cache.crop(len(self.tokens) - 1)
         return token
 
 

@@ -9,7 +9,7 @@
  */
 import type { LanguageModelV4, ProviderV4 } from "@ai-sdk/provider";
 import { LmWorker, type WorkerOptions } from "./client.js";
-import type { LoadParams } from "./protocol-types.js";
+import type { GenerateParams, LoadParams } from "./protocol-types.js";
 export interface LmWorkerProviderSettings {
     /** A running worker to use; the provider neither starts nor closes it. */
     worker?: LmWorker;
@@ -28,6 +28,8 @@ export interface LmWorkerCallOptions {
     repetitionPenalty?: number;
     /** With `toolChoice` "required" or a named tool: false allows exactly one call (default true). */
     parallelToolCalls?: boolean;
+    /** Speculative decoding, the same output sooner where it repeats the prompt: `{ method: "prompt_lookup" }` (PROTOCOL §21). */
+    draft?: GenerateParams["draft"];
 }
 export interface LmWorkerProvider extends ProviderV4 {
     /** The language model that `load` names `modelId` ("default", a model directory, a .gguf file). */

@@ -235,7 +235,7 @@ function toResponseFormat(format) {
     };
 }
 function toWorkerOptions(options, warnings) {
-    const { cache, cacheTrimTokens, minP, repetitionPenalty, parallelToolCalls, ...rest } = (options ?? {});
+    const { cache, cacheTrimTokens, minP, repetitionPenalty, parallelToolCalls, draft, ...rest } = (options ?? {});
     for (const name of Object.keys(rest)) {
         warnings.push({ type: "unsupported", feature: `providerOptions["${PROVIDER}"].${name}` });
     }
@@ -246,6 +246,7 @@ function toWorkerOptions(options, warnings) {
         min_p: minP,
         repetition_penalty: repetitionPenalty,
         parallel_tool_calls: parallelToolCalls,
+        draft,
     };
 }
 // --- the prompt ----------------------------------------------------------------------------
