@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_common import cpu_pressure_us, median, verdict, write_report  # noqa: E402
+from bench.bench_common import cpu_pressure_since, cpu_pressure_us, median, verdict, write_report  # noqa: E402
 from worker.host import Host  # noqa: E402
 
 TOPICS = ["the history of Rome", "how rain forms", "the rules of chess", "a trip to the mountains",
@@ -147,9 +147,7 @@ async def main() -> None:
                 bound = joined["gap_before_max_ms"] + joined["gap_during_max_ms"]
                 print(f"  first token within the step in progress plus one round ({bound:.0f} ms): "
                       f"{verdict(joined['first_token_joined_ms'] <= bound)}")
-        after = cpu_pressure_us()
-        if pressure is not None and after is not None:
-            report["cpu_pressure_s"] = (after - pressure) / 1e6
+        report["cpu_pressure_s"] = cpu_pressure_since(pressure)
     finally:
         await host.close()
     if args.json:

@@ -18,6 +18,12 @@ def cpu_pressure_us() -> int | None:
         return None
 
 
+def cpu_pressure_since(start: int | None) -> float | None:
+    """Seconds some task waited for a CPU since ``start`` (a cpu_pressure_us reading)."""
+    now = cpu_pressure_us()
+    return None if start is None or now is None else (now - start) / 1e6
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_common import cpu_pressure_us, verdict, write_report  # noqa: E402
+from bench.bench_common import cpu_pressure_since, cpu_pressure_us, verdict, write_report  # noqa: E402
 from worker.host import Host  # noqa: E402
 
 CODE = '''def load_orders(path):
@@ -124,9 +124,7 @@ async def main() -> None:
                 rows[name] = {"tokens_per_s": rates, "ratio": ratio, "drafted": drafted, "taken": taken,
                               "tokens_per_step": tokens / steps, "equal": equal}
             report["prompts"][kind] = rows
-        after = cpu_pressure_us()
-        if pressure is not None and after is not None:
-            report["cpu_pressure_s"] = (after - pressure) / 1e6
+        report["cpu_pressure_s"] = cpu_pressure_since(pressure)
     finally:
         await host.close()
     if args.json:
