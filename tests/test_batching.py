@@ -147,9 +147,10 @@ async def test_streams_in_a_batch_equal_each_request_alone_with_caches_in_it(cac
         await host.call("load", {"model": cache_model}, timeout=300)
         system = "the cat sat on the mat and the dog runs quickly to the river. " * 3
         # Prompts SmolLM2 continues for at least 16 tokens; the first runs longest, so that the
-        # others join it while it decodes even on a crowded machine.
+        # others join it while it decodes even on a crowded machine (their prompts come in
+        # small chunks beside it, to keep its gaps short).
         requests = [
-            {"prompt": system + "The river is", "max_tokens": 40},
+            {"prompt": system + "The river is", "max_tokens": 160},
             {"prompt": system + "And the sea?", "max_tokens": 16},
             {"prompt": "hello world, the sun", "temperature": 0.9, "seed": 7, "max_tokens": 16},
             {"prompt": system + "Then the dog", "max_tokens": 16},
@@ -173,7 +174,10 @@ async def test_streams_in_a_batch_equal_each_request_alone_with_caches_in_it(cac
 async def test_four_smollm2_streams_in_one_batch_equal_each_alone(spawn_worker: SpawnWorker):
     host = await spawn_worker(env=TORCH_ENV)
     await host.call("load", {"model": "default"}, timeout=600)
-    questions = ["What is the capital of France?", "Name a prime number.", "Write a haiku about rain.", "What is 2+2?"]
+    # Answers that run past max_tokens: the last prompt is fed (in small chunks beside the
+    # streams already decoding) while the first still decodes.
+    topics = ["the history of Rome", "how rain forms", "the rules of chess", "the life of bees"]
+    questions = [f"Write a long, detailed essay about {topic}." for topic in topics]
     params = [{"messages": [{"role": "user", "content": q}], "max_tokens": 48} for q in questions]
     alone = [(await host.call("generate", p, timeout=300))["tokens"] for p in params]
     started = [host.start("generate", p) for p in params]

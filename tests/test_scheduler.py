@@ -193,12 +193,12 @@ class ListLane:
 def test_requests_join_a_running_batch_and_leave_it_when_done():
     clock = [0.0]
     model = CountingModel(clock)
-    short, long = (CountingTask(model, CountingDecoding(prompt_left=4), max_tokens=n) for n in (3, 6))
+    short, long = (CountingTask(model, CountingDecoding(prompt_left=4), max_tokens=n) for n in (5, 8))
     lane = ListLane([short, long])
     scheduler = Scheduler(lane, clock=lambda: clock[0])
     scheduler.run()
     assert [task for task, _ in lane.finished] == [short, long]
-    assert long.decoding.tokens == 6 and short.decoding.tokens == 3
+    assert long.decoding.tokens == 8 and short.decoding.tokens == 5
     assert 2 in model.steps and model.steps[-1] == 1  # stepped together, then the long one alone
 
 
@@ -250,11 +250,18 @@ def test_a_round_feeding_a_prompt_beside_three_streams_costs_at_most_twice_a_ste
     assert max(rounds) <= SHARED_ROUND_OVER_SOLO * 0.04 + 1e-9 < 2 * 0.04, rounds
 
 
-def test_until_one_stream_was_timed_alone_a_chunk_adds_half_the_batch_step():
+def test_the_first_round_beside_a_stream_no_step_was_timed_for_is_a_step_alone():
     clock = [0.0]
-    model = CountingModel(clock, step_s=0.03, seq_s=0.01, token_s=0.001, chunks_in_step=True)
-    join_beside(model, clock, running=3, solo_first=False)
-    assert all(29 <= chunk <= 30 for chunk in model.chunks[1:-1]), model.chunks
+    model = CountingModel(clock, step_s=0.05, token_s=0.001, chunks_in_step=True)
+    running, joining = (CountingTask(model, CountingDecoding(prompt_left=n), max_tokens=100) for n in (1, 600))
+    scheduler = Scheduler(ListLane([]), clock=lambda: clock[0])
+    scheduler.begin(running)
+    scheduler.advance()  # its prompt, alone
+    scheduler.begin(joining)
+    scheduler.advance()
+    assert model.chunks == [1] and model.steps == [1], "the joining prompt waits one step: the step is timed"
+    scheduler.advance()
+    assert 36 <= model.chunks[-1] <= 37, model.chunks  # sized from that step
 
 
 def test_a_batch_step_already_past_twice_a_solo_step_still_feeds_the_smallest_chunk():
@@ -277,7 +284,9 @@ def test_a_failing_step_fails_the_requests_in_it_and_not_a_prompt_being_fed():
 
     class BrokenModel(CountingModel):
         def step(self, decodings) -> None:
-            raise RuntimeError("out of memory")
+            if self.steps:
+                raise RuntimeError("out of memory")
+            super().step(decodings)
 
     model = BrokenModel(clock)
     first, second = (CountingTask(model, CountingDecoding(prompt_left=1), max_tokens=5) for _ in range(2))
@@ -285,10 +294,11 @@ def test_a_failing_step_fails_the_requests_in_it_and_not_a_prompt_being_fed():
     scheduler = Scheduler(lane, clock=lambda: clock[0])
     scheduler.begin(first)
     scheduler.advance()  # feeds the first prompt; it takes its first token
+    scheduler.advance()  # a step (it works once)
     scheduler.begin(second)
     scheduler.advance()  # feeds the second prompt, then steps the first: the step fails
     assert lane.finished == [(first, lane.finished[0][1])] and isinstance(lane.finished[0][1], RuntimeError)
-    assert scheduler.tasks == [second] and second.decoding.tokens == 1
+    assert scheduler.tasks == [second] and second.decoding.tokens == 1 and first.decoding.tokens == 2
 
 
 def test_running_requests_keep_stepping_while_a_new_one_is_made_off_the_model_thread():

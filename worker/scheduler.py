@@ -202,7 +202,7 @@ class Scheduler:
         """Give tasks just begun a moment (a quarter of a step) to be made, so that they join
         this round rather than the next: making one takes a millisecond or two unless it reads a
         stored cache, and the running ones are held up no longer than that quarter."""
-        timeout = self._step_s.get(len(self._tasks), 0.0) / 4
+        timeout = (self._step_time(len(self._tasks)) or 0.0) / 4
         with self._made_one:
             self._made_one.wait_for(lambda: not self._starting, timeout)
 
@@ -222,11 +222,13 @@ class Scheduler:
         waiting = [task for _, task in self._tasks if task.decoding.prompt_left]
         decoding = [task for _, task in self._tasks if not task.decoding.prompt_left]
         feeding = waiting[0] if waiting else None
+        if feeding is not None and decoding and not self._step_s:
+            feeding = None  # a step alone first: chunks beside steps are sized from its time
         if feeding is not None and decoding and feeding.model.chunks_in_step:
             before, started = feeding.decoding.prompt_left, self._clock()
             chunk = (feeding.decoding, self.chunk_tokens(len(decoding)))
             stepped = self._guarded([*decoding, feeding], lambda: self._step(decoding, chunk))
-            step_s = self._step_s.get(len(decoding))
+            step_s = self._step_s.get(len(decoding))  # learn from a round only beside a step measured
             if stepped:
                 fed, extra_s = before - feeding.decoding.prompt_left, self._clock() - started - (step_s or 0.0)
                 if fed > 0 and step_s is not None and extra_s > 0:
@@ -268,7 +270,7 @@ class Scheduler:
         task.feed(self.chunk_tokens(beside) if beside else PREFILL_CHUNK_TOKENS)
         fed, took_s = before - task.decoding.prompt_left, self._clock() - started
         if not beside and task.model.chunks_in_step:  # beside a step, the pass over the weights is the step's
-            took_s -= self._step_s.get(1, 0.0)
+            took_s -= self._step_time(1) or 0.0
         if fed > 0 and took_s > 0:
             self._timed_tokens(took_s / fed)
 
@@ -278,16 +280,20 @@ class Scheduler:
         first chunk beside streams may be too big; the next ones correct it)."""
         self._token_s = token_s if self._token_s is None else (self._token_s + token_s) / 2
 
+    def _step_time(self, decoding: int) -> float | None:
+        """A step's time for this many decoding tasks: as measured, or, while a chunk has ridden
+        along every step of that many, a step of the nearest number measured (None: no step yet)."""
+        if not self._step_s:
+            return None
+        return self._step_s[min(self._step_s, key=lambda n: (abs(n - decoding), n))]
+
     def chunk_tokens(self, decoding: int) -> int:
         """Prompt tokens to feed beside ``decoding`` running streams: what a round can add to
-        their step and still cost SHARED_ROUND_OVER_SOLO steps of one stream alone.
-
-        Until a step of one stream was timed, the chunk may add half the batch's step."""
-        step_s = self._step_s.get(decoding)
-        if step_s is None or not self._token_s:
+        their step and still cost SHARED_ROUND_OVER_SOLO steps of one stream alone."""
+        step_s, solo_s = self._step_time(decoding), self._step_time(1)
+        if step_s is None or solo_s is None or not self._token_s:
             return MIN_SHARED_CHUNK_TOKENS
-        solo_s = self._step_s.get(1)
-        budget_s = step_s / 2 if solo_s is None else SHARED_ROUND_OVER_SOLO * min(solo_s, step_s) - step_s
+        budget_s = SHARED_ROUND_OVER_SOLO * min(solo_s, step_s) - step_s
         return max(MIN_SHARED_CHUNK_TOKENS, min(PREFILL_CHUNK_TOKENS, int(budget_s / self._token_s)))
 
     def _let_finished_go(self) -> None:
