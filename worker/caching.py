@@ -164,9 +164,10 @@ def finish_generate(store: CacheStore, model: Model, start: CacheStart | None, p
     if start is None or start.use.mode != AUTO or start.cache is None:
         return
     use = start.use
-    # The last generated token was never fed; drafted positions past the output leave the cache.
-    covered = min(model.cached_tokens(start.cache), len(prompt) + max(0, len(result.tokens) - 1))
-    model.crop_cache(start.cache, covered)
+    cached = model.cached_tokens(start.cache)
+    covered = min(cached, len(prompt) + max(0, len(result.tokens) - 1))  # the last token was never fed
+    if covered < cached:  # drafted positions past the output
+        model.crop_cache(start.cache, covered)
     sequence = (list(prompt) + result.tokens)[:covered]
     if not sequence:
         use.store_reason = "nothing was computed: the generate was cancelled before its first chunk"
