@@ -187,6 +187,37 @@ def test_appended_positions_grow_in_place_and_cut_back_like_transformers_layers(
     assert copied.keys.shape[-2] == 12 and torch.equal(copied.keys[..., :11, :], layer.keys)
 
 
+def test_the_wide_copy_of_a_layer_equals_its_positions_through_appends_cuts_and_restores(tiny_model_dir: Path):
+    """Attention in float64 reads a float64 copy kept beside the cache: whatever happens to the
+    positions (appended past the buffers' room, cut back and written anew, set from a file),
+    the copy it reads is exactly the positions converted."""
+    from transformers import AutoConfig
+
+    from worker.backends import hf_compat
+
+    layer = hf_compat.new_cache(AutoConfig.from_pretrained(tiny_model_dir)).layers[0]
+
+    def check() -> None:
+        keys, values = hf_compat.wide_positions(layer, torch.float64)
+        assert torch.equal(keys, layer.keys.double()) and torch.equal(values, layer.values.double())
+
+    for step in range(300):  # past the first buffers' room
+        layer.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+        if step % 7 == 0:
+            check()
+    check()
+    for keep in (290, 17, 0):  # cut back, then new positions where old ones were
+        hf_compat.keep_positions(layer, keep)
+        layer.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
+        check()
+    hf_compat.set_positions(layer, torch.randn(1, 2, 40, 4), torch.randn(1, 2, 40, 4), 40)
+    check()
+    layer.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+    check()
+    hf_compat.drop_spare_room(layer)
+    check()
+
+
 def test_a_copied_cache_holds_no_spare_room(tiny_model_dir: Path, tmp_path: Path):
     model = load(tiny_model_dir, tmp_path)
     with torch.inference_mode():

@@ -144,9 +144,12 @@ class DecodeStep:
                 rows = slice(first, first + n)
                 first += n
                 # (1, kv_heads, n, dim), as transformers' layers hold them
+                cached = cache.kv.layers[index]
                 keys, values = hf_compat.append_positions(
-                    cache.kv.layers[index], k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
+                    cached, k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
                 )
+                if self._attention_dtype != torch.float32:
+                    keys, values = hf_compat.wide_positions(cached, self._attention_dtype)
                 if n == 1:
                     query = q[rows].view(kv_heads, groups, dim)
                     attended = hf_compat.one_query_attention(query, keys[0], values[0], self._scaling, self._attention_dtype)

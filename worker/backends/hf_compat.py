@@ -168,16 +168,46 @@ def append_positions(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[t
     return layer.keys, layer.values
 
 
+def wide_positions(layer, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A full-attention layer's keys and values in ``dtype`` (float64 for WIDE_ATTENTION).
+
+    Converting every position at every step costs more than the attention itself at a few
+    thousand positions; so a copy in ``dtype`` is kept beside the layer's buffers and only
+    positions appended since are converted. The copy holds for the buffers it was made
+    from (``layer.keys`` starting the same memory): cut back by keep_positions, its valid
+    part shrinks; keys and values set from elsewhere (set_positions) or moved into larger
+    buffers are converted again, once."""
+    keys, values = layer.keys, layer.values
+    total = keys.shape[-2]
+    copy = getattr(layer, "wide_copy", None)
+    if copy is None or copy["source"] != keys.data_ptr() or copy["keys"].shape[-2] < total:
+        capacity = max(total * 3 // 2, total + 256)
+        copy = {
+            "source": keys.data_ptr(), "valid": 0,
+            **{name: new.new_empty((*new.shape[:-2], capacity, new.shape[-1]), dtype=dtype)
+               for name, new in (("keys", keys), ("values", values))},
+        }
+        layer.wide_copy = copy
+    valid = copy["valid"]
+    if valid < total:
+        copy["keys"][..., valid:total, :] = keys[..., valid:total, :]
+        copy["values"][..., valid:total, :] = values[..., valid:total, :]
+        copy["valid"] = total
+    return copy["keys"][..., :total, :], copy["values"][..., :total, :]
+
+
 def _starts(view: torch.Tensor, buffer: torch.Tensor) -> bool:
     """Whether ``view`` is the first positions of ``buffer``."""
     return view.data_ptr() == buffer.data_ptr() and view.stride() == buffer.stride()
 
 
 def drop_spare_room(layer) -> None:
-    """Keys and values in tensors of their own size (a copy kept for later holds no spare room)."""
+    """Keys and values in tensors of their own size (a copy kept for later holds no spare room,
+    nor a wide copy: wide_positions makes it again when the cache is used)."""
     if getattr(layer, "growth_buffers", None) is not None:
         layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
         layer.growth_buffers = None
+    layer.wide_copy = None
 
 
 # transformers' cache layer classes, by the kind of state they keep (torch_adapter explains each).
@@ -202,6 +232,9 @@ def keep_positions(layer, keep: int) -> None:
     layer.values = layer.values[..., :keep, :]
     if hasattr(layer, "cumulative_length"):
         layer.cumulative_length = keep
+    copy = getattr(layer, "wide_copy", None)
+    if copy is not None:  # the positions past keep will be written anew
+        copy["valid"] = min(copy["valid"], keep)
 
 
 def set_positions(layer, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
@@ -209,6 +242,7 @@ def set_positions(layer, keys: torch.Tensor, values: torch.Tensor, length: int) 
     update() makes: tensors mapped from a file stay mapped until the first forward replaces them."""
     layer.lazy_initialization(keys, values)
     layer.keys, layer.values = keys, values
+    layer.wide_copy = None
     if hasattr(layer, "cumulative_length"):
         layer.cumulative_length = length
 
