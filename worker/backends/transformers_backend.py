@@ -327,7 +327,7 @@ class Decoding:
         """The tokens to feed after the last one in this step: a draft that does not reach past
         max_tokens (none without ``params.draft``).
 
-        Each drafted token costs a step a few percent more, taken or not: after a draft taken
+        Each drafted token makes the step dearer, taken or not: after a draft taken
         whole the next may be twice as long (up to ``draft_tokens``); after one taken in part,
         one token longer than the part taken."""
         self._draft = []
