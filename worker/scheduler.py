@@ -230,9 +230,8 @@ class Scheduler:
             stepped = self._guarded([*decoding, feeding], lambda: self._step(decoding, chunk))
             step_s = self._step_s.get(len(decoding))  # learn from a round only beside a step measured
             if stepped:
-                fed, extra_s = before - feeding.decoding.prompt_left, self._clock() - started - (step_s or 0.0)
-                if fed > 0 and step_s is not None and extra_s > 0:
-                    self._timed_tokens(extra_s / fed)
+                if step_s is not None:
+                    self._timed_tokens(self._clock() - started - step_s, before - feeding.decoding.prompt_left)
                 self._guarded([feeding], feeding.fed)
         else:
             if feeding is not None:
@@ -248,8 +247,7 @@ class Scheduler:
         started = self._clock()
         decoding[0].model.step([task.decoding for task in decoding], *([chunk] if chunk else []))
         if chunk is None:  # averaged with the ones before: one step's time is noisy
-            took_s, before = self._clock() - started, self._step_s.get(len(decoding))
-            self._step_s[len(decoding)] = took_s if before is None else (before + took_s) / 2
+            self._step_s[len(decoding)] = _averaged(self._step_s.get(len(decoding)), self._clock() - started)
 
     def _guarded(self, tasks: list[Task], work: Callable[[], None]) -> bool:
         """Run ``work``; if it fails, the tasks it was for fail with its error, and only they."""
@@ -268,17 +266,18 @@ class Scheduler:
         (a full chunk when none decodes)."""
         before, started = task.decoding.prompt_left, self._clock()
         task.feed(self.chunk_tokens(beside) if beside else PREFILL_CHUNK_TOKENS)
-        fed, took_s = before - task.decoding.prompt_left, self._clock() - started
+        took_s = self._clock() - started
         if not beside and task.model.chunks_in_step:  # beside a step, the pass over the weights is the step's
             took_s -= self._step_time(1) or 0.0
-        if fed > 0 and took_s > 0:
-            self._timed_tokens(took_s / fed)
+        self._timed_tokens(took_s, before - task.decoding.prompt_left)
 
-    def _timed_tokens(self, token_s: float) -> None:
-        """A prompt token's time, as just measured: averaged with the ones before (a small
-        chunk's time is noisy), the first from a prompt fed alone (cheaper per token, so the
-        first chunk beside streams may be too big; the next ones correct it)."""
-        self._token_s = token_s if self._token_s is None else (self._token_s + token_s) / 2
+    def _timed_tokens(self, took_s: float, fed: int) -> None:
+        """``fed`` prompt tokens took ``took_s`` more than the step: a token's time, averaged
+        with the ones before (a small chunk's time is noisy), the first from a prompt fed alone
+        (cheaper per token, so the first chunk beside streams may be too big; the next ones
+        correct it)."""
+        if fed > 0 and took_s > 0:
+            self._token_s = _averaged(self._token_s, took_s / fed)
 
     def _step_time(self, decoding: int) -> float | None:
         """A step's time for this many decoding tasks: as measured, or, while a chunk has ridden
@@ -305,3 +304,8 @@ class Scheduler:
     @property
     def tasks(self) -> Sequence[Task]:
         return [task for _, task in self._tasks]
+
+
+def _averaged(before: float | None, now: float) -> float:
+    """A time as just measured, averaged with the one before (recent times weigh most)."""
+    return now if before is None else (before + now) / 2

@@ -343,6 +343,12 @@ class Decoding:
     def has_next(self) -> bool:
         return self._logits is not None and self._row < self._logits.shape[0]
 
+    def _adapt_draft_length(self, *, taken: int) -> None:
+        """After a draft: twice as long if it was taken whole, else one longer than the part taken."""
+        assert self._lookup is not None
+        longer = max(self._draft_length, 2 * taken) if taken == len(self._draft) else taken + 1
+        self._draft_length = min(self._lookup.draft_tokens, longer)
+
     def next_chunk(self, max_tokens: int) -> list[int]:
         """The next at most ``max_tokens`` prompt tokens, for a step that feeds them beside
         decoding sequences (models without linear-attention states only: no cut to keep)."""
@@ -382,10 +388,8 @@ class Decoding:
             self._row += 1
             self.accepted_tokens += 1
         else:  # the rest of the draft is not the output: its positions leave the cache
-            if self._draft and self._lookup is not None:
-                taken = self._row
-                whole = taken == len(self._draft)
-                self._draft_length = min(self._lookup.draft_tokens, max(self._draft_length, 2 * taken) if whole else taken + 1)
+            if self._draft:
+                self._adapt_draft_length(taken=self._row)
             self._row = self._logits.shape[0]
             if self.cache.length >= len(self.tokens):
                 self.cache.crop(len(self.tokens) - 1)
