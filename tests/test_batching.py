@@ -150,7 +150,7 @@ async def test_streams_in_a_batch_equal_each_request_alone_with_caches_in_it(cac
         # others join it while it decodes even on a crowded machine (their prompts come in
         # small chunks beside it, to keep its gaps short).
         requests = [
-            {"prompt": system + "The river is", "max_tokens": 160},
+            {"prompt": system + "The river is", "max_tokens": 400},
             {"prompt": system + "And the sea?", "max_tokens": 16},
             {"prompt": "hello world, the sun", "temperature": 0.9, "seed": 7, "max_tokens": 16},
             {"prompt": system + "Then the dog", "max_tokens": 16},

@@ -10,7 +10,7 @@ import pytest
 
 from protocol.methods import GenerateParams, PrefillParams
 from worker.backends.base import PREFILL_CHUNK_TOKENS
-from worker.scheduler import MIN_SHARED_CHUNK_TOKENS, SHARED_ROUND_OVER_SOLO, Admission, Scheduler
+from worker.scheduler import RECENT_CHUNK_ROUNDS, SHARED_ROUND_OVER_SOLO, Admission, RoundCosts, Scheduler
 
 
 @dataclass(eq=False)
@@ -119,6 +119,7 @@ class CountingModel:
     step_s: float = 0.05
     token_s: float = 0.001
     seq_s: float = 0.0  # what each decoding sequence adds to a step
+    chunk_fixed_s: float = 0.0  # what a chunk of several tokens costs beside a step, whatever its size
     steps: list[int] = field(default_factory=list)  # batch size of each step
     chunks: list[int] = field(default_factory=list)  # tokens of each chunk fed
 
@@ -132,7 +133,10 @@ class CountingModel:
             before = decoding.prompt_left
             decoding.feed(max_tokens)
             self.chunks.append(before - decoding.prompt_left)
-            self.clock[0] += self.chunks[-1] * self.token_s
+            self.clock[0] += self.chunk_s(self.chunks[-1])
+
+    def chunk_s(self, tokens: int) -> float:
+        return tokens * self.token_s + (self.chunk_fixed_s if tokens > 1 else 0.0)
 
 
 @dataclass(eq=False)
@@ -151,7 +155,7 @@ class CountingTask:
         self.decoding.feed(max_tokens)
         fed = before - self.decoding.prompt_left
         self.model.chunks.append(fed)
-        self.model.clock[0] += fed * self.model.token_s
+        self.model.clock[0] += self.model.chunk_s(fed)
         self.fed()
 
     def fed(self) -> None:
@@ -235,7 +239,8 @@ def test_a_prompt_fed_beside_one_stream_comes_in_chunks_that_cost_about_its_step
     rounds, steps = join_beside(model, clock, running=1, solo_first=True)
     # the first chunk too: sized from the time of the running stream's prompt, fed alone
     assert all(36 <= chunk <= 37 for chunk in model.chunks[:-1]), model.chunks
-    assert max(rounds) <= SHARED_ROUND_OVER_SOLO * 0.05 + 1e-9, rounds
+    # the last round, which ends the prompt, may cost up to the 2x promised
+    assert max(rounds[:-1]) <= SHARED_ROUND_OVER_SOLO * 0.05 + 1e-9 and rounds[-1] <= 2 * 0.05 + 1e-9, rounds
     if chunks_in_step:
         assert steps == len(model.chunks), "every chunk rode along a step, none was fed on its own"
 
@@ -247,7 +252,7 @@ def test_a_round_feeding_a_prompt_beside_three_streams_costs_at_most_twice_a_ste
     model = CountingModel(clock, step_s=0.03, seq_s=0.01, token_s=0.001, chunks_in_step=chunks_in_step)
     rounds, _ = join_beside(model, clock, running=3, solo_first=True)
     assert all(9 <= chunk <= 10 for chunk in model.chunks[1:-1]), model.chunks
-    assert max(rounds) <= SHARED_ROUND_OVER_SOLO * 0.04 + 1e-9 < 2 * 0.04, rounds
+    assert max(rounds[:-1]) <= SHARED_ROUND_OVER_SOLO * 0.04 + 1e-9 and rounds[-1] <= 2 * 0.04 + 1e-9, rounds
 
 
 def test_the_first_round_beside_a_stream_no_step_was_timed_for_is_a_step_alone():
@@ -264,11 +269,49 @@ def test_the_first_round_beside_a_stream_no_step_was_timed_for_is_a_step_alone()
     assert 36 <= model.chunks[-1] <= 37, model.chunks  # sized from that step
 
 
-def test_a_batch_step_already_past_twice_a_solo_step_still_feeds_the_smallest_chunk():
+def test_a_batch_step_already_past_twice_a_solo_step_still_feeds_one_token_a_round():
     clock = [0.0]
     model = CountingModel(clock, step_s=0.01, seq_s=0.02, token_s=0.001, chunks_in_step=True)  # 30 ms alone, 70 ms for 3
     join_beside(model, clock, running=3, solo_first=True)
-    assert set(model.chunks) == {MIN_SHARED_CHUNK_TOKENS}, model.chunks
+    assert set(model.chunks[2:]) == {1}, model.chunks
+
+
+@pytest.mark.parametrize("chunks_in_step", [False, True])
+def test_a_chunks_fixed_cost_is_learnt_and_chunks_settle_at_the_most_tokens_the_round_affords(chunks_in_step: bool):
+    clock = [0.0]
+    # one stream alone steps in 40 ms, three in 60 ms: a round may add 10 ms; a chunk of several
+    # tokens costs 4 ms whatever its size plus 0.5 ms a token, so 12 tokens fit
+    model = CountingModel(
+        clock, step_s=0.03, seq_s=0.01, token_s=0.0005, chunk_fixed_s=0.004, chunks_in_step=chunks_in_step
+    )
+    rounds, _ = join_beside(model, clock, running=3, solo_first=True)
+    settled = model.chunks[3:-1]
+    assert settled and set(settled) <= {11, 12}, model.chunks  # 12, less what float sums lose
+    assert max(rounds[3:-1]) <= SHARED_ROUND_OVER_SOLO * 0.04 + 1e-9 and rounds[-1] <= 2 * 0.04 + 1e-9, rounds
+
+
+def test_where_several_tokens_cost_more_than_the_round_affords_a_prompt_comes_one_token_a_round():
+    clock = [0.0]
+    # as with int8 weights: a round may add 10 ms; a chunk of several tokens costs at least 12 ms,
+    # one token (the one-query path of a decoding sequence) 1 ms
+    model = CountingModel(
+        clock, step_s=0.03, seq_s=0.01, token_s=0.001, chunk_fixed_s=0.01, chunks_in_step=True
+    )
+    rounds, _ = join_beside(model, clock, running=3, solo_first=True)
+    settled = model.chunks[2:-1]  # after a chunk sized from the prompts fed alone, and a second
+    probes = [index for index, tokens in enumerate(settled) if tokens > 1]
+    assert set(settled[index] for index in probes) == {2}, model.chunks
+    assert len(probes) <= len(settled) // RECENT_CHUNK_ROUNDS, "two tokens are tried again only now and then"
+    assert all(tokens == 1 for tokens in settled[: RECENT_CHUNK_ROUNDS - 1]), model.chunks
+    assert max(rounds[2:]) <= 2 * 0.04 + 1e-9 and sorted(rounds)[len(rounds) // 2] <= SHARED_ROUND_OVER_SOLO * 0.04
+
+
+def test_a_step_time_is_the_median_of_recent_steps_so_one_slow_step_does_not_move_it():
+    costs = RoundCosts()
+    for took_s in (0.05, 0.05, 0.2, 0.05, 0.06):
+        costs.stepped(3, took_s)
+    assert costs.step_s(3) == 0.05
+    assert costs.step_s(1) == 0.05  # a size not timed yet: the nearest one
 
 
 def test_a_prompt_alone_is_fed_in_full_chunks():
@@ -376,3 +419,42 @@ def test_a_request_made_off_the_model_thread_joins_the_round_right_after_it_was_
     joining.decoding.feed = lambda n: (fed_at.append(len(model.steps)), feed(n))[1]
     Scheduler(LaneMakingTasksElsewhere(model, running, joining, after=4), clock=lambda: clock[0]).run()
     assert fed_at[0] == 5, f"let out after step 4, first fed in step {fed_at[0]}"
+
+
+def test_a_rounds_fixed_part_is_learnt_from_recent_rounds_so_one_slow_round_does_not_move_the_chunk():
+    costs = RoundCosts()
+    costs.stepped(1, 0.040)
+    costs.stepped(3, 0.060)
+    costs.fed_alone(256, 0.128)  # a prompt token: 0.5 ms
+    # a round beside 3 streams costs 64 ms + 0.5 ms a token; one of them was slowed by 40 ms
+    for tokens in (20, 14, 12, 10, 16):
+        costs.chunk_fed(3, tokens, 0.064 + 0.0005 * tokens + (0.04 if tokens == 14 else 0.0))
+    assert costs.chunk_tokens(3, left=600) in (11, 12)  # (1.75 × 40 ms − 64 ms) / 0.5 ms
+    # none beside 2 yet: a step of the nearest size timed (1: 40 ms), 0.5 ms a token
+    assert costs.chunk_tokens(2, left=600) == 60
+
+
+def test_the_rest_of_a_prompt_is_fed_at_once_where_that_round_stays_within_twice_a_solo_step():
+    costs = RoundCosts()
+    costs.stepped(1, 0.040)
+    costs.stepped(3, 0.060)
+    costs.fed_alone(256, 0.512)  # a prompt token: 2 ms, so a round of 60 ms + 2 ms a token
+    assert costs.chunk_tokens(3, left=600) == 5  # 1.75 × 40 ms = 70 ms: 5 tokens
+    assert costs.chunk_tokens(3, left=10) == 10  # 80 ms: within the 2× promised, and it ends the prompt
+    assert costs.chunk_tokens(3, left=11) == 5
+
+
+def test_a_chunk_fed_on_its_own_when_none_fits_is_as_many_tokens_as_its_fixed_cost_is_worth():
+    clock = [0.0]
+    # as with a model that feeds prompts in a pass of their own: a chunk costs 50 ms whatever its
+    # size (the weights read again), a step of one stream 40 ms; no chunk keeps a round in 1.75x
+    model = CountingModel(clock, step_s=0.03, seq_s=0.01, token_s=0.001, chunk_fixed_s=0.05)
+    join_beside(model, clock, running=1, solo_first=True)
+    assert all(45 <= tokens <= 50 for tokens in model.chunks[3:-1]), model.chunks
+
+
+def test_where_a_step_takes_a_millisecond_a_round_may_add_ten():
+    costs = RoundCosts()
+    costs.stepped(1, 0.001)
+    costs.fed_alone(256, 0.0256)  # 0.1 ms a token
+    assert costs.chunk_tokens(1, left=600) in (99, 100)  # 10 ms / 0.1 ms; twice a step would leave 10 tokens

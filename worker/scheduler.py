@@ -7,7 +7,8 @@ every decoding request by one token in a single ``Model.step``. A prompt is fed 
 chunks small enough that the streams already decoding keep flowing (the chunk is
 sized from measured times so that a round with it costs under twice a step of one
 stream alone; a model that can computes it in the same pass as the step, reading its
-weights once for both), and a request alone gets the full chunk. Every other
+weights once for both), and a request alone gets the full chunk. :class:`RoundCosts`
+holds those times. Every other
 model-lane request (``load``, ``unload``, ``shutdown``, and those queued behind them)
 runs alone: it waits for the tasks before it to end, and the requests after it wait
 for it.
@@ -18,6 +19,7 @@ the tests; :class:`Scheduler` is the loop, run by the model thread.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections import deque
@@ -29,11 +31,22 @@ from worker.backends.base import PREFILL_CHUNK_TOKENS, Decoding, Model
 TASK_METHODS = frozenset({"generate", "prefill"})
 # While others decode, a round that feeds a chunk is sized to cost this many times a step of
 # one stream alone: under the 2x the running streams are promised, because the times it is
-# sized from vary by a fifth or more from one step to the next on a busy CPU...
+# sized from vary by a fifth or more from one step to the next on a busy CPU; the round that
+# finishes a prompt may cost up to the promise.
 SHARED_ROUND_OVER_SOLO = 1.75
-# ...but a chunk is never smaller than this (a prompt must progress; below it each round's
-# fixed costs outweigh the tokens).
-MIN_SHARED_CHUNK_TOKENS = 4
+PROMISED_ROUND_OVER_SOLO = 2.0
+# A round may always cost this much more than a step alone: where a step takes a millisecond or
+# two (a tiny model, a GPU), twice a step would leave a joining prompt one token a round, while
+# the streams would still run at over 80 tokens per second with this added.
+ROUND_ALLOWANCE_S = 0.010
+# Recent times kept: steps for each batch size, and rounds that fed a chunk beside a step.
+RECENT_STEPS = 5
+RECENT_CHUNKS = 8
+# A chunk tried while nothing says what a chunk of several tokens costs beside streams, and
+# after this many rounds in a row that could afford one token only.
+PROBE_CHUNK_TOKENS = 2
+RECENT_CHUNK_ROUNDS = 24
+MIN_TOKEN_S = 1e-6  # a token's cost is never taken as nothing (a chunk's size divides by it)
 DEFAULT_MAX_BATCH = 8
 
 
@@ -155,6 +168,102 @@ class ModelLane(Protocol):
         ...
 
 
+class RoundCosts:
+    """What a round costs, as measured so far, and the chunk a round beside running streams
+    can carry.
+
+    A step's time is the median of the recent steps of that many sequences (one step's time
+    varies by a fifth or more on a busy CPU). A round that carries a chunk costs more than a
+    step plus its tokens' arithmetic: attention over the prompt so far and the shapes of the
+    products add a part that does not shrink with the chunk (while a 1-token chunk costs
+    about what one more decoding sequence does: it takes the same one-query path). So a
+    round is estimated as a fixed part, learnt from the recent rounds that carried several
+    tokens beside as many streams, plus a part per token, and a chunk is the most tokens that
+    fit; one token when not even two do, but two again after RECENT_CHUNK_ROUNDS rounds of
+    one (the machine may be less busy by then)."""
+
+    def __init__(self) -> None:
+        self._steps: dict[int, deque[float]] = {}
+        self._rounds: dict[int, deque[tuple[int, int, float]]] = {}  # (round number, tokens, time)
+        self._counted = 0  # rounds that carried a chunk, of any size
+        self._alone_token_s: float | None = None  # a prompt token's time when fed without streams
+
+    def stepped(self, decoding: int, took_s: float) -> None:
+        self._steps.setdefault(decoding, deque(maxlen=RECENT_STEPS)).append(took_s)
+
+    def chunk_fed(self, decoding: int, tokens: int, round_s: float) -> None:
+        """A round took ``round_s`` to feed ``tokens`` of a prompt and step ``decoding`` streams."""
+        self._counted += 1
+        if tokens > 1:
+            self._rounds.setdefault(decoding, deque(maxlen=RECENT_CHUNKS)).append((self._counted, tokens, round_s))
+
+    def fed_alone(self, tokens: int, took_s: float) -> None:
+        """A chunk fed with no stream running took ``took_s`` (the step's part taken out where
+        chunks ride along steps): the first guess at a token's cost beside streams."""
+        if tokens > 0 and took_s > 0:
+            self._alone_token_s = took_s / tokens
+
+    @property
+    def timed(self) -> bool:
+        return bool(self._steps)
+
+    def step_s(self, decoding: int) -> float | None:
+        """A step's time for this many decoding sequences; while none of that many was timed (a
+        chunk rode along every one), a step of the nearest number timed. None: no step yet."""
+        if not self._steps:
+            return None
+        return statistics.median(self._steps[min(self._steps, key=lambda n: (abs(n - decoding), n))])
+
+    def chunk_tokens(self, decoding: int, left: int, *, in_step: bool = True) -> int:
+        """Tokens to feed of a prompt with ``left`` to go, beside ``decoding`` running streams,
+        in their step's pass (``in_step``) or on its own before it.
+
+        The most whose round is estimated to cost at most SHARED_ROUND_OVER_SOLO steps of one
+        stream alone (or ROUND_ALLOWANCE_S more than one, if that is more), and at most twice the largest chunk measured beside as many (an estimate
+        is trusted only near what was measured); the rest of the prompt at once where that
+        round stays within the streams' promise (PROMISED_ROUND_OVER_SOLO): its first token
+        comes a round sooner. When not even two tokens fit, one in the step's pass (it costs
+        about what a decoding sequence does; two again now and then, in case more fits by
+        then); fed on its own, where any chunk costs a pass over the weights, as many tokens as
+        that pass is worth (a prompt must progress, and the streams wait for it either way)."""
+        step_s, solo_s = self.step_s(decoding), self.step_s(1)
+        cost = self._round_cost(decoding)
+        if step_s is None or solo_s is None or cost is None:
+            return PROBE_CHUNK_TOKENS
+        base_s, token_s = cost
+        alone_s = min(solo_s, step_s)
+        if base_s + left * token_s <= max(PROMISED_ROUND_OVER_SOLO * alone_s, alone_s + ROUND_ALLOWANCE_S):
+            return left
+        tokens = int((max(SHARED_ROUND_OVER_SOLO * alone_s, alone_s + ROUND_ALLOWANCE_S) - base_s) / token_s)
+        recent = self._rounds.get(decoding)
+        if tokens < 2:
+            if not in_step:
+                tokens = max(PROBE_CHUNK_TOKENS, int((base_s - step_s) / token_s))
+            elif recent and self._counted - recent[-1][0] >= RECENT_CHUNK_ROUNDS:
+                return PROBE_CHUNK_TOKENS
+            else:
+                return 1
+        largest = 2 * max(fed for _, fed, _ in recent) if recent else PREFILL_CHUNK_TOKENS
+        return min(PREFILL_CHUNK_TOKENS, largest, tokens)
+
+    def _round_cost(self, decoding: int) -> tuple[float, float] | None:
+        """A round's time beside ``decoding`` streams as (fixed part, part per token). The part
+        per token is a prompt token's time fed alone (a chunk of hundreds of tokens, so a steady
+        figure; beside a step a token's arithmetic is the same); the fixed part is the median of
+        what the recent rounds beside as many streams took beyond their tokens' part (a step's
+        time before any). None when nothing says what a token costs (a small chunk is tried)."""
+        step_s = self.step_s(decoding)
+        recent = [(tokens, took_s) for _, tokens, took_s in self._rounds.get(decoding, ())]
+        if step_s is None or (self._alone_token_s is None and not recent):
+            return None
+        token_s = self._alone_token_s
+        if token_s is None:  # prompts came from caches: what the rounds took beyond a step
+            token_s = max(statistics.median((took_s - step_s) / tokens for tokens, took_s in recent), MIN_TOKEN_S)
+        if not recent:
+            return step_s, token_s
+        return statistics.median(took_s - token_s * tokens for tokens, took_s in recent), token_s
+
+
 class Scheduler:
     def __init__(self, lane: ModelLane, clock: Callable[[], float] = time.perf_counter) -> None:
         self._lane = lane
@@ -164,8 +273,7 @@ class Scheduler:
         self._made_one = threading.Condition(self._lock)
         self._starting = 0  # tasks being made off this thread
         self._ready: list[tuple[Queued, Task | None]] = []  # made, not yet joined
-        self._step_s: dict[int, float] = {}  # a step's time (recent ones averaged), by how many it decoded
-        self._token_s: float | None = None  # a prompt token's time in chunks fed beside steps
+        self.costs = RoundCosts()
 
     def run(self) -> None:
         """The model thread's loop: returns when the lane has stopped and no task is left."""
@@ -202,7 +310,7 @@ class Scheduler:
         """Give tasks just begun a moment (a quarter of a step) to be made, so that they join
         this round rather than the next: making one takes a millisecond or two unless it reads a
         stored cache, and the running ones are held up no longer than that quarter."""
-        timeout = (self._step_time(len(self._tasks)) or 0.0) / 4
+        timeout = (self.costs.step_s(len(self._tasks)) or 0.0) / 4
         with self._made_one:
             self._made_one.wait_for(lambda: not self._starting, timeout)
 
@@ -222,21 +330,20 @@ class Scheduler:
         waiting = [task for _, task in self._tasks if task.decoding.prompt_left]
         decoding = [task for _, task in self._tasks if not task.decoding.prompt_left]
         feeding = waiting[0] if waiting else None
-        if feeding is not None and decoding and not self._step_s:
+        if feeding is not None and decoding and not self.costs.timed:
             feeding = None  # a step alone first: chunks beside steps are sized from its time
+        before, started = feeding.decoding.prompt_left if feeding else 0, self._clock()
         if feeding is not None and decoding and feeding.model.chunks_in_step:
-            before, started = feeding.decoding.prompt_left, self._clock()
-            chunk = (feeding.decoding, self.chunk_tokens(len(decoding)))
+            chunk = (feeding.decoding, self.costs.chunk_tokens(len(decoding), feeding.decoding.prompt_left))
             stepped = self._guarded([*decoding, feeding], lambda: self._step(decoding, chunk))
-            step_s = self._step_s.get(len(decoding))  # learn from a round only beside a step measured
             if stepped:
-                if step_s is not None:
-                    self._timed_tokens(self._clock() - started - step_s, before - feeding.decoding.prompt_left)
+                self.costs.chunk_fed(len(decoding), before - feeding.decoding.prompt_left, self._clock() - started)
                 self._guarded([feeding], feeding.fed)
         else:
-            if feeding is not None:
-                self._guarded([feeding], lambda: self._feed(feeding, beside=len(decoding)))
+            fed = feeding is not None and self._guarded([feeding], lambda: self._feed(feeding, beside=len(decoding)))
             stepped = bool(decoding) and self._guarded(decoding, lambda: self._step(decoding))
+            if fed and stepped:
+                self.costs.chunk_fed(len(decoding), before - feeding.decoding.prompt_left, self._clock() - started)
         if stepped:
             for task in decoding:  # each takes its token; one that fails there fails alone
                 self._guarded([task], task.advance)
@@ -246,8 +353,8 @@ class Scheduler:
         """One step of the decoding tasks; with ``chunk``, a part of a prompt fed in the same pass."""
         started = self._clock()
         decoding[0].model.step([task.decoding for task in decoding], *([chunk] if chunk else []))
-        if chunk is None:  # averaged with the ones before: one step's time is noisy
-            self._step_s[len(decoding)] = _averaged(self._step_s.get(len(decoding)), self._clock() - started)
+        if chunk is None:
+            self.costs.stepped(len(decoding), self._clock() - started)
 
     def _guarded(self, tasks: list[Task], work: Callable[[], None]) -> bool:
         """Run ``work``; if it fails, the tasks it was for fail with its error, and only they."""
@@ -265,35 +372,10 @@ class Scheduler:
         """Feed a chunk of ``task``'s prompt on its own, ``beside`` that many decoding tasks
         (a full chunk when none decodes)."""
         before, started = task.decoding.prompt_left, self._clock()
-        task.feed(self.chunk_tokens(beside) if beside else PREFILL_CHUNK_TOKENS)
-        took_s = self._clock() - started
-        if not beside and task.model.chunks_in_step:  # beside a step, the pass over the weights is the step's
-            took_s -= self._step_time(1) or 0.0
-        self._timed_tokens(took_s, before - task.decoding.prompt_left)
-
-    def _timed_tokens(self, took_s: float, fed: int) -> None:
-        """``fed`` prompt tokens took ``took_s`` more than the step: a token's time, averaged
-        with the ones before (a small chunk's time is noisy), the first from a prompt fed alone
-        (cheaper per token, so the first chunk beside streams may be too big; the next ones
-        correct it)."""
-        if fed > 0 and took_s > 0:
-            self._token_s = _averaged(self._token_s, took_s / fed)
-
-    def _step_time(self, decoding: int) -> float | None:
-        """A step's time for this many decoding tasks: as measured, or, while a chunk has ridden
-        along every step of that many, a step of the nearest number measured (None: no step yet)."""
-        if not self._step_s:
-            return None
-        return self._step_s[min(self._step_s, key=lambda n: (abs(n - decoding), n))]
-
-    def chunk_tokens(self, decoding: int) -> int:
-        """Prompt tokens to feed beside ``decoding`` running streams: what a round can add to
-        their step and still cost SHARED_ROUND_OVER_SOLO steps of one stream alone."""
-        step_s, solo_s = self._step_time(decoding), self._step_time(1)
-        if step_s is None or solo_s is None or not self._token_s:
-            return MIN_SHARED_CHUNK_TOKENS
-        budget_s = SHARED_ROUND_OVER_SOLO * min(solo_s, step_s) - step_s
-        return max(MIN_SHARED_CHUNK_TOKENS, min(PREFILL_CHUNK_TOKENS, int(budget_s / self._token_s)))
+        task.feed(self.costs.chunk_tokens(beside, before, in_step=False) if beside else PREFILL_CHUNK_TOKENS)
+        if not beside:  # where chunks ride along steps, the pass over the weights is the step's
+            took_s = self._clock() - started - ((self.costs.step_s(1) or 0.0) if task.model.chunks_in_step else 0.0)
+            self.costs.fed_alone(before - task.decoding.prompt_left, took_s)
 
     def _let_finished_go(self) -> None:
         finished = [(job, task) for job, task in self._tasks if task.done]
@@ -304,8 +386,3 @@ class Scheduler:
     @property
     def tasks(self) -> Sequence[Task]:
         return [task for _, task in self._tasks]
-
-
-def _averaged(before: float | None, now: float) -> float:
-    """A time as just measured, averaged with the one before (recent times weigh most)."""
-    return now if before is None else (before + now) / 2
