@@ -271,7 +271,8 @@ def test_the_first_round_beside_a_stream_no_step_was_timed_for_is_a_step_alone()
 
 def test_a_batch_step_already_past_twice_a_solo_step_still_feeds_one_token_a_round():
     clock = [0.0]
-    model = CountingModel(clock, step_s=0.01, seq_s=0.02, token_s=0.001, chunks_in_step=True)  # 30 ms alone, 70 ms for 3
+    # 30 ms alone, 70 ms for 3
+    model = CountingModel(clock, step_s=0.01, seq_s=0.02, token_s=0.001, chunks_in_step=True)
     join_beside(model, clock, running=3, solo_first=True)
     assert set(model.chunks[2:]) == {1}, model.chunks
 
@@ -458,3 +459,11 @@ def test_where_a_step_takes_a_millisecond_a_round_may_add_ten():
     costs.stepped(1, 0.001)
     costs.fed_alone(256, 0.0256)  # 0.1 ms a token
     assert costs.chunk_tokens(1, left=600) in (99, 100)  # 10 ms / 0.1 ms; twice a step would leave 10 tokens
+
+
+def test_the_rest_of_a_prompt_fed_at_once_is_never_longer_than_a_chunk_fed_alone():
+    costs = RoundCosts()
+    costs.stepped(1, 0.010)
+    costs.fed_alone(256, 0.000256)  # a microsecond a token: the whole of a long prompt would fit
+    assert costs.chunk_tokens(1, left=PREFILL_CHUNK_TOKENS) == PREFILL_CHUNK_TOKENS
+    assert costs.chunk_tokens(1, left=10_000) == PREFILL_CHUNK_TOKENS

@@ -218,23 +218,26 @@ class RoundCosts:
         """Tokens to feed of a prompt with ``left`` to go, beside ``decoding`` running streams,
         in their step's pass (``in_step``) or on its own before it.
 
-        The most whose round is estimated to cost at most SHARED_ROUND_OVER_SOLO steps of one
-        stream alone (or ROUND_ALLOWANCE_S more than one, if that is more), and at most twice the largest chunk measured beside as many (an estimate
-        is trusted only near what was measured); the rest of the prompt at once where that
-        round stays within the streams' promise (PROMISED_ROUND_OVER_SOLO): its first token
-        comes a round sooner. When not even two tokens fit, one in the step's pass (it costs
-        about what a decoding sequence does; two again now and then, in case more fits by
-        then); fed on its own, where any chunk costs a pass over the weights, as many tokens as
-        that pass is worth (a prompt must progress, and the streams wait for it either way)."""
+        - The rest of the prompt at once where that round stays within the streams' promise
+          (PROMISED_ROUND_OVER_SOLO steps of one stream alone) and it is no longer than a
+          chunk fed alone: its first token comes a round sooner.
+        - Otherwise the most whose round is estimated to cost at most SHARED_ROUND_OVER_SOLO
+          steps of one stream alone, and at most twice the largest chunk measured beside as
+          many (an estimate is trusted only near what was measured).
+        - A round may always cost ROUND_ALLOWANCE_S more than a step alone.
+        - When not even two tokens fit: one in the step's pass (it costs about what a decoding
+          sequence does; two again now and then, in case more fits by then); fed on its own,
+          where any chunk costs a pass over the weights, as many tokens as that pass is worth
+          (a prompt must progress, and the streams wait for that pass either way)."""
         step_s, solo_s = self.step_s(decoding), self.step_s(1)
         cost = self._round_cost(decoding)
         if step_s is None or solo_s is None or cost is None:
             return PROBE_CHUNK_TOKENS
         base_s, token_s = cost
         alone_s = min(solo_s, step_s)
-        if base_s + left * token_s <= max(PROMISED_ROUND_OVER_SOLO * alone_s, alone_s + ROUND_ALLOWANCE_S):
+        if left <= PREFILL_CHUNK_TOKENS and base_s + left * token_s <= _round_limit(alone_s, PROMISED_ROUND_OVER_SOLO):
             return left
-        tokens = int((max(SHARED_ROUND_OVER_SOLO * alone_s, alone_s + ROUND_ALLOWANCE_S) - base_s) / token_s)
+        tokens = int((_round_limit(alone_s, SHARED_ROUND_OVER_SOLO) - base_s) / token_s)
         recent = self._rounds.get(decoding)
         if tokens < 2:
             if not in_step:
@@ -386,3 +389,8 @@ class Scheduler:
     @property
     def tasks(self) -> Sequence[Task]:
         return [task for _, task in self._tasks]
+
+
+def _round_limit(alone_s: float, over_solo: float) -> float:
+    """What a round beside running streams may cost, given a step of one stream alone."""
+    return max(over_solo * alone_s, alone_s + ROUND_ALLOWANCE_S)
