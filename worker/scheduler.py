@@ -7,11 +7,10 @@ every decoding request by one token in a single ``Model.step``. A prompt is fed 
 chunks small enough that the streams already decoding keep flowing (the chunk is
 sized from measured times so that a round with it costs under twice a step of one
 stream alone; a model that can computes it in the same pass as the step, reading its
-weights once for both), and a request alone gets the full chunk. :class:`RoundCosts`
-holds those times. Every other
-model-lane request (``load``, ``unload``, ``shutdown``, and those queued behind them)
-runs alone: it waits for the tasks before it to end, and the requests after it wait
-for it.
+weights once for both), and a request alone gets the full chunk; :class:`RoundCosts`
+keeps those times and sizes the chunk. Every other model-lane request (``load``,
+``unload``, ``shutdown``, and those queued behind them) runs alone: it waits for the
+tasks before it to end, and the requests after it wait for it.
 
 :class:`Admission` holds these rules as a plain object, driven without threads in
 the tests; :class:`Scheduler` is the loop, run by the model thread.
