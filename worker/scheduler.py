@@ -229,7 +229,7 @@ class RoundCosts:
           where any chunk costs a pass over the weights, as many tokens as that pass is worth
           (a prompt must progress, and the streams wait for that pass either way)."""
         step_s, solo_s = self.step_s(decoding), self.step_s(1)
-        cost = self._round_cost(decoding)
+        cost = None if step_s is None else self._round_cost(decoding, step_s)
         if step_s is None or solo_s is None or cost is None:
             return PROBE_CHUNK_TOKENS
         base_s, token_s = cost
@@ -248,15 +248,15 @@ class RoundCosts:
         largest = 2 * max(fed for _, fed, _ in recent) if recent else PREFILL_CHUNK_TOKENS
         return min(PREFILL_CHUNK_TOKENS, largest, tokens)
 
-    def _round_cost(self, decoding: int) -> tuple[float, float] | None:
+    def _round_cost(self, decoding: int, step_s: float) -> tuple[float, float] | None:
         """A round's time beside ``decoding`` streams as (fixed part, part per token). The part
         per token is a prompt token's time fed alone (a chunk of hundreds of tokens, so a steady
         figure; beside a step a token's arithmetic is the same); the fixed part is the median of
         what the recent rounds beside as many streams took beyond their tokens' part (a step's
-        time before any). None when nothing says what a token costs (a small chunk is tried)."""
-        step_s = self.step_s(decoding)
+        time ``step_s`` before any). None when nothing says what a token costs (a small chunk
+        is tried)."""
         recent = [(tokens, took_s) for _, tokens, took_s in self._rounds.get(decoding, ())]
-        if step_s is None or (self._alone_token_s is None and not recent):
+        if self._alone_token_s is None and not recent:
             return None
         token_s = self._alone_token_s
         if token_s is None:  # prompts came from caches: what the rounds took beyond a step
@@ -335,17 +335,18 @@ class Scheduler:
         if feeding is not None and decoding and not self.costs.timed:
             feeding = None  # a step alone first: chunks beside steps are sized from its time
         before, started = feeding.decoding.prompt_left if feeding else 0, self._clock()
-        if feeding is not None and decoding and feeding.model.chunks_in_step:
-            chunk = (feeding.decoding, self.costs.chunk_tokens(len(decoding), feeding.decoding.prompt_left))
-            stepped = self._guarded([*decoding, feeding], lambda: self._step(decoding, chunk))
-            if stepped:
-                self.costs.chunk_fed(len(decoding), before - feeding.decoding.prompt_left, self._clock() - started)
-                self._guarded([feeding], feeding.fed)
+        in_step = feeding is not None and bool(decoding) and feeding.model.chunks_in_step
+        if in_step:
+            chunk = (feeding.decoding, self.costs.chunk_tokens(len(decoding), before))
+            stepped = carried = self._guarded([*decoding, feeding], lambda: self._step(decoding, chunk))
         else:
             fed = feeding is not None and self._guarded([feeding], lambda: self._feed(feeding, beside=len(decoding)))
             stepped = bool(decoding) and self._guarded(decoding, lambda: self._step(decoding))
-            if fed and stepped:
-                self.costs.chunk_fed(len(decoding), before - feeding.decoding.prompt_left, self._clock() - started)
+            carried = fed and stepped
+        if carried:  # a round that fed a chunk beside running streams: what it took
+            self.costs.chunk_fed(len(decoding), before - feeding.decoding.prompt_left, self._clock() - started)
+        if in_step and stepped:
+            self._guarded([feeding], feeding.fed)
         if stepped:
             for task in decoding:  # each takes its token; one that fails there fails alone
                 self._guarded([task], task.advance)
