@@ -146,11 +146,11 @@ async def test_streams_in_a_batch_equal_each_request_alone_with_caches_in_it(cac
     try:
         await host.call("load", {"model": cache_model}, timeout=300)
         system = "the cat sat on the mat and the dog runs quickly to the river. " * 3
-        # Prompts SmolLM2 continues for at least 16 tokens; the first runs longest, so that the
-        # others join it while it decodes even on a crowded machine (their prompts come in
-        # small chunks beside it, to keep its gaps short).
+        # Prompts every model here continues for at least 16 tokens; the first runs to its 300
+        # (SmolLM2 ended "The river is" after 29), so that the others join it while it decodes
+        # even on a crowded machine (their prompts may come a token a round beside it).
         requests = [
-            {"prompt": system + "The river is", "max_tokens": 400},
+            {"prompt": system + "The river is long and the river is", "max_tokens": 300},
             {"prompt": system + "And the sea?", "max_tokens": 16},
             {"prompt": "hello world, the sun", "temperature": 0.9, "seed": 7, "max_tokens": 16},
             {"prompt": system + "Then the dog", "max_tokens": 16},
@@ -164,6 +164,7 @@ async def test_streams_in_a_batch_equal_each_request_alone_with_caches_in_it(cac
         started.append(host.start("generate", {**requests[3], **caches[3]}))
         results = [(await done)["result"] for _, done in started]
         assert [r["tokens"] for r in results] == alone
+        assert results[0]["finish_reason"] == "length", "the first request must outlast the others to be joined"
         assert results[1]["usage"]["cache_read_tokens"] > 0
         assert overlapped(host, started[0][0], started[1][0]) and overlapped(host, started[0][0], started[3][0])
     finally:
