@@ -88,7 +88,7 @@ def test_quantized_weights_give_a_position_the_same_logits_however_its_prompt_wa
     tiny_models, tmp_path: Path, family: str, quantization: str
 ):
     """With quantized weights every position's numbers are independent of the chunk it was
-    computed in (its products are row by row, its attention float64 rounded to float32):
+    computed in (its products are row by row, its attention exact_attention's kernel):
     one prompt fed whole, in odd chunks, or its tail one decode step at a time (a cache's
     prefix, then the rest) gives the same logits bit for bit."""
     model = load(tiny_models(family), tmp_path, quantization=quantization)
@@ -319,15 +319,17 @@ def test_torch_work_off_the_model_thread_runs_on_one_thread_and_leaves_the_model
         torch.set_num_threads(before)
 
 
-def test_a_cache_computed_with_float32_attention_is_another_identity_than_one_with_float64(tiny_model_dir: Path):
-    """Quantized weights compute attention in float64, which changes a position's last bits:
-    a cache computed before (float32 attention) must not pass for one computed now."""
+def test_a_cache_computed_with_one_attention_implementation_is_another_identity_than_with_another(tiny_model_dir: Path):
+    """Each attention implementation gives a position other last bits (float32 SDPA for dense
+    weights; for quantized ones the exact kernel, or float64 where it cannot be built): a
+    cache computed with one must not pass for one computed with another."""
     from transformers import AutoConfig
 
     from worker.backends import hf_compat
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
-    config._attn_implementation = hf_compat.ATTENTION
-    narrow = hf_compat.config_digest(config)
-    config._attn_implementation = hf_compat.WIDE_ATTENTION
-    assert hf_compat.config_digest(config) != narrow
+    digests = set()
+    for implementation in (hf_compat.ATTENTION, hf_compat.WIDE_ATTENTION, hf_compat.EXACT_ATTENTION):
+        config._attn_implementation = implementation
+        digests.add(hf_compat.config_digest(config))
+    assert len(digests) == 3

@@ -16,8 +16,8 @@ What differs from transformers' decode step, and why:
   CPU BLAS runs two to five times faster (measured for SmolLM2's shapes: with the
   other form, a step over 2 sequences cost 1.6 times one over 1);
 - attention is hf_compat.one_query_attention, which the worker also has transformers
-  use for one query position (the ``lm_worker`` attention implementations), in the
-  dtype the model was loaded with it (float64 for quantized weights);
+  use for one query position (the ``lm_worker`` attention implementations), as the
+  model was loaded with it (exact_attention's kernel for quantized weights);
 - RMSNorm and RoPE are transformers' operations, in its order.
 
 So a step equals transformers' forward on the same model bit for bit, and greedy
@@ -109,7 +109,7 @@ class DecodeStep:
         self._kv_heads = config.num_key_value_heads
         self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // self._heads
         self._scaling = self._head_dim**-0.5
-        self._attention_dtype = hf_compat.attention_dtype(model)
+        self._attention = config._attn_implementation
 
     def __call__(self, tokens: Sequence[int], caches: Sequence) -> torch.Tensor:
         """Logits of the next position of each sequence, shape (len(tokens), vocab); each
@@ -148,14 +148,14 @@ class DecodeStep:
                 keys, values = hf_compat.append_positions(
                     cached, k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
                 )
-                if self._attention_dtype != torch.float32:
-                    keys, values = hf_compat.wide_positions(cached, self._attention_dtype)
+                if self._attention == hf_compat.WIDE_ATTENTION:
+                    keys, values = hf_compat.wide_positions(cached, torch.float64)
                 if n == 1:
                     query = q[rows].view(kv_heads, groups, dim)
-                    attended = hf_compat.one_query_attention(query, keys[0], values[0], self._scaling, self._attention_dtype)
+                    attended = hf_compat.one_query_attention(query, keys[0], values[0], self._scaling, self._attention)
                 else:
                     attended = hf_compat.chunk_attention(
-                        q[rows].transpose(0, 1)[None], keys, values, self._scaling, self._attention_dtype
+                        q[rows].transpose(0, 1)[None], keys, values, self._scaling, self._attention
                     )
                 outputs.append(attended.reshape(n, heads * dim))
             attended = (outputs[0] if len(outputs) == 1 else torch.cat(outputs)).to(hidden.dtype)

@@ -14,10 +14,10 @@ The kernels are fast with bfloat16 inputs only (float32 ones take 10 to 20 times
 longer), so a linear rounds its input to bfloat16 and gives its output back in the
 model's dtype: a float32 model keeps float32 everywhere else (norms, attention, the
 residual sum, the KV cache). The kernels compute each output row from its input row
-alone: a chunk of 256 rows gives each row the numbers it gets alone. Attention is not
-computed row by row (SDPA for a prompt chunk, one_query_attention for a decode step), so
-the worker computes it in float64 for these weights (hf_compat.WIDE_ATTENTION): rounded
-to float32, both give the same numbers, and a position's numbers no longer depend on
+alone: a chunk of 256 rows gives each row the numbers it gets alone. PyTorch's attention
+does not (its sums are blocked by the shape of the call), so for these weights the
+worker computes attention with exact_attention's kernel (hf_compat.EXACT_ATTENTION,
+or float64 where it cannot be built), and a position's numbers no longer depend on
 the chunk or step it was computed in. Without that, the bfloat16 rounding made
 last-bit differences a whole bfloat16 step, and greedy output with a cache differed
 from greedy output without one (seen on SmolLM2). ``int8`` is the default on the CPU.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import types
+import weakref
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
 os.environ.setdefault("TQDM_DISABLE", "1")  # gguf conversion draws raw tqdm bars on stderr
@@ -47,66 +48,140 @@ sdpa_attention.use_gqa_in_sdpa = _use_gqa_in_sdpa
 # The attention implementations lm-worker loads models with: transformers' SDPA, but for one
 # query position on the CPU (a decode step), one_query_attention. decode_step.py computes
 # with the same functions, so its steps equal transformers' forward on the same model.
-# WIDE_ATTENTION computes attention in float64 and rounds it to float32: for quantized
-# weights, whose products give each row the numbers it gets alone, it makes a position's
-# numbers the same however the prompt was chunked (fast_weights says why).
+# For quantized weights, whose products give each row the numbers it gets alone, attention
+# must too, so that a position's numbers do not depend on how the prompt was chunked
+# (fast_weights says why): EXACT_ATTENTION computes it with exact_attention's kernel, and
+# WIDE_ATTENTION (where that kernel cannot be built, or for a call it does not take: logit
+# soft-capping, attention sinks, masks that are not one range of keys per position) in
+# float64, rounded to float32.
 ATTENTION = "lm_worker"
 WIDE_ATTENTION = "lm_worker_float64"
-
-
-def attention_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype a model's attention is computed in (its implementation is one of ours)."""
-    return torch.float64 if model.config._attn_implementation == WIDE_ATTENTION else torch.float32
+EXACT_ATTENTION = "lm_worker_exact"
 
 
 def one_query_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, dtype: torch.dtype = torch.float32
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, implementation: str = ATTENTION
 ) -> torch.Tensor:
     """Attention of one position: ``query`` (kv_heads, groups, dim), the query heads grouped
-    by the key/value head they read; ``keys``, ``values`` (kv_heads, n, dim). Computed in
-    ``dtype``; returns (kv_heads, groups, dim) in float32.
+    by the key/value head they read; ``keys``, ``values`` (kv_heads, n, dim). Returns
+    (kv_heads, groups, dim) in float32.
 
     Each key/value head is read once for its group (SDPA's decode path copies it per query
     head), in float32 at least: bfloat16 products this small cost more on the CPU than the
     conversion, and the softmax is float32 as in transformers' eager attention."""
+    kv_heads, groups, dim = query.shape
+    kernel = _exact_kernel(implementation, query.view(1, kv_heads * groups, 1, dim), keys[None])
+    if kernel is not None:
+        n = keys.shape[-2]
+        lo, hi = torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), n, dtype=torch.long)
+        out = kernel.attention(query.view(1, kv_heads * groups, 1, dim), keys[None], values[None], lo, hi, scaling)
+        return out.view(kv_heads, groups, dim)
+    dtype = torch.float32 if implementation == ATTENTION else torch.float64
     scores = torch.bmm(query.to(dtype), keys.to(dtype).transpose(1, 2)) * scaling
     return torch.bmm(torch.softmax(scores, dim=-1), values.to(dtype)).float()
 
 
 def chunk_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, dtype: torch.dtype = torch.float32
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, implementation: str = ATTENTION
 ) -> torch.Tensor:
     """Causal attention of the last ``n`` positions: ``query`` (1, heads, n, dim), ``keys``,
     ``values`` (1, kv_heads, positions, dim) ending with those n. Returns (1, n, heads, dim)
     in the query's dtype: SDPA with the grouped heads read in place and a boolean mask, as
-    transformers calls it for a chunk of a prompt on the CPU (in float64 with ``dtype``)."""
+    transformers calls it for a chunk of a prompt on the CPU (or the implementation's own)."""
     n, held = query.shape[-2], keys.shape[-2] - query.shape[-2]
+    kernel = _exact_kernel(implementation, query, keys)
+    if kernel is not None:
+        hi = torch.arange(held + 1, held + n + 1)[None]
+        return kernel.attention(query, keys, values, torch.zeros_like(hi), hi, scaling).to(query.dtype)
     mask = torch.ones(n, held + n, dtype=torch.bool, device=query.device).tril(diagonal=held)
-    wide = dtype == torch.float64
+    wide = implementation != ATTENTION
     return torch.nn.functional.scaled_dot_product_attention(
-        *((query.to(dtype), keys.to(dtype), values.to(dtype)) if wide else (query, keys, values)),
+        *((query.double(), keys.double(), values.double()) if wide else (query, keys, values)),
         attn_mask=mask, scale=scaling, enable_gqa=True,
     ).transpose(1, 2).to(query.dtype)
 
 
-def _attention_in(dtype: torch.dtype):
+def _exact_kernel(implementation: str, query: torch.Tensor, keys: torch.Tensor):
+    """exact_attention's kernel where the implementation is EXACT_ATTENTION and the kernel takes
+    these shapes; else None."""
+    if implementation != EXACT_ATTENTION:
+        return None
+    from worker.backends import exact_attention
+
+    kernel = exact_attention.loaded()
+    return kernel if kernel.takes(query, keys) else None
+
+
+# The mask key_ranges last read (a weak reference), the batch it was read for, and its ranges.
+_last_ranges: list = [None, 0, None]
+
+
+def key_ranges(mask: torch.Tensor | None, batch: int, positions: int, n: int, causal: bool = True):
+    """The keys each query row attends as one range: (lo, hi), int64 tensors of shape (batch,
+    positions), row (b, i) attending keys lo[b, i] to hi[b, i] - 1 of n. From transformers'
+    mask (boolean, or additive: 0 where a key is attended); without one, a causal layer's
+    last ``positions`` positions attend every key up to their own. None where some row's
+    keys are not one range (or the mask is of a form not known here)."""
+    if mask is None:
+        hi = torch.arange(n - positions + 1, n + 1) if causal else torch.full((positions,), n)
+        hi = hi.expand(batch, positions)
+        return torch.zeros_like(hi), hi
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-2:] != (positions, n) or mask.device.type != "cpu":
+        return None
+    # transformers makes a forward's mask once and hands it to every layer.
+    reference, read_for, ranges = _last_ranges
+    if reference is not None and reference() is mask and read_for == batch:
+        return ranges
+    ranges = _ranges_of(mask, batch, positions, n)
+    _last_ranges[:] = [weakref.ref(mask), batch, ranges]
+    return ranges
+
+
+def _ranges_of(mask: torch.Tensor, batch: int, positions: int, n: int):
+    if mask.dtype == torch.bool:
+        allowed = mask[:, 0]
+    else:
+        allowed = mask[:, 0] == 0
+        if not torch.all(allowed | (mask[:, 0] <= torch.finfo(mask.dtype).min)):
+            return None  # a bias on the scores, not only a choice of keys
+    allowed = allowed.expand(batch, positions, n)
+    lo = allowed.to(torch.uint8).argmax(-1)  # the first attended key (0 for a row with none)
+    hi = lo + allowed.sum(-1)
+    where = torch.arange(n)
+    if not torch.equal((where >= lo[..., None]) & (where < hi[..., None]), allowed):
+        return None
+    return lo, hi
+
+
+def _sdpa(module, query, key, value, attention_mask, wide: bool, **kwargs):
+    """transformers' SDPA attention; with ``wide`` (on the CPU) computed in float64 and given
+    back in the query's dtype."""
+    if not wide or query.device.type != "cpu":
+        return sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    widened = [tensor.double() for tensor in (query, key, value)]
+    out, weights = sdpa_attention.sdpa_attention_forward(module, *widened, attention_mask, **kwargs)
+    return out.to(query.dtype), weights
+
+
+def _attention_as(implementation: str):
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         batch, heads, positions, dim = query.shape
-        plain = attention_mask is None and not kwargs.get("softcap") and kwargs.get("s_aux") is None
-        if positions != 1 or not plain or query.device.type != "cpu" or dropout:
-            if dtype == torch.float64 and query.device.type == "cpu":
-                wide = [tensor.to(dtype) for tensor in (query, key, value)]
-                out, weights = sdpa_attention.sdpa_attention_forward(
-                    module, *wide, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-                )
-                return out.to(query.dtype), weights
-            return sdpa_attention.sdpa_attention_forward(
-                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-            )
-        kv_heads = key.shape[1]
         scaling = module.scaling if scaling is None else scaling
+        plain = not dropout and not kwargs.get("softcap") and kwargs.get("s_aux") is None
+        kernel = _exact_kernel(implementation, query, key) if plain else None
+        if kernel is not None:
+            causal = getattr(module, "is_causal", True)
+            ranges = key_ranges(attention_mask, batch, positions, key.shape[-2], causal)
+            if ranges is not None:
+                return kernel.attention(query, key, value, *ranges, scaling).to(query.dtype), None
+        if positions != 1 or attention_mask is not None or not plain or query.device.type != "cpu":
+            wide = implementation != ATTENTION
+            return _sdpa(module, query, key, value, attention_mask, wide, dropout=dropout, scaling=scaling, **kwargs)
+        kv_heads = key.shape[1]
         rows = [
-            one_query_attention(query[row].view(kv_heads, heads // kv_heads, dim), key[row], value[row], scaling, dtype)
+            one_query_attention(
+                query[row].view(kv_heads, heads // kv_heads, dim), key[row], value[row], scaling, implementation
+            )
             for row in range(batch)
         ]
         return torch.stack(rows).view(batch, 1, heads, dim).to(query.dtype), None
@@ -114,8 +189,8 @@ def _attention_in(dtype: torch.dtype):
     return attention
 
 
-for _name, _dtype in ((ATTENTION, torch.float32), (WIDE_ATTENTION, torch.float64)):
-    AttentionInterface.register(_name, _attention_in(_dtype))
+for _name in (ATTENTION, WIDE_ATTENTION, EXACT_ATTENTION):
+    AttentionInterface.register(_name, _attention_as(_name))
     AttentionMaskInterface.register(_name, sdpa_mask)
 
 
@@ -274,17 +349,17 @@ def rope_theta(config: transformers.PretrainedConfig) -> float | None:
 def config_digest(config: transformers.PretrainedConfig) -> str:
     """SHA-256 of the configuration as transformers resolved it, less what does not change the
     computation (where the model was loaded from, which transformers wrote it, the dtype,
-    which the identity holds separately), with the attention the worker computes in where
-    it is not the float32 one (to_dict leaves it out): a cache computed with float32
-    attention differs in the last bits from one computed with float64 attention."""
+    which the identity holds separately), with the attention the worker computes with where
+    it is not SDPA in float32 (to_dict leaves it out): each implementation gives a position
+    other last bits, so a cache computed with one must not pass for one of another."""
     import hashlib
     import json
 
     described = config.to_dict()
     for key in ("_name_or_path", "transformers_version", "dtype", "torch_dtype"):
         described.pop(key, None)
-    if config._attn_implementation == WIDE_ATTENTION:
-        described["attention"] = WIDE_ATTENTION
+    if config._attn_implementation in (WIDE_ATTENTION, EXACT_ATTENTION):
+        described["attention"] = config._attn_implementation
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=repr).encode()).hexdigest()
 
 

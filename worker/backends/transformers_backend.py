@@ -14,6 +14,7 @@ This module imports nothing heavy itself; ``load`` imports torch.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from worker.kvcache.torch_adapter import TorchCache
 
 _DEFAULT_DTYPES = {"cpu": "float32", "cuda": "bfloat16", "mps": "float16"}
+log = logging.getLogger(__name__)
 
 
 class TransformersBackend:
@@ -75,9 +77,9 @@ class TransformersBackend:
         device = params.device
         path = _model_path(params.model, data_dir)
         dtype, quantization = resolve_weights(params)
-        # Quantized products give each row the numbers it gets alone; attention in float64
-        # makes the rest of a position's arithmetic as independent of the chunk it is in.
-        attention = hf_compat.ATTENTION if quantization == "none" else hf_compat.WIDE_ATTENTION
+        # Quantized products give each row the numbers it gets alone; exact attention makes
+        # the rest of a position's arithmetic as independent of the chunk it is in.
+        attention = hf_compat.ATTENTION if quantization == "none" else _exact_attention(data_dir)
         model, tokenizer = _load_pretrained(path, dtype, device, params.trust_remote_code, attention)
         identity = _identity(path, model, tokenizer, dtype, quantization, data_dir / "digests")
         if quantization != "none":
@@ -85,6 +87,19 @@ class TransformersBackend:
 
             quantize(model, quantization)
         return TransformersModel(params, path, model, tokenizer, identity, device, dtype, quantization, started)
+
+
+def _exact_attention(data_dir: Path) -> str:
+    """The attention for quantized weights: exact_attention's kernel (built on first use), or
+    float64 attention where it cannot be built (slower, as independent of chunking)."""
+    from worker.backends import exact_attention, hf_compat
+
+    try:
+        exact_attention.kernel(data_dir)
+    except exact_attention.KernelUnavailable as exc:
+        log.warning("attention in float64 (about 3 times slower): %s", exc)
+        return hf_compat.WIDE_ATTENTION
+    return hf_compat.EXACT_ATTENTION
 
 
 def resolve_weights(params: LoadParams) -> tuple[str, str]:

@@ -1,0 +1,120 @@
+"""The exact attention kernel: a query row's numbers depend only on its query and the keys and
+values it attends, whatever the call around it; close to float64 attention; built once per
+machine, and a worker without a C compiler still loads quantized models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TORCH_ENV
+from worker.host import Host
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory):
+    from worker.backends import exact_attention
+
+    return exact_attention.kernel(tmp_path_factory.mktemp("data"))
+
+
+def causal(batch: int, positions: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    hi = torch.arange(n - positions + 1, n + 1).expand(batch, positions).contiguous()
+    return torch.zeros_like(hi), hi
+
+
+def reference(query, keys, values, lo, hi, scaling) -> torch.Tensor:
+    """float64 SDPA with the ranges as a mask, (batch, positions, heads, dim)."""
+    where = torch.arange(keys.shape[-2])
+    mask = ((where >= lo[..., None]) & (where < hi[..., None]))[:, None]
+    return torch.nn.functional.scaled_dot_product_attention(
+        query.double(), keys.double(), values.double(), attn_mask=mask, scale=scaling, enable_gqa=True
+    ).transpose(1, 2)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 2, 16), (2, 1, 128), (2, 2, 256)])
+def test_a_row_gets_the_same_bits_alone_in_any_chunk_and_on_any_thread(kernel, heads, kv_heads, dim):
+    torch.manual_seed(dim)
+    positions, n = 70, 300
+    query = torch.randn(1, heads, positions, dim) * 2
+    keys, values = torch.randn(1, kv_heads, n + 40, dim), torch.randn(1, kv_heads, n + 40, dim)
+    keys, values = keys[:, :, :n], values[:, :, :n]  # a view into room to grow, as a cache holds them
+    scaling = dim**-0.5
+    torch.set_num_threads(2)
+    whole = kernel.attention(query, keys, values, *causal(1, positions, n), scaling)
+    torch.set_num_threads(1)
+    assert torch.equal(kernel.attention(query, keys, values, *causal(1, positions, n), scaling), whole)
+    split = [kernel.attention(query[:, :, a:b], keys[:, :, : n - positions + b], values[:, :, : n - positions + b],
+                              *causal(1, b - a, n - positions + b), scaling) for a, b in ((0, 23), (23, 24), (24, 70))]
+    assert torch.equal(torch.cat(split, dim=1), whole)
+    for row in (0, 17, 69):  # alone, over exactly the keys it attends
+        length = n - positions + row + 1
+        alone = kernel.attention(query[:, :, row : row + 1], keys[:, :, :length].contiguous(),
+                                 values[:, :, :length].contiguous(), *causal(1, 1, length), scaling)
+        assert torch.equal(alone[:, 0], whole[:, row])
+    assert (whole.double() - reference(query, keys, values, *causal(1, positions, n), scaling)).abs().max() < 2e-5
+
+
+def test_rows_attending_windows_and_padded_batches_match_float64_attention(kernel):
+    """Ranges that start past the first key (a sliding window, left padding), a batch whose
+    rows attend different keys, and a row attending no key at all (zeros)."""
+    torch.manual_seed(1)
+    batch, heads, positions, n, dim = 2, 4, 20, 50, 32
+    query = torch.randn(batch, heads, positions, dim)
+    keys, values = torch.randn(batch, 2, n, dim), torch.randn(batch, 2, n, dim)
+    lo, hi = causal(batch, positions, n)
+    lo = torch.stack([(hi[0] - 16).clamp(min=0), torch.full((positions,), 7)])  # a window; padding
+    lo[1, 3], hi[1, 3] = 0, 0
+    out = kernel.attention(query, keys, values, lo, hi, 0.2)
+    assert torch.equal(out[1, 3], torch.zeros(heads, dim))
+    expected = reference(query, keys, values, lo, hi, 0.2)
+    attended = torch.ones(batch, positions, dtype=torch.bool)
+    attended[1, 3] = False
+    assert (out[attended].double() - expected[attended]).abs().max() < 2e-5
+    window = kernel.attention(query[:1, :, -1:], keys[:1, :, -16:].contiguous(), values[:1, :, -16:].contiguous(),
+                              *causal(1, 1, 16), 0.2)
+    assert torch.equal(window[0, 0], out[0, -1])  # the window's keys alone give the same bits
+
+
+def test_transformers_masks_become_one_range_of_keys_per_row_or_none():
+    from worker.backends.hf_compat import key_ranges
+
+    n, positions = 12, 4
+    causal_mask = torch.ones(positions, n, dtype=torch.bool).tril(diagonal=n - positions)[None, None]
+    lo, hi = key_ranges(causal_mask, 1, positions, n)
+    assert lo.tolist() == [[0] * 4] and hi.tolist() == [[9, 10, 11, 12]]
+    window = causal_mask & ~torch.ones(positions, n, dtype=torch.bool).tril(diagonal=n - positions - 5)
+    assert key_ranges(window, 1, positions, n)[0].tolist() == [[4, 5, 6, 7]]
+    additive = torch.zeros(1, 1, positions, n).masked_fill(~causal_mask, torch.finfo(torch.float32).min)
+    assert key_ranges(additive, 1, positions, n)[1].tolist() == hi.tolist()
+    assert key_ranges(None, 2, positions, n)[1].tolist() == [[9, 10, 11, 12]] * 2
+    holed = causal_mask.clone()
+    holed[..., 0, 3] = False
+    assert key_ranges(holed, 1, positions, n) is None  # not one range: float64 attention takes it
+    assert key_ranges(additive + 0.5, 1, positions, n) is None  # a bias on scores, not a choice of keys
+
+
+def test_the_kernel_is_built_once_per_machine_and_reused(tmp_path: Path):
+    from worker.backends import exact_attention
+
+    built = exact_attention._build(tmp_path)
+    stamp = built.stat().st_mtime_ns
+    assert exact_attention._build(tmp_path) == built and built.stat().st_mtime_ns == stamp
+    assert [path.name for path in tmp_path.iterdir()] == [built.name]  # no partial file left behind
+
+
+async def test_a_worker_without_a_c_compiler_loads_int8_with_float64_attention(tiny_model_dir: Path, tmp_path: Path):
+    env = {**TORCH_ENV, "CC": str(tmp_path / "no-such-compiler"), "LM_WORKER_DATA_DIR": str(tmp_path / "data")}
+    host = await Host.spawn(env=env)
+    try:
+        loaded = await host.call("load", {"model": str(tiny_model_dir)}, timeout=120)
+        assert loaded["quantization"] == "int8"
+        result = await host.call("generate", {"prompt": "the cat sat", "max_tokens": 8})
+        assert result["usage"]["completion_tokens"] == 8
+    finally:
+        await host.close()
+    assert "attention in float64" in host.stderr.decode() and "no C compiler" in host.stderr.decode()
+    assert not (tmp_path / "data" / "kernels").exists() or not any((tmp_path / "data" / "kernels").glob("*.so"))

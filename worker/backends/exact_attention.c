@@ -1,0 +1,337 @@
+/* Float32 attention whose every number is computed in one fixed order, whatever the shape
+ * of the call: a query position's output depends only on its query and the keys and values
+ * it attends to, not on how many positions are computed beside it, how many keys the cache
+ * holds past its own, or how the work is split between threads. A prompt fed in chunks of
+ * any size, a decode step and a prompt fed whole give a position the same bits.
+ * exact_attention.py explains why the worker needs that and how it builds this file.
+ *
+ * For one query row attending keys lo..hi-1 (n = hi - lo of them):
+ *   score[t]  = sum over d of q[d] * k[lo+t][d], d from 0 up, one rounding per operation;
+ *   x[t]      = score[t] * scale; m = the largest x (exact whatever the order);
+ *   p[t]      = exp(x[t] - m), exp being vexp below (the same function for every lane);
+ *   l         = sum of p: lane t % 16 adds its p in order of t, then the 16 lane sums
+ *               are added in a fixed tree (lanes i and i + 8, then i and i + 4, ...);
+ *   out[d]    = (sum over t of p[t] * v[lo+t][d], t from 0 up) / l.
+ * Vectors run across keys (scores) or across dimensions (the weighted sum), never across
+ * the terms of one sum, so how rows and keys are blocked changes nothing. Built with
+ * -ffp-contract=off: no multiply and add is fused into one rounding anywhere, so every
+ * machine that rounds IEEE single precision gives the same bits.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define W 16           /* lanes of a vector (vsplat spells them out) */
+#define POSITIONS 16   /* query positions in one work item */
+#define SCORE_ROWS 8   /* query rows whose scores are computed together */
+#define MOST_GROUPS 64 /* query heads per key/value head */
+
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
+
+static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf vsplat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+static inline vf vselect(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
+
+/* The first `count` lanes from p, the others `fill`. */
+static inline vf vload_part(const float *p, int64_t count, float fill) {
+    float lanes[W];
+    for (int i = 0; i < W; i++) lanes[i] = i < count ? p[i] : fill;
+    return vload(lanes);
+}
+
+/* exp(x) for x <= 0 (Cephes' expf: 2^n times a polynomial of the rest); 0 below -87. */
+static inline vf vexp(vf x) {
+    const vf low = vsplat(-87.0f);
+    vi under = x < low;
+    x = vselect(under, low, x);
+    const vf magic = vsplat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    vf n = (x * vsplat(1.44269504088896341f) + magic) - magic;
+    vf r = x - n * vsplat(0.693359375f);
+    r = r - n * vsplat(-2.12194440e-4f);
+    vf y = vsplat(1.9875691500e-4f);
+    y = y * r + vsplat(1.3981999507e-3f);
+    y = y * r + vsplat(8.3334519073e-3f);
+    y = y * r + vsplat(4.1665795894e-2f);
+    y = y * r + vsplat(1.6666665459e-1f);
+    y = y * r + vsplat(5.0000001201e-1f);
+    y = y * (r * r) + r + vsplat(1.0f);
+    vi exponent = (__builtin_convertvector(n, vi) + 127) << 23;
+    return vselect(under, vsplat(0.0f), y * (vf)exponent);
+}
+
+static inline float hsum(vf v) {
+    float lanes[W];
+    vstore(lanes, v);
+    for (int width = W / 2; width > 0; width /= 2)
+        for (int i = 0; i < width; i++) lanes[i] = lanes[i] + lanes[i + width];
+    return lanes[0];
+}
+
+static inline float hmax(vf v) {
+    float lanes[W], best;
+    vstore(lanes, v);
+    best = lanes[0];
+    for (int i = 1; i < W; i++) best = lanes[i] > best ? lanes[i] : best;
+    return best;
+}
+
+/* Scores of SCORE_ROWS rows against two tiles of W keys whose dimensions `kt` holds
+ * transposed (kt[d * W + key], the second tile dim * W floats on). Missing rows point at a
+ * row of zeros and write to a spare buffer. */
+static inline void scores_of_tiles(int64_t dim, const float *kt, const float *const *rows, float *const *into) {
+    vf first[SCORE_ROWS], second[SCORE_ROWS];
+    for (int r = 0; r < SCORE_ROWS; r++) first[r] = second[r] = vsplat(0.0f);
+    for (int64_t d = 0; d < dim; d++) {
+        vf keys = vload(kt + d * W), more = vload(kt + (dim + d) * W);
+        for (int r = 0; r < SCORE_ROWS; r++) {
+            vf query = vsplat(rows[r][d]);
+            first[r] = first[r] + keys * query;
+            second[r] = second[r] + more * query;
+        }
+    }
+    for (int r = 0; r < SCORE_ROWS; r++) {
+        vstore(into[r], first[r]);
+        vstore(into[r] + W, second[r]);
+    }
+}
+
+/* Turn a row's n scores into p in place; returns l, their sum. A last block of fewer than W
+ * scores gives its missing lanes nothing (+0) to add. */
+static float softmax_in_place(float *s, int64_t n, float scale) {
+    const int64_t whole = n / W * W;
+    vf best = vsplat(-__builtin_inff());
+    for (int64_t t = 0; t < whole; t += W) {
+        vf x = vload(s + t) * vsplat(scale);
+        best = vselect(x > best, x, best);
+    }
+    if (whole < n) {
+        vf x = vload_part(s + whole, n - whole, -__builtin_inff()) * vsplat(scale);
+        best = vselect(x > best, x, best);
+    }
+    vf m = vsplat(hmax(best)), total = vsplat(0.0f);
+    for (int64_t t = 0; t < whole; t += W) {
+        vf p = vexp(vload(s + t) * vsplat(scale) - m);
+        total = total + p;
+        vstore(s + t, p);
+    }
+    if (whole < n) {
+        float lanes[W];
+        vstore(lanes, vexp(vload_part(s + whole, n - whole, 0.0f) * vsplat(scale) - m));
+        for (int i = n - whole; i < W; i++) lanes[i] = 0.0f;
+        total = total + vload(lanes);
+        memcpy(s + whole, lanes, (n - whole) * sizeof(float));
+    }
+    return hsum(total);
+}
+
+/* out[r] = sum over t < n[r] of p[r][t] * v[lo + t], t in order, for up to NR rows sharing lo;
+ * DV vectors a row. The rows' common part is summed together, each rest alone. */
+#define DEFINE_WEIGHTED_SUM(DV, NR)                                                              \
+    static void weighted_sum_##DV##_##NR(const float *v, int64_t vsj, int rows, float *const *p,     \
+                                         const int64_t *n, float *const *out) {                       \
+        vf acc[NR][DV];                                                                           \
+        for (int r = 0; r < NR; r++)                                                              \
+            for (int c = 0; c < DV; c++) acc[r][c] = vsplat(0.0f);                                \
+        int64_t common = n[0];                                                                    \
+        for (int r = 1; r < rows; r++) common = n[r] < common ? n[r] : common;                    \
+        if (rows == NR) {                                                                         \
+            for (int64_t t = 0; t < common; t++) {                                                \
+                const float *vt = v + t * vsj;                                                    \
+                for (int c = 0; c < DV; c++) {                                                    \
+                    vf values = vload(vt + c * W);                                                \
+                    for (int r = 0; r < NR; r++) acc[r][c] = acc[r][c] + vsplat(p[r][t]) * values; \
+                }                                                                                 \
+            }                                                                                     \
+        } else {                                                                                  \
+            common = 0;                                                                           \
+        }                                                                                         \
+        for (int r = 0; r < rows; r++) {                                                          \
+            for (int64_t t = common; t < n[r]; t++) {                                             \
+                const float *vt = v + t * vsj;                                                    \
+                for (int c = 0; c < DV; c++) acc[r][c] = acc[r][c] + vsplat(p[r][t]) * vload(vt + c * W); \
+            }                                                                                     \
+            for (int c = 0; c < DV; c++) vstore(out[r] + c * W, acc[r][c]);                       \
+        }                                                                                         \
+    }
+
+DEFINE_WEIGHTED_SUM(1, 4)
+DEFINE_WEIGHTED_SUM(2, 4)
+DEFINE_WEIGHTED_SUM(4, 4)
+DEFINE_WEIGHTED_SUM(8, 2)
+DEFINE_WEIGHTED_SUM(16, 1)
+
+static int weighted_sum_rows(int64_t dim) {
+    switch (dim / W) {
+    case 1: case 2: case 4: return 4;
+    case 8: return 2;
+    default: return 1;
+    }
+}
+
+static void weighted_sum(int64_t dim, const float *v, int64_t vsj, int rows, float *const *p, const int64_t *n,
+                         float *const *out) {
+    switch (dim / W) {
+    case 1: weighted_sum_1_4(v, vsj, rows, p, n, out); return;
+    case 2: weighted_sum_2_4(v, vsj, rows, p, n, out); return;
+    case 4: weighted_sum_4_4(v, vsj, rows, p, n, out); return;
+    case 8: weighted_sum_8_2(v, vsj, rows, p, n, out); return;
+    case 16: weighted_sum_16_1(v, vsj, rows, p, n, out); return;
+    }
+    /* Any other multiple of W: one row at a time, the same order. */
+    for (int r = 0; r < rows; r++) {
+        for (int64_t c = 0; c < dim; c += W) {
+            vf acc = vsplat(0.0f);
+            for (int64_t t = 0; t < n[r]; t++) acc = acc + vsplat(p[r][t]) * vload(v + t * vsj + c);
+            vstore(out[r] + c, acc);
+        }
+    }
+}
+
+/* One call's shapes and tensors (strides in floats; the last dimension of q, k, v contiguous). */
+struct call {
+    const float *q, *k, *v;
+    int64_t qsb, qsh, qsi, ksb, ksh, ksj, vsb, vsh, vsj;
+    const int64_t *lo, *hi;
+    float *out;
+    int64_t heads, kv_heads, positions, dim, groups, blocks;
+    float scale;
+    float *kt;     /* the keys transposed, W at a time: kt[((b * kv_heads + kvh) * tiles + tile) * dim * W + d * W + j % W] */
+    int64_t tiles; /* tiles of W keys per (b, kv head): up to the last key any row attends */
+};
+
+/* A thread's scratch space: scores (then p) of an item's rows, a row of zeros, the rows'
+ * weighted sums. */
+struct scratch {
+    float *scores, *zeros, *sums;
+    int64_t span;
+};
+
+/* Tile `tile` of the keys of (b, kv head) `pair`, transposed into c->kt; keys past the
+ * tensor's are 0 (their scores are never used). */
+static void transpose_tile(const struct call *c, int64_t pair, int64_t tile, int64_t n) {
+    const float *keys = c->k + pair / c->kv_heads * c->ksb + pair % c->kv_heads * c->ksh;
+    float *into = c->kt + (pair * c->tiles + tile) * c->dim * W;
+    for (int j = 0; j < W; j++) {
+        int64_t at = tile * W + j;
+        for (int64_t d = 0; d < c->dim; d++) into[d * W + j] = at < n ? keys[at * c->ksj + d] : 0.0f;
+    }
+}
+
+/* The range of keys the rows of item's positions attend together: [*low, *high). */
+static void keys_of_item(const struct call *c, int64_t item, int64_t *low, int64_t *high) {
+    int64_t b = item / (c->kv_heads * c->blocks), i0 = (item % c->blocks) * POSITIONS;
+    int64_t i1 = i0 + POSITIONS < c->positions ? i0 + POSITIONS : c->positions;
+    *low = INT64_MAX, *high = 0;
+    for (int64_t i = i0; i < i1; i++) {
+        int64_t at = b * c->positions + i;
+        if (c->hi[at] > c->lo[at]) {
+            *low = c->lo[at] < *low ? c->lo[at] : *low;
+            *high = c->hi[at] > *high ? c->hi[at] : *high;
+        }
+    }
+}
+
+/* The work item (b, kv head, block of POSITIONS positions): every query head of that key/value
+ * head, at those positions. Rows are ordered by position, then head: the heads of one position
+ * attend the same keys. */
+static void attend_item(const struct call *c, const struct scratch *s, int64_t item) {
+    const int64_t groups = c->groups, dim = c->dim, span = s->span;
+    int64_t b = item / (c->kv_heads * c->blocks), kvh = item / c->blocks % c->kv_heads;
+    int64_t i0 = (item % c->blocks) * POSITIONS, low, high;
+    int64_t i1 = i0 + POSITIONS < c->positions ? i0 + POSITIONS : c->positions;
+    int rows = (int)((i1 - i0) * groups);
+    const float *row_q[POSITIONS * MOST_GROUPS];
+    int64_t row_lo[POSITIONS * MOST_GROUPS], row_n[POSITIONS * MOST_GROUPS];
+    float totals[POSITIONS * MOST_GROUPS], *row_p[POSITIONS * MOST_GROUPS], *row_out[POSITIONS * MOST_GROUPS];
+    keys_of_item(c, item, &low, &high);
+    for (int r = 0; r < rows; r++) {
+        int64_t i = i0 + r / groups, h = kvh * groups + r % groups, at = b * c->positions + i;
+        row_q[r] = c->q + b * c->qsb + h * c->qsh + i * c->qsi;
+        row_lo[r] = c->lo[at];
+        row_n[r] = c->hi[at] > c->lo[at] ? c->hi[at] - c->lo[at] : 0;
+    }
+    const float *values = c->v + b * c->vsb + kvh * c->vsh;
+    /* Tiles in pairs: the pair past the last tile attended may read one tile more, which the
+     * transposed keys hold (zeros past the keys), and its scores go unused. */
+    const int64_t first_tile = low / W, last_tile = (high + W - 1) / W, start = first_tile * W;
+    const float *kt = c->kt + (b * c->kv_heads + kvh) * c->tiles * dim * W;
+    float *spare = s->scores + rows * span;
+    for (int64_t tile = first_tile; tile < last_tile; tile += 2) {
+        for (int r0 = 0; r0 < rows; r0 += SCORE_ROWS) {
+            const float *tile_rows[SCORE_ROWS];
+            float *into[SCORE_ROWS];
+            for (int r = 0; r < SCORE_ROWS; r++) {
+                int in = r0 + r < rows;
+                tile_rows[r] = in ? row_q[r0 + r] : s->zeros;
+                into[r] = in ? s->scores + (r0 + r) * span + (tile * W - start) : spare;
+            }
+            scores_of_tiles(dim, kt + tile * dim * W, tile_rows, into);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        row_p[r] = s->scores + r * span + (row_lo[r] - start);
+        row_out[r] = s->sums + r * dim;
+        totals[r] = row_n[r] ? softmax_in_place(row_p[r], row_n[r], c->scale) : 0.0f;
+    }
+    int together = weighted_sum_rows(dim);
+    for (int r0 = 0; r0 < rows;) {
+        int count = 1;
+        while (count < together && r0 + count < rows && row_lo[r0 + count] == row_lo[r0]) count++;
+        weighted_sum(dim, values + row_lo[r0] * c->vsj, c->vsj, count, row_p + r0, row_n + r0, row_out + r0);
+        r0 += count;
+    }
+    for (int r = 0; r < rows; r++) {
+        int64_t i = i0 + r / groups, h = kvh * groups + r % groups;
+        float *target = c->out + ((b * c->positions + i) * c->heads + h) * dim;
+        for (int64_t d = 0; d < dim; d += W)
+            vstore(target + d, row_n[r] ? vload(row_out[r] + d) / vsplat(totals[r]) : vsplat(0.0f));
+    }
+}
+
+/* Attention of query rows q[b, h, i] (b < batch, h < heads, i < positions) over keys and
+ * values k[b, h / (heads / kv_heads), j], v[...]: row (b, i) attends keys lo[b*positions + i]
+ * up to hi[...] (exclusive). Writes out[b, i, h, :] (contiguous). dim is a multiple of 16,
+ * heads / kv_heads at most MOST_GROUPS. Work items are shared among `threads` OpenMP threads
+ * (where built with OpenMP: the runtime torch loaded, so its threads, already awake, take
+ * them). Returns 0, or -1 when memory ran out. */
+int lmw_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsi, const float *k, int64_t ksb, int64_t ksh,
+                  int64_t ksj, const float *v, int64_t vsb, int64_t vsh, int64_t vsj, const int64_t *lo,
+                  const int64_t *hi, float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t positions,
+                  int64_t dim, float scale, int threads) {
+    struct call c = {q, k, v, qsb, qsh, qsi, ksb, ksh, ksj, vsb, vsh, vsj, lo, hi, out,
+                     heads, kv_heads, positions, dim, heads / kv_heads, (positions + POSITIONS - 1) / POSITIONS, scale,
+                     NULL, 0};
+    const int64_t items = batch * kv_heads * c.blocks, pairs = batch * kv_heads;
+    int64_t widest = 0, n = 0;
+    for (int64_t item = 0; item < items; item++) {
+        int64_t low, high;
+        keys_of_item(&c, item, &low, &high);
+        widest = high - low > widest ? high - low : widest;
+        n = high > n ? high : n;
+    }
+    c.tiles = (n + W - 1) / W + 1;
+    c.kt = malloc(sizeof(float) * (pairs * c.tiles * dim * W + 1));
+    const int64_t span = (widest + W - 1) / W * W + 3 * W, rows = c.groups * POSITIONS;
+    int failed = c.kt == NULL;
+#pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
+    {
+        struct scratch s = {malloc(sizeof(float) * (rows + 1) * span), calloc(dim, sizeof(float)),
+                            malloc(sizeof(float) * rows * dim), span};
+        if (!s.scores || !s.zeros || !s.sums) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t at = 0; at < pairs * c.tiles; at++) transpose_tile(&c, at / c.tiles, at % c.tiles, n);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < items; item++) attend_item(&c, &s, item);
+        }
+        free(s.scores), free(s.zeros), free(s.sums);
+    }
+    free(c.kt);
+    return failed ? -1 : 0;
+}

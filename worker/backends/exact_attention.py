@@ -1,0 +1,157 @@
+"""Float32 attention that gives a position the same numbers however it is computed.
+
+With 8- or 4-bit weights (fast_weights) every product gives a row the numbers it gets
+alone; attention is what remains. PyTorch's float32 attention does not: its products and
+sums are blocked by the shape of the call, so a position computed in a chunk of 256
+differs in its last bits from the same position computed alone or in a chunk of 100, and
+the bfloat16 rounding before the next quantized product can turn that into a whole
+bfloat16 step. Greedy output from a cache (the prompt's start computed in an earlier
+request, in other chunks) then differs from greedy output without one.
+
+exact_attention.c computes every sum of one query row in a fixed order (its header says
+which), so a row's output depends only on its query and the keys and values it attends
+to: the same bits in a chunk of any size, in a decode step, and on any thread. It runs
+at about the speed of PyTorch's float32 attention and three times that of float64
+attention, the worker's previous way to the same end (still used where this one cannot
+be built or cannot take a call: hf_compat).
+
+The file is compiled once per machine with the system's C compiler (``cc``, or ``CC``)
+into ``<data dir>/kernels`` when a model with quantized weights is loaded, and loaded
+with ctypes: a file of a few hundred lines builds in about a second, and a build that
+fails leaves the worker on float64 attention, not without a model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("exact_attention.c")
+# -ffp-contract=off: every multiply and add rounds on its own, as the source's order says.
+_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+# Tried in turn: -march=native for the machine's widest vectors, -fopenmp for threads
+# (linked against libgomp.so.1, the OpenMP runtime torch has loaded, so the kernel's threads
+# are torch's own). Some compilers take neither.
+_OPTIONS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
+_MOST_GROUPS = 64  # query heads per key/value head the kernel takes (MOST_GROUPS there)
+# Calls with fewer query-key pairs than this run on the calling thread alone.
+_SHARE_FROM = 1 << 16
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_ARGTYPES = [_PTR, _I64, _I64, _I64] * 3 + [_PTR, _PTR, _PTR] + [_I64] * 5 + [ctypes.c_float, ctypes.c_int]
+
+
+class KernelUnavailable(Exception):
+    """The kernel could not be built or loaded on this machine (the message says why)."""
+
+
+class Kernel:
+    def __init__(self, library: Path) -> None:
+        try:
+            self._function = ctypes.CDLL(str(library)).lmw_attention
+        except (OSError, AttributeError) as exc:
+            raise KernelUnavailable(f"could not load {library}: {exc}") from exc
+        self._function.argtypes = _ARGTYPES
+        self._function.restype = ctypes.c_int
+        self.library = library
+
+    def takes(self, query: torch.Tensor, keys: torch.Tensor) -> bool:
+        """Whether the kernel computes attention of these shapes (on the CPU)."""
+        heads, kv_heads, dim = query.shape[1], keys.shape[1], query.shape[-1]
+        return (
+            query.device.type == "cpu" and dim % 16 == 0 and heads % kv_heads == 0
+            and heads // kv_heads <= _MOST_GROUPS
+        )
+
+    def attention(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor:
+        """``query`` (batch, heads, positions, dim); ``keys``, ``values`` (batch, kv_heads, n,
+        dim); query row (b, i) attends keys ``lo[b, i]`` to ``hi[b, i] - 1`` (int64 tensors of
+        shape (batch, positions)). Returns (batch, positions, heads, dim) in float32."""
+        query, keys, values = (_rows(tensor) for tensor in (query, keys, values))
+        lo, hi = lo.contiguous(), hi.contiguous()
+        batch, heads, positions, dim = query.shape
+        kv_heads = keys.shape[1]
+        out = torch.empty(batch, positions, heads, dim)
+        # A decode step's call is too small to share between threads.
+        threads = torch.get_num_threads() if heads * positions * keys.shape[2] >= _SHARE_FROM else 1
+        status = self._function(
+            query.data_ptr(), *query.stride()[:3], keys.data_ptr(), *keys.stride()[:3],
+            values.data_ptr(), *values.stride()[:3], lo.data_ptr(), hi.data_ptr(), out.data_ptr(),
+            batch, heads, kv_heads, positions, dim, scaling, threads,
+        )
+        if status != 0:
+            raise MemoryError("exact attention: no memory for its scratch space")
+        return out
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    """float32 with the last dimension contiguous (the kernel's strides are per row)."""
+    tensor = tensor.float()
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+_loaded: Kernel | None = None
+
+
+def kernel(data_dir: Path) -> Kernel:
+    """The kernel, built into ``data_dir/kernels`` if it is not there yet; raises
+    KernelUnavailable with the compiler's words when it cannot be built."""
+    global _loaded
+    if _loaded is None:
+        _loaded = Kernel(_build(data_dir / "kernels"))
+    return _loaded
+
+
+def loaded() -> Kernel:
+    """The kernel a model was loaded with (kernel() ran before any call needs it)."""
+    if _loaded is None:
+        raise KernelUnavailable("the exact attention kernel was not built")
+    return _loaded
+
+
+def _build(directory: Path) -> Path:
+    compiler = os.environ.get("CC", "cc")
+    source = SOURCE.read_bytes()
+    machine = _machine()
+    for options in _OPTIONS:
+        flags = [*options, *_FLAGS]
+        digest = hashlib.sha256(repr((source, compiler, flags, machine)).encode()).hexdigest()[:16]
+        library = directory / f"exact_attention-{digest}.so"
+        if library.exists():
+            return library
+        directory.mkdir(parents=True, exist_ok=True)
+        # Written beside and renamed into place: workers sharing a data directory never load half a file.
+        handle, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
+        os.close(handle)
+        try:
+            built = subprocess.run(
+                [compiler, *flags, "-o", partial, str(SOURCE)], capture_output=True, text=True, timeout=120
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            os.unlink(partial)
+            raise KernelUnavailable(f"no C compiler ({compiler!r}: {exc})") from exc
+        if built.returncode == 0:
+            os.replace(partial, library)
+            return library
+        os.unlink(partial)
+    raise KernelUnavailable(f"{compiler} could not build {SOURCE.name}: {built.stderr.strip()[-2000:]}")
+
+
+def _machine() -> str:
+    """What code built with -march=native depends on: the processor's instruction sets."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {sys.platform} {flags}"
