@@ -189,6 +189,23 @@ static void weighted_sum(int64_t dim, const float *v, int64_t vsj, int rows, flo
     }
 }
 
+/* Memory kept by a thread from one call to the next, grown as calls need: a fresh
+ * allocation of a few megabytes costs more in page faults than a decode step's attention. */
+struct room {
+    float *data;
+    int64_t floats;
+};
+static __thread struct room caller_room, thread_room;
+
+static float *room(struct room *r, int64_t floats) {
+    if (r->floats < floats) {
+        free(r->data);
+        r->data = malloc(sizeof(float) * floats);
+        r->floats = r->data ? floats : 0;
+    }
+    return r->data;
+}
+
 /* One call's shapes and tensors (strides in floats; the last dimension of q, k, v contiguous). */
 struct call {
     const float *q, *k, *v;
@@ -208,14 +225,34 @@ struct scratch {
     int64_t span;
 };
 
-/* Tile `tile` of the keys of (b, kv head) `pair`, transposed into c->kt; keys past the
- * tensor's are 0 (their scores are never used). */
+/* Shuffles for a 16 x 16 transpose: each stage swaps the off-diagonal blocks of 2s x 2s blocks. */
+#define LOW_8(a, b) __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+#define HIGH_8(a, b) __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31)
+#define LOW_4(a, b) __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+#define HIGH_4(a, b) __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31)
+#define LOW_2(a, b) __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+#define HIGH_2(a, b) __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31)
+#define LOW_1(a, b) __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
+#define HIGH_1(a, b) __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31)
+#define STAGE(S)                                                        \
+    for (int i = 0; i < W; i++)                                         \
+        if (!(i & S)) {                                                 \
+            vf low = LOW_##S(rows[i], rows[i + S]);                     \
+            rows[i + S] = HIGH_##S(rows[i], rows[i + S]);               \
+            rows[i] = low;                                              \
+        }
+
+/* Tile `tile` of the keys of (b, kv head) `pair`, transposed into c->kt (moves only: the
+ * numbers are the keys' own); keys past the n attended are 0 (their scores go unused). */
 static void transpose_tile(const struct call *c, int64_t pair, int64_t tile, int64_t n) {
     const float *keys = c->k + pair / c->kv_heads * c->ksb + pair % c->kv_heads * c->ksh;
     float *into = c->kt + (pair * c->tiles + tile) * c->dim * W;
-    for (int j = 0; j < W; j++) {
-        int64_t at = tile * W + j;
-        for (int64_t d = 0; d < c->dim; d++) into[d * W + j] = at < n ? keys[at * c->ksj + d] : 0.0f;
+    for (int64_t d = 0; d < c->dim; d += W) {
+        vf rows[W];
+        for (int j = 0; j < W; j++)
+            rows[j] = tile * W + j < n ? vload(keys + (tile * W + j) * c->ksj + d) : vsplat(0.0f);
+        STAGE(8) STAGE(4) STAGE(2) STAGE(1)
+        for (int i = 0; i < W; i++) vstore(into + (d + i) * W, rows[i]);
     }
 }
 
@@ -312,26 +349,25 @@ int lmw_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsi, const f
         n = high > n ? high : n;
     }
     c.tiles = (n + W - 1) / W + 1;
-    c.kt = malloc(sizeof(float) * (pairs * c.tiles * dim * W + 1));
+    c.kt = room(&caller_room, pairs * c.tiles * dim * W);
     const int64_t span = (widest + W - 1) / W * W + 3 * W, rows = c.groups * POSITIONS;
     int failed = c.kt == NULL;
 #pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
     {
-        struct scratch s = {malloc(sizeof(float) * (rows + 1) * span), calloc(dim, sizeof(float)),
-                            malloc(sizeof(float) * rows * dim), span};
-        if (!s.scores || !s.zeros || !s.sums) {
+        float *space = room(&thread_room, (rows + 1) * span + dim + rows * dim);
+        if (space == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
         if (!failed) {
+            struct scratch s = {space, space + (rows + 1) * span, space + (rows + 1) * span + dim, span};
+            memset(s.zeros, 0, sizeof(float) * dim);
 #pragma omp for schedule(static)
             for (int64_t at = 0; at < pairs * c.tiles; at++) transpose_tile(&c, at / c.tiles, at % c.tiles, n);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < items; item++) attend_item(&c, &s, item);
         }
-        free(s.scores), free(s.zeros), free(s.sums);
     }
-    free(c.kt);
     return failed ? -1 : 0;
 }
