@@ -82,6 +82,16 @@ def test_rows_attending_windows_and_padded_batches_match_float64_attention(kerne
     assert torch.equal(window[0, 0], out[0, -1])  # the window's keys alone give the same bits
 
 
+def test_shapes_the_kernel_does_not_take_are_left_to_float64_attention(kernel):
+    """Values of another head size than the keys' (some architectures), a head size not a
+    multiple of 16, a key/value head serving a fraction of the query heads: not taken."""
+    query, keys = torch.randn(1, 4, 3, 64), torch.randn(1, 2, 10, 64)
+    assert kernel.takes(query, keys, torch.randn(1, 2, 10, 64))
+    assert not kernel.takes(query, keys, torch.randn(1, 2, 10, 128))
+    assert not kernel.takes(torch.randn(1, 4, 3, 24), torch.randn(1, 2, 10, 24), torch.randn(1, 2, 10, 24))
+    assert not kernel.takes(torch.randn(1, 3, 3, 64), keys, torch.randn(1, 2, 10, 64))
+
+
 def test_transformers_masks_become_one_range_of_keys_per_row_or_none():
     from worker.backends.hf_compat import key_ranges
 

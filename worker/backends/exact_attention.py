@@ -63,12 +63,14 @@ class Kernel:
         self._function.restype = ctypes.c_int
         self.library = library
 
-    def takes(self, query: torch.Tensor, keys: torch.Tensor) -> bool:
-        """Whether the kernel computes attention of these shapes (on the CPU)."""
+    def takes(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Whether the kernel computes attention of these shapes (on the CPU): keys and values
+        of the query's head size (some models' values have another), a multiple of 16."""
         heads, kv_heads, dim = query.shape[1], keys.shape[1], query.shape[-1]
         return (
-            query.device.type == "cpu" and dim % 16 == 0 and heads % kv_heads == 0
-            and heads // kv_heads <= _MOST_GROUPS
+            query.device.type == "cpu" and dim % 16 == 0 and keys.shape[-1] == values.shape[-1] == dim
+            and keys.shape[:-1] == values.shape[:-1] and keys.shape[0] == query.shape[0]
+            and heads % kv_heads == 0 and heads // kv_heads <= _MOST_GROUPS
         )
 
     def attention(

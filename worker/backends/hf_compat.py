@@ -70,7 +70,7 @@ def one_query_attention(
     head), in float32 at least: bfloat16 products this small cost more on the CPU than the
     conversion, and the softmax is float32 as in transformers' eager attention."""
     kv_heads, groups, dim = query.shape
-    kernel = _exact_kernel(implementation, query.view(1, kv_heads * groups, 1, dim), keys[None])
+    kernel = _exact_kernel(implementation, query.view(1, kv_heads * groups, 1, dim), keys[None], values[None])
     if kernel is not None:
         n = keys.shape[-2]
         lo, hi = torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), n, dtype=torch.long)
@@ -89,7 +89,7 @@ def chunk_attention(
     in the query's dtype: SDPA with the grouped heads read in place and a boolean mask, as
     transformers calls it for a chunk of a prompt on the CPU (or the implementation's own)."""
     n, held = query.shape[-2], keys.shape[-2] - query.shape[-2]
-    kernel = _exact_kernel(implementation, query, keys)
+    kernel = _exact_kernel(implementation, query, keys, values)
     if kernel is not None:
         hi = torch.arange(held + 1, held + n + 1)[None]
         return kernel.attention(query, keys, values, torch.zeros_like(hi), hi, scaling).to(query.dtype)
@@ -101,7 +101,7 @@ def chunk_attention(
     ).transpose(1, 2).to(query.dtype)
 
 
-def _exact_kernel(implementation: str, query: torch.Tensor, keys: torch.Tensor):
+def _exact_kernel(implementation: str, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
     """exact_attention's kernel where the implementation is EXACT_ATTENTION and the kernel takes
     these shapes; else None."""
     if implementation != EXACT_ATTENTION:
@@ -109,7 +109,7 @@ def _exact_kernel(implementation: str, query: torch.Tensor, keys: torch.Tensor):
     from worker.backends import exact_attention
 
     kernel = exact_attention.loaded()
-    return kernel if kernel.takes(query, keys) else None
+    return kernel if kernel.takes(query, keys, values) else None
 
 
 # The mask key_ranges last read (a weak reference), the batch it was read for, and its ranges.
@@ -168,7 +168,7 @@ def _attention_as(implementation: str):
         batch, heads, positions, dim = query.shape
         scaling = module.scaling if scaling is None else scaling
         plain = not dropout and not kwargs.get("softcap") and kwargs.get("s_aux") is None
-        kernel = _exact_kernel(implementation, query, key) if plain else None
+        kernel = _exact_kernel(implementation, query, key, value) if plain else None
         if kernel is not None:
             causal = getattr(module, "is_causal", True)
             ranges = key_ranges(attention_mask, batch, positions, key.shape[-2], causal)
