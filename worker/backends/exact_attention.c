@@ -118,7 +118,8 @@ static float softmax_in_place(float *s, int64_t n, float scale) {
     }
     if (whole < n) {
         float lanes[W];
-        vstore(lanes, vexp(vload_part(s + whole, n - whole, 0.0f) * vsplat(scale) - m));
+        /* Missing lanes start at -inf, which vexp takes to 0, as the loop below sets them. */
+        vstore(lanes, vexp(vload_part(s + whole, n - whole, -__builtin_inff()) * vsplat(scale) - m));
         for (int i = n - whole; i < W; i++) lanes[i] = 0.0f;
         total = total + vload(lanes);
         memcpy(s + whole, lanes, (n - whole) * sizeof(float));
@@ -225,15 +226,21 @@ struct scratch {
     int64_t span;
 };
 
-/* Shuffles for a 16 x 16 transpose: each stage swaps the off-diagonal blocks of 2s x 2s blocks. */
-#define LOW_8(a, b) __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
-#define HIGH_8(a, b) __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31)
-#define LOW_4(a, b) __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
-#define HIGH_4(a, b) __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31)
-#define LOW_2(a, b) __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
-#define HIGH_2(a, b) __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31)
-#define LOW_1(a, b) __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
-#define HIGH_1(a, b) __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31)
+/* Shuffles for a 16 x 16 transpose: each stage swaps the off-diagonal blocks of 2s x 2s
+ * blocks. GCC before 12 spells a two-vector shuffle __builtin_shuffle. */
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
+#endif
+#define LOW_8(a, b) SHUFFLE(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+#define HIGH_8(a, b) SHUFFLE(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31)
+#define LOW_4(a, b) SHUFFLE(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+#define HIGH_4(a, b) SHUFFLE(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31)
+#define LOW_2(a, b) SHUFFLE(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+#define HIGH_2(a, b) SHUFFLE(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31)
+#define LOW_1(a, b) SHUFFLE(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
+#define HIGH_1(a, b) SHUFFLE(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31)
 #define STAGE(S)                                                        \
     for (int i = 0; i < W; i++)                                         \
         if (!(i & S)) {                                                 \
@@ -308,7 +315,7 @@ static void attend_item(const struct call *c, const struct scratch *s, int64_t i
         }
     }
     for (int r = 0; r < rows; r++) {
-        row_p[r] = s->scores + r * span + (row_lo[r] - start);
+        row_p[r] = s->scores + r * span + (row_n[r] ? row_lo[r] - start : 0); /* a row with no keys reads none */
         row_out[r] = s->sums + r * dim;
         totals[r] = row_n[r] ? softmax_in_place(row_p[r], row_n[r], c->scale) : 0.0f;
     }
