@@ -166,21 +166,21 @@ def _sdpa(module, query, key, value, attention_mask, wide: bool, **kwargs):
 def _attention_as(implementation: str):
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         batch, heads, positions, dim = query.shape
-        scaling = module.scaling if scaling is None else scaling
         plain = not dropout and not kwargs.get("softcap") and kwargs.get("s_aux") is None
         kernel = _exact_kernel(implementation, query, key, value) if plain else None
         if kernel is not None:
             causal = getattr(module, "is_causal", True)
             ranges = key_ranges(attention_mask, batch, positions, key.shape[-2], causal)
             if ranges is not None:
-                return kernel.attention(query, key, value, *ranges, scaling).to(query.dtype), None
+                scale = module.scaling if scaling is None else scaling
+                return kernel.attention(query, key, value, *ranges, scale).to(query.dtype), None
         if positions != 1 or attention_mask is not None or not plain or query.device.type != "cpu":
             wide = implementation != ATTENTION
             return _sdpa(module, query, key, value, attention_mask, wide, dropout=dropout, scaling=scaling, **kwargs)
-        kv_heads = key.shape[1]
+        kv_heads, scale = key.shape[1], module.scaling if scaling is None else scaling
         rows = [
             one_query_attention(
-                query[row].view(kv_heads, heads // kv_heads, dim), key[row], value[row], scaling, implementation
+                query[row].view(kv_heads, heads // kv_heads, dim), key[row], value[row], scale, implementation
             )
             for row in range(batch)
         ]
