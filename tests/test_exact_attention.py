@@ -4,6 +4,7 @@ machine, and a worker without a C compiler still loads quantized models."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,29 @@ async def test_a_worker_without_a_c_compiler_loads_int8_with_float64_attention(t
         await host.close()
     assert "attention in float64" in host.stderr.decode() and "no C compiler" in host.stderr.decode()
     assert not (tmp_path / "data" / "kernels").exists() or not any((tmp_path / "data" / "kernels").glob("*.so"))
+
+
+async def test_a_damaged_kernel_file_is_built_again_and_two_workers_starting_together_both_use_it(
+    kernel, tiny_model_dir: Path, tmp_path: Path
+):
+    """A file under the kernel's name that does not load (damaged, or planted) is built again,
+    and two workers starting at once on the same data directory each end with a kernel that
+    loads, no partial file left behind, and the same greedy tokens."""
+    from worker.backends import exact_attention
+
+    kernels = tmp_path / "data" / "kernels"
+    name = exact_attention._build(kernels).name
+    (kernels / name).write_bytes(b"not a shared library")
+    env = {**TORCH_ENV, "LM_WORKER_DATA_DIR": str(tmp_path / "data")}
+    hosts = [await Host.spawn(env=env) for _ in range(2)]
+    try:
+        await asyncio.gather(*(host.call("load", {"model": str(tiny_model_dir)}, timeout=120) for host in hosts))
+        results = [await host.call("generate", {"prompt": "the cat sat", "max_tokens": 8}) for host in hosts]
+        assert results[0]["tokens"] == results[1]["tokens"]
+    finally:
+        for host in hosts:
+            await host.close()
+    for host in hosts:
+        assert "attention in float64" not in host.stderr.decode()
+    assert [path.name for path in kernels.iterdir()] == [name]
+    exact_attention.Kernel(kernels / name)  # loads

@@ -49,6 +49,9 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _I64, _I64, _I64] * 3 + [_PTR, _PTR, _PTR] + [_I64] * 5 + [ctypes.c_float, ctypes.c_int]
 
 
+_UNLOADABLE = "could not load"
+
+
 class KernelUnavailable(Exception):
     """The kernel could not be built or loaded on this machine (the message says why)."""
 
@@ -58,7 +61,7 @@ class Kernel:
         try:
             self._function = ctypes.CDLL(str(library)).lmw_attention
         except (OSError, AttributeError) as exc:
-            raise KernelUnavailable(f"could not load {library}: {exc}") from exc
+            raise KernelUnavailable(f"{_UNLOADABLE} {library}: {exc}") from exc
         self._function.argtypes = _ARGTYPES
         self._function.restype = ctypes.c_int
         self.library = library
@@ -111,7 +114,13 @@ def kernel(data_dir: Path) -> Kernel:
     KernelUnavailable with the compiler's words when it cannot be built."""
     global _loaded
     if _loaded is None:
-        _loaded = Kernel(_build(data_dir / "kernels"))
+        try:
+            _loaded = Kernel(_build(data_dir / "kernels"))
+        except KernelUnavailable as exc:
+            if not exc.args[0].startswith(_UNLOADABLE):
+                raise
+            # A file under the kernel's name that does not load (damaged, or not ours): build it again.
+            _loaded = Kernel(_build(data_dir / "kernels", again=True))
     return _loaded
 
 
@@ -122,7 +131,8 @@ def loaded() -> Kernel:
     return _loaded
 
 
-def _build(directory: Path) -> Path:
+def _build(directory: Path, again: bool = False) -> Path:
+    """The kernel's library in ``directory``, compiled unless it is there (or ``again``)."""
     compiler = os.environ.get("CC", "cc")
     source = SOURCE.read_bytes()
     machine = _machine()
@@ -130,7 +140,7 @@ def _build(directory: Path) -> Path:
         flags = [*options, *_FLAGS]
         digest = hashlib.sha256(repr((source, compiler, flags, machine)).encode()).hexdigest()[:16]
         library = directory / f"exact_attention-{digest}.so"
-        if library.exists():
+        if library.exists() and not again:
             return library
         directory.mkdir(parents=True, exist_ok=True)
         # Written beside and renamed into place: workers sharing a data directory never load half a file.
