@@ -72,9 +72,8 @@ def one_query_attention(
     kv_heads, groups, dim = query.shape
     kernel = _exact_kernel(implementation, query.view(1, kv_heads * groups, 1, dim), keys[None], values[None])
     if kernel is not None:
-        n = keys.shape[-2]
-        lo, hi = torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), n, dtype=torch.long)
-        out = kernel.attention(query.view(1, kv_heads * groups, 1, dim), keys[None], values[None], lo, hi, scaling)
+        ranges = key_ranges(None, 1, 1, keys.shape[-2])
+        out = kernel.attention(query.view(1, kv_heads * groups, 1, dim), keys[None], values[None], *ranges, scaling)
         return out.view(kv_heads, groups, dim)
     dtype = torch.float32 if implementation == ATTENTION else torch.float64
     scores = torch.bmm(query.to(dtype), keys.to(dtype).transpose(1, 2)) * scaling
@@ -91,8 +90,7 @@ def chunk_attention(
     n, held = query.shape[-2], keys.shape[-2] - query.shape[-2]
     kernel = _exact_kernel(implementation, query, keys, values)
     if kernel is not None:
-        hi = torch.arange(held + 1, held + n + 1)[None]
-        return kernel.attention(query, keys, values, torch.zeros_like(hi), hi, scaling).to(query.dtype)
+        return kernel.attention(query, keys, values, *key_ranges(None, 1, n, held + n), scaling).to(query.dtype)
     mask = torch.ones(n, held + n, dtype=torch.bool, device=query.device).tril(diagonal=held)
     wide = implementation != ATTENTION
     return torch.nn.functional.scaled_dot_product_attention(
