@@ -64,7 +64,6 @@ class Kernel:
             raise KernelUnavailable(f"{_UNLOADABLE} {library}: {exc}") from exc
         self._function.argtypes = _ARGTYPES
         self._function.restype = ctypes.c_int
-        self.library = library
 
     def takes(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
         """Whether the kernel computes attention of these shapes (on the CPU): keys and values
