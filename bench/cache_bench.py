@@ -15,9 +15,10 @@ every length is exact.
 
 1. **Restore against recompute, in this process.** Recompute: the KV of the 2048-token
    prompt with the worker's own chunked prefill (``extend_cache``: forward with a
-   DynamicCache, 256 tokens a chunk). Restore: ``container.load`` (map the file, check
-   the header's SHA-256, the identity, every padding byte and every tensor's CRC-32)
-   then ``TorchCache.from_file`` (the DynamicCache, tensors mapped, no copy).
+   DynamicCache, 256 tokens a chunk). Restore: ``container.load`` (read the file into
+   memory with the room the worker leaves for the positions a request adds, check the
+   header's SHA-256, the identity, every padding byte and every tensor's CRC-32) then
+   ``TorchCache.from_file`` (the DynamicCache, its tensors views of that memory, no copy).
    The restore is timed with the file in the page cache (warm) and after
    ``posix_fadvise(DONTNEED)`` dropped it (cold-ish: read from the disk again; the
    share of the file still resident is checked with mincore). Rounds alternate the
@@ -285,12 +286,13 @@ def load_model(threads: int, name: str):
 # --- 1. restore against recompute, in this process ---------------------------------
 
 
-def restore(model, path: Path):
-    """(map + verify seconds, build seconds, cache). The cache alone keeps the mapping alive."""
+def restore(model, path: Path, held: int):
+    """(read + verify seconds, build seconds, cache), read as the worker reads it for a request
+    whose cache will hold ``held`` positions. The cache alone keeps the memory read into alive."""
     from worker.kvcache import container
 
     t0 = time.perf_counter()
-    loaded = container.load(path, model.cache_identity())
+    loaded = container.load(path, model.cache_identity(), room=lambda entry: model.cache_room(entry, held))
     t1 = time.perf_counter()
     cache = model.load_cache(loaded)  # TorchCache.from_file(loaded, config, device)
     t2 = time.perf_counter()
@@ -322,7 +324,7 @@ def bench_restore(model, ids: list[int], path: Path, rounds: int, warm_repeats: 
     tensor_bytes = reference.nbytes
 
     # Exactness: the restored tensors are the computed ones, bit for bit.
-    _, _, restored = restore(model, path)
+    _, _, restored = restore(model, path, len(ids) + 32)
     if restored.length != len(ids):
         problems.append(f"restored cache covers {restored.length} tokens, not {len(ids)}")
     for i, (a, b) in enumerate(zip(reference.kv.layers, restored.kv.layers, strict=True)):
@@ -359,13 +361,13 @@ def bench_restore(model, ids: list[int], path: Path, rounds: int, warm_repeats: 
             samples["write"].append(seconds)
             warm = []
             for _ in range(warm_repeats):
-                verify, build, cache = restore(model, path)
+                verify, build, cache = restore(model, path, len(ids) + 32)
                 del cache
                 samples["warm"].append((verify, build))
                 warm.append((verify + build) * 1000)
             drop_from_page_cache(path)
             resident_before_cold.append(resident_fraction(path))
-            verify, build, cache = restore(model, path)
+            verify, build, cache = restore(model, path, len(ids) + 32)
             del cache
             samples["cold"].append((verify, build))
             return f"restore warm {' '.join(f'{w:5.1f}' for w in warm)} ms, cold {(verify + build) * 1000:6.1f} ms"
@@ -565,7 +567,7 @@ def memory_probe(path: Path, threads: int, name: str) -> dict:
     out["hwm_reset"] = reset_peak()
     before = proc_status()
     sampler.start()
-    _, _, cache = restore(model, path)
+    _, _, cache = restore(model, path, len(tokens) + 1)
     peak_sampled = sampler.stop()
     after_restore = proc_status()
     out["before"], out["after_restore"] = before, after_restore

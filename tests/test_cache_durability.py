@@ -262,11 +262,11 @@ def test_a_cache_another_worker_deletes_between_listing_and_use_is_not_found_nev
     path = tmp_path / "gone.kvc"
 
     def vanishing(real):
-        def call(file, *args):
+        def call(file, *args, **kwargs):
             if moment == "before it is opened":
                 path.unlink()
-                return real(file, *args)
-            result = real(file, *args)
+                return real(file, *args, **kwargs)
+            result = real(file, *args, **kwargs)
             path.unlink()
             return result
 
@@ -279,7 +279,7 @@ def test_a_cache_another_worker_deletes_between_listing_and_use_is_not_found_nev
         with pytest.raises(RpcError) as caught:
             store.load("gone", IDENTITY, lambda loaded: loaded)
         assert caught.value.kind == ErrorKind.CACHE_NOT_FOUND, caught.value.message
-    else:  # mapped and verified before it went: still whole, and used
+    else:  # read and verified before it went: still whole, and used
         assert store.load("gone", IDENTITY, lambda loaded: loaded)[0] == TOKENS
     write_small_cache(path)
     with pytest.raises(RpcError) as caught:

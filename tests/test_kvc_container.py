@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import zlib
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,43 @@ def test_a_cache_of_another_model_is_refused_naming_the_field(cache_file: Path, 
     assert (caught.value.field, caught.value.found, caught.value.expected) == (field, value, other)
 
 
-def test_a_flipped_byte_anywhere_is_caught(cache_file: Path, tmp_path: Path):
+def test_tensor_checksums_are_zlibs_crc32(cache_file: Path):
+    """The format's CRC-32, whichever library computes it."""
+    data = cache_file.read_bytes()
+    for entry in load(cache_file).header.tensors:
+        assert entry.crc32 == zlib.crc32(data[entry.offset : entry.offset + entry.nbytes])
+
+
+def heads_of(view, shape, positions: int) -> list[bytes]:
+    """The bytes of each head's first ``positions`` positions in a tensor laid out as ``shape``."""
+    _, heads, held, dim = shape
+    return [bytes(view[h * held * dim * 4 :][: positions * dim * 4]) for h in range(heads)]
+
+
+def test_key_and_value_tensors_read_with_room_hold_each_heads_positions_then_the_room(cache_file: Path):
+    loaded = load(cache_file, IDENTITY, room=lambda entry: 3 + entry.layer)
+    for entry, view, shape, (_, data) in zip(loaded.header.tensors, loaded.tensors, loaded.shapes, tensors()):
+        _, heads, positions, dim = entry.shape
+        assert shape == (1, heads, positions + 3 + entry.layer, dim)
+        assert view.nbytes == heads * (positions + 3 + entry.layer) * dim * 4
+        assert heads_of(view, shape, positions) == heads_of(memoryview(data), entry.shape, positions)
+
+
+def test_reads_the_system_cuts_short_still_fill_every_tensor(cache_file: Path, monkeypatch):
+    """preadv may read fewer bytes than asked (a signal, a network filesystem)."""
+    preadv = os.preadv
+
+    def five_bytes_at_most(fd, buffers, offset):
+        return preadv(fd, [memoryview(buffers[0])[:5]], offset)
+
+    monkeypatch.setattr(container.os, "preadv", five_bytes_at_most)
+    loaded = load(cache_file, IDENTITY, room=lambda entry: 2)
+    for entry, view, shape, (_, data) in zip(loaded.header.tensors, loaded.tensors, loaded.shapes, tensors()):
+        assert heads_of(view, shape, entry.shape[2]) == heads_of(memoryview(data), entry.shape, entry.shape[2])
+
+
+@pytest.mark.parametrize("room", [None, lambda entry: 2], ids=["as-stored", "with-room"])
+def test_a_flipped_byte_anywhere_is_caught(cache_file: Path, tmp_path: Path, room):
     original = cache_file.read_bytes()
     damaged = tmp_path / "damaged.kvc"
     for position in range(len(original)):  # every byte: prefix, header, padding, payload
@@ -75,7 +112,7 @@ def test_a_flipped_byte_anywhere_is_caught(cache_file: Path, tmp_path: Path):
         data[position] ^= 1 << (position % 8)
         damaged.write_bytes(data)
         with pytest.raises(CacheFormatError):
-            load(damaged, IDENTITY)
+            load(damaged, IDENTITY, room=room)
 
 
 def test_of_several_damaged_tensors_the_first_in_the_file_is_named(cache_file: Path):
@@ -87,13 +124,14 @@ def test_of_several_damaged_tensors_the_first_in_the_file_is_named(cache_file: P
         load(cache_file)
 
 
-def test_a_truncated_file_is_caught_at_every_length(cache_file: Path, tmp_path: Path):
+@pytest.mark.parametrize("room", [None, lambda entry: 2], ids=["as-stored", "with-room"])
+def test_a_truncated_file_is_caught_at_every_length(cache_file: Path, tmp_path: Path, room):
     original = cache_file.read_bytes()
     short = tmp_path / "short.kvc"
     for length in range(0, len(original), 7):
         short.write_bytes(original[:length])
         with pytest.raises(CacheFormatError):
-            load(short, IDENTITY)
+            load(short, IDENTITY, room=room)
 
 
 def test_bytes_after_the_last_tensor_are_caught(cache_file: Path):

@@ -53,8 +53,18 @@ def family_hf(request, tiny_models):
     return AutoModelForCausalLM.from_pretrained(directory).eval(), AutoTokenizer.from_pretrained(directory)
 
 
+def room_of(model, held: int = 10**6):
+    """The room to grow that the worker reads a file of this model's cache with, for a request
+    whose cache will hold at most ``held`` positions."""
+    from worker.kvcache.torch_adapter import TorchCache, room_to_grow
+
+    kinds = TorchCache(model.config).kinds
+    return lambda entry: room_to_grow(kinds, "cpu", entry, held)
+
+
+@pytest.mark.parametrize("room", [False, True], ids=["as-stored", "with-room"])
 @pytest.mark.parametrize("keep", [None, 6], ids=["whole-prefix", "cut-back-to-6"])
-def test_a_cache_restored_from_a_file_continues_greedy_decoding_exactly(family_hf, tmp_path: Path, keep):
+def test_a_cache_restored_from_a_file_continues_greedy_decoding_exactly(family_hf, tmp_path: Path, keep, room):
     """The prefix is longer than the tiny gemma3 model's sliding window; a model with linear
     state is cut back to a position where the prefill kept it (a checkpoint)."""
     from worker.kvcache.torch_adapter import TorchCache
@@ -69,7 +79,8 @@ def test_a_cache_restored_from_a_file_continues_greedy_decoding_exactly(family_h
     feed(model, cache, prefix[6:])
     path = tmp_path / "prefix.kvc"
     save(path, model, cache, prefix)
-    restored = TorchCache.from_file(load(path, identity(model)), model.config, "cpu")
+    loaded = load(path, identity(model), room=room_of(model) if room else None)
+    restored = TorchCache.from_file(loaded, model.config, "cpu")
     assert restored.length == len(prefix)
     if keep is not None:
         assert restored.reusable(keep) == keep
@@ -160,6 +171,52 @@ def test_a_restored_layer_leaves_memory_as_soon_as_its_tensors_are_replaced(tiny
         restored.update(step, step, index)
     assert resident(buffer) <= 4 * mmap.PAGESIZE + 8192  # only the header's pages and those tensors shared
     assert torch.equal(restored.layers[1].keys[..., :512, :], computed.layers[1].keys)
+
+
+def test_a_cache_read_with_room_grows_into_it_without_moving_its_positions(tiny_hf, tmp_path: Path):
+    """Feeding a restored cache appends to the memory the file was read into: the restored
+    positions are not copied into larger buffers (all of them, at every first forward).
+    The room is what the request can use; past it the cache moves, exactly."""
+    import torch
+
+    from worker.kvcache.torch_adapter import TorchCache
+
+    model, tokenizer = tiny_hf
+    ids = tokenizer(PROMPT).input_ids
+    computed = TorchCache(model.config)
+    feed(model, computed, ids[:-4])
+    path = tmp_path / "prefix.kvc"
+    save(path, model, computed, ids[:-4])
+    loaded = load(path, identity(model), room=room_of(model, held=len(ids) - 1))
+    restored = TorchCache.from_file(loaded, model.config, "cpu")
+    places = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in restored.kv.layers]
+    assert all(layer.growth_buffers[0].shape[-2] == len(ids) - 1 for layer in restored.kv.layers)
+    for fed in (ids[-4:-1], ids[-1:]):
+        with torch.inference_mode():
+            logits = restored.feed(model, torch.tensor([fed]))
+            expected = computed.feed(model, torch.tensor([fed]))
+        assert torch.equal(logits, expected)
+        for ours, theirs in zip(restored.kv.layers, computed.kv.layers):
+            assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+        now = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in restored.kv.layers]
+        assert (now == places) == (restored.length < len(ids))  # in place while the room lasts
+
+
+def test_the_room_read_is_what_the_request_holds_up_to_a_growth_step_on_full_layers_on_the_cpu():
+    from worker.backends.hf_compat import growth_capacity
+    from worker.kvcache.container import TensorEntry
+    from worker.kvcache.torch_adapter import room_to_grow
+
+    def entry(layer: int, positions: int = 1000) -> TensorEntry:
+        return TensorEntry(name="k", kind="key", layer=layer, shape=[1, 2, positions, 4], strides=[], offset=0,
+                           nbytes=0, dtype="float32", crc32=0)
+
+    kinds = ["full", "sliding", "full+linear"]
+    assert room_to_grow(kinds, "cpu", entry(0), 1010) == 10
+    assert room_to_grow(kinds, "cpu", entry(0), 10**6) == growth_capacity(1000) - 1000
+    assert room_to_grow(kinds, "cpu", entry(0), 900) == 0  # cut back, then fed less than it held
+    assert [room_to_grow(kinds, "cpu", entry(i), 1010) for i in (1, 2)] == [0, 0]
+    assert room_to_grow(kinds, "cuda", entry(0), 1010) == 0
 
 
 def test_extending_a_cache_on_the_cpu_reads_grouped_heads_in_place_with_the_same_logits(tiny_hf, monkeypatch):

@@ -26,7 +26,7 @@ from protocol.methods import (
 )
 from worker.backends.base import CachingModel, Model
 from worker.generation import CacheStart, PromptSource, check_context, resolve_prompt
-from worker.kvcache.container import Identity, cut_point
+from worker.kvcache.container import Identity, TensorEntry, cut_point
 from worker.kvcache.store import MEMORY, Candidate, CacheStore
 
 AUTO = "auto"
@@ -88,7 +88,9 @@ class Prefill:
         self._identity = model.cache_identity()
         reused, cache = 0, None
         if params.base is not None:
-            base_tokens, cache = store.load(params.base, self._identity, model.load_cache, field="params.base")
+            base_tokens, cache = store.load(
+                params.base, self._identity, model.load_cache, field="params.base", room=_room(model, len(tokens))
+            )
             limit = len(base_tokens) if params.trim_to_tokens is None else min(params.trim_to_tokens, len(base_tokens))
             reused = model.reusable_tokens(cache, common_prefix(base_tokens[:limit], tokens))
             model.crop_cache(cache, reused)
@@ -153,9 +155,10 @@ def start_generate(store: CacheStore, model: Model, params: GenerateParams, prom
         )
     if params.cache is None:
         return None
+    held = len(prompt) + params.max_tokens  # the most positions the cache will hold
     if params.cache == AUTO:
-        return _start_auto(store, model, prompt)
-    return _start_from_ref(store, model, params.cache, prompt, params.cache_trim_tokens)
+        return _start_auto(store, model, prompt, held)
+    return _start_from_ref(store, model, params.cache, prompt, params.cache_trim_tokens, held)
 
 
 def finish_generate(store: CacheStore, model: Model, start: CacheStart | None, prompt: Sequence[int],
@@ -205,9 +208,11 @@ def finish_generate(store: CacheStore, model: Model, start: CacheStart | None, p
     result.usage.cache_write_tokens = len(sequence) - start.reused
 
 
-def _start_from_ref(store: CacheStore, model: Model, ref: str, prompt: Sequence[int], trim: int | None) -> CacheStart:
+def _start_from_ref(
+    store: CacheStore, model: Model, ref: str, prompt: Sequence[int], trim: int | None, held: int
+) -> CacheStart:
     model = caching(model)
-    cached, cache = store.load(ref, model.cache_identity(), model.load_cache)
+    cached, cache = store.load(ref, model.cache_identity(), model.load_cache, room=_room(model, held))
     usable = cached if trim is None else cached[:trim]
     matched = common_prefix(usable, prompt)
     if matched < len(usable) and matched < len(prompt):
@@ -226,7 +231,7 @@ def _start_from_ref(store: CacheStore, model: Model, ref: str, prompt: Sequence[
     return CacheStart(cache=cache, reused=reused, use=use, written=store.take_pending_writes(ref))
 
 
-def _start_auto(store: CacheStore, model: Model, prompt: Sequence[int]) -> CacheStart:
+def _start_auto(store: CacheStore, model: Model, prompt: Sequence[int], held: int) -> CacheStart:
     if not getattr(model, "supports_cache", False):
         reason = f"the {model.info.backend} backend keeps no KV cache"
         return CacheStart(cache=None, reused=0, use=_use(AUTO, reason=reason, store_reason=reason))
@@ -238,7 +243,7 @@ def _start_auto(store: CacheStore, model: Model, prompt: Sequence[int]) -> Cache
         if not _worth_loading(_reusable(candidate, prompt), len(candidate.tokens)):
             continue
         try:
-            cached, cache = store.load(candidate.ref, identity, model.load_cache)
+            cached, cache = store.load(candidate.ref, identity, model.load_cache, room=_room(model, held))
         except RpcError as exc:  # damaged, or deleted by another worker since it was listed
             skipped.append(SkippedCache(ref=candidate.ref, reason=exc.message))
             continue
@@ -250,6 +255,11 @@ def _start_auto(store: CacheStore, model: Model, prompt: Sequence[int]) -> Cache
         return CacheStart(cache=cache, reused=reused, use=_use(AUTO, ref=candidate.ref, reused=reused, skipped=skipped))
     use = _use(AUTO, reason=_why_nothing_reused(candidates, skipped, prompt), skipped=skipped)
     return CacheStart(cache=model.new_cache(), reused=0, use=use)
+
+
+def _room(model: CachingModel, held: int) -> Callable[[TensorEntry], int]:
+    """The room to read a stored cache with, for a request whose cache will hold at most ``held`` positions."""
+    return lambda entry: model.cache_room(entry, held)
 
 
 def _reusable(candidate: Candidate, prompt: Sequence[int]) -> int:

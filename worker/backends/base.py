@@ -27,7 +27,7 @@ PREFILL_CHUNK_TOKENS = 256
 
 if TYPE_CHECKING:  # the container is imported only where caches are used
     from worker.constraints import GrammarTokenizer
-    from worker.kvcache.container import Identity, LoadedCache
+    from worker.kvcache.container import Identity, LoadedCache, TensorEntry
 
 
 class Model(Protocol):
@@ -140,8 +140,15 @@ class CachingModel(Model, Protocol):
         """Keep the first ``keep_tokens`` positions: a length that ``reusable_tokens`` gave."""
         ...
 
+    def cache_room(self, entry: TensorEntry, held: int) -> int:
+        """Positions of room to grow to leave after a stored key or value tensor's positions
+        when its file is read (container.load), for a request whose cache will hold at most
+        ``held`` positions: a restored cache is always fed further."""
+        ...
+
     def load_cache(self, loaded: LoadedCache) -> Any:
-        """A cache object of a verified, mapped KVC1 file."""
+        """A cache object of a verified KVC2 file read into memory (with the room that
+        ``cache_room`` asked for)."""
         ...
 
     def start(self, prompt: Sequence[int], params: GenerateParams | None, cache: Any = None) -> Decoding:

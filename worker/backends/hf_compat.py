@@ -227,7 +227,7 @@ def append_positions(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[t
     total = held + keys.shape[-2]
     buffers = getattr(layer, "growth_buffers", None)
     if buffers is None or buffers[0].shape[-2] < total or not _starts(layer.keys, buffers[0]):
-        capacity = max(total * 3 // 2, total + 256)
+        capacity = growth_capacity(total)
         buffers = tuple(
             new.new_empty((*new.shape[:-2], capacity, new.shape[-1])) for new in (keys, values)
         )
@@ -239,6 +239,11 @@ def append_positions(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[t
     buffers[1][..., held:total, :] = values
     layer.keys, layer.values = buffers[0][..., :total, :], buffers[1][..., :total, :]
     return layer.keys, layer.values
+
+
+def growth_capacity(positions: int) -> int:
+    """How many positions a buffer with room to grow is made for, holding ``positions``."""
+    return max(positions * 3 // 2, positions + 256)
 
 
 def wide_positions(layer, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,7 +259,7 @@ def wide_positions(layer, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tenso
     total = keys.shape[-2]
     copy = getattr(layer, "wide_copy", None)
     if copy is None or copy["source"] != keys.data_ptr() or copy["keys"].shape[-2] < total:
-        capacity = max(total * 3 // 2, total + 256)
+        capacity = growth_capacity(total)
         copy = {
             "source": keys.data_ptr(), "valid": 0,
             **{name: new.new_empty((*new.shape[:-2], capacity, new.shape[-1]), dtype=dtype)
@@ -312,8 +317,12 @@ def keep_positions(layer, keep: int) -> None:
 
 def set_positions(layer, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
     """Install keys and values of every position as a layer's cache, without the copy that
-    update() makes: tensors mapped from a file stay mapped until the first forward replaces them."""
+    update() makes. Tensors that hold more than ``length`` positions (a file read with room
+    to grow) become a full-attention layer's buffers with room to grow (append_positions)."""
     layer.lazy_initialization(keys, values)
+    if keys.shape[-2] > length:
+        layer.growth_buffers = (keys, values)
+        keys, values = keys[..., :length, :], values[..., :length, :]
     layer.keys, layer.values = keys, values
     layer.wide_copy = None
     if hasattr(layer, "cumulative_length"):

@@ -31,7 +31,7 @@ from worker.constraints import GrammarTokenizer
 
 if TYPE_CHECKING:
     from worker.constraints import OutputConstraint
-    from worker.kvcache.container import Identity, LoadedCache
+    from worker.kvcache.container import Identity, LoadedCache, TensorEntry
     from worker.kvcache.torch_adapter import TorchCache
 
 _DEFAULT_DTYPES = {"cpu": "float32", "cuda": "bfloat16", "mps": "float16"}
@@ -132,6 +132,7 @@ class TransformersModel:
         self._bos = tokenizer.bos_token_id
         self._adds_bos = self._bos is not None and tokenizer("a").input_ids[:1] == [self._bos]
         self._identity = identity
+        self._cache_kinds: list[str] | None = None
         self.info = ModelInfo(
             model=params.model,
             backend="transformers",
@@ -225,6 +226,13 @@ class TransformersModel:
 
     def crop_cache(self, cache: TorchCache, keep_tokens: int) -> None:
         cache.crop(keep_tokens)
+
+    def cache_room(self, entry: TensorEntry, held: int) -> int:
+        from worker.kvcache.torch_adapter import room_to_grow
+
+        if self._cache_kinds is None:
+            self._cache_kinds = self.new_cache().kinds
+        return room_to_grow(self._cache_kinds, self._device, entry, held)
 
     def load_cache(self, loaded: LoadedCache) -> TorchCache:
         from worker.kvcache.torch_adapter import TorchCache

@@ -36,6 +36,7 @@ from worker.kvcache.container import (
     OldHeader,
     OutdatedCache,
     StateEntry,
+    TensorEntry,
     TensorSpec,
     UnsupportedCache,
 )
@@ -188,10 +189,12 @@ class CacheStore:
     # --- reading ------------------------------------------------------------------
 
     def load(
-        self, ref: str, identity: Identity, restore: Callable[[LoadedCache], Any], *, field: str = "params.cache"
+        self, ref: str, identity: Identity, restore: Callable[[LoadedCache], Any], *, field: str = "params.cache",
+        room: Callable[[TensorEntry], int] | None = None,
     ) -> tuple[list[int], Any]:
         """The tokens a cache covers and a cache object of them that the caller may change;
-        ``restore`` turns a verified file into that object (the model's own cache type)."""
+        ``restore`` turns a verified file into that object (the model's own cache type), read
+        with the ``room`` to grow that container.load takes."""
         if ref.startswith(MEMORY):
             with self._lock:
                 entry = self._memory.get(ref)
@@ -205,7 +208,7 @@ class CacheStore:
             return list(entry.tokens), entry.cache.copy()
         path = self._path(ref)
         try:
-            loaded = container.load(path, identity)
+            loaded = container.load(path, identity, room=room)
         except IdentityMismatch as exc:
             raise _mismatch(ref, exc, field) from exc
         except CacheMissing as exc:  # there is none, or another worker deleted it

@@ -24,7 +24,9 @@ from typing import NamedTuple
 import torch
 
 from worker.backends import hf_compat
-from worker.kvcache.container import LayerEntry, LoadedCache, StateEntry, TensorSpec, UnsupportedCache, cut_point
+from worker.kvcache.container import (
+    LayerEntry, LoadedCache, StateEntry, TensorEntry, TensorSpec, UnsupportedCache, cut_point,
+)
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 _TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
@@ -169,9 +171,9 @@ class TorchCache:
 
     @classmethod
     def from_file(cls, loaded: LoadedCache, config, device: str) -> TorchCache:
-        """The cache of a verified, mapped file. Keys and values stay views of the mapping (no
-        copy on the CPU) until the first forward replaces them; states are copied, as the model
-        updates them in place."""
+        """The cache of a verified file read into memory. Keys and values stay views of that
+        memory on the CPU (read with room to grow, room_to_grow, a layer's forwards append
+        to them in place); states are copied, as the model updates them in place."""
         cache = cls(config)
         header = loaded.header
         if [entry.kind for entry in header.layers] != cache.kinds:
@@ -179,8 +181,8 @@ class TorchCache:
         kv: dict[int, dict[str, torch.Tensor]] = {}
         states: dict[int, dict[int, LayerState]] = {}
         flags = {(s.layer, s.state, s.position): s.has_previous_state for s in header.states}
-        for entry, view in zip(header.tensors, loaded.tensors, strict=True):
-            tensor = torch.frombuffer(view, dtype=_TORCH_DTYPES[entry.dtype]).reshape(entry.shape).to(device)
+        for entry, view, shape in zip(header.tensors, loaded.tensors, loaded.shapes, strict=True):
+            tensor = torch.frombuffer(view, dtype=_TORCH_DTYPES[entry.dtype]).reshape(shape).to(device)
             if entry.kind in ("key", "value"):
                 kv.setdefault(entry.layer, {})[entry.kind] = tensor
                 continue
@@ -197,6 +199,20 @@ class TorchCache:
             _restore(cache.kv.layers[index], snapshot)
         cache.checkpoints = states  # the end too: once fed further, the cache can still come back to it
         return cache
+
+
+def room_to_grow(kinds: list[str], device: str, entry: TensorEntry, held: int) -> int:
+    """How many positions of room to grow to leave after a stored key or value tensor's when
+    reading it (container.load), for a cache whose layers are of ``kinds`` and that will hold
+    at most ``held`` positions: room for those, up to what a layer's buffers get when a
+    forward appends to them. Only full-attention layers on the CPU append in place (others
+    keep tensors of their own making). The room is resident memory from the start (huge
+    pages), so no more than the request can use: a cache that outgrows it moves into
+    larger buffers then, as a computed one does."""
+    if device != "cpu" or kinds[entry.layer] != "full":
+        return 0
+    positions = entry.shape[2]
+    return max(0, min(hf_compat.growth_capacity(positions), held) - positions)
 
 
 def _spec(name: str, kind: str, layer: int, tensor: torch.Tensor, *, state: int = 0, position: int | None = None):
