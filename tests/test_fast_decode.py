@@ -41,6 +41,33 @@ def test_a_decode_step_gives_transformers_forward_logits_bit_for_bit(tiny_model_
                 assert torch.equal(mine.keys, other.keys) and torch.equal(mine.values, other.values)
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4", "none"])
+def test_a_prompt_fed_alone_takes_the_step_only_where_it_gives_transformers_forward_numbers_bit_for_bit(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch, quantization
+):
+    """With quantized weights a prompt's chunks go through the decode step (fewer operations),
+    whose numbers equal transformers' forward's bit for bit; dense weights, where the step's
+    products of several rows may round otherwise, keep transformers' forward."""
+    from worker.backends.decode_step import DecodeStep
+
+    model = load(tiny_model_dir, tmp_path, quantization=quantization)
+    passes = []
+    forward = DecodeStep.forward
+    monkeypatch.setattr(DecodeStep, "forward", lambda self, *args: passes.append(args) or forward(self, *args))
+    ids = model.tokenize("the cat sat on the mat and the dog ran to the river", add_special_tokens=True)
+    with torch.inference_mode():
+        fed = model.new_cache()
+        decoding = model.start(ids, None, fed)
+        while decoding.prompt_left:
+            decoding.feed(5)
+        forwarded = model.new_cache()
+        logits = [forwarded.feed(model._model, torch.tensor([ids[start : start + 5]])) for start in range(0, len(ids), 5)]
+    assert len(passes) == (0 if quantization == "none" else -(-len(ids) // 5))
+    assert torch.equal(decoding.logits, logits[-1])
+    for mine, other in zip(fed.kv.layers, forwarded.kv.layers):
+        assert torch.equal(mine.keys, other.keys) and torch.equal(mine.values, other.values)
+
+
 def test_a_batch_of_sequences_steps_as_each_would_alone(tiny_model_dir: Path, tmp_path: Path):
     model = load(tiny_model_dir, tmp_path, quantization="int8")  # dense float32 products differ by batch size
     prompts = [model.tokenize(text, add_special_tokens=True) for text in ("the cat", "a red sun over the river and")]

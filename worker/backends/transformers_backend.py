@@ -122,6 +122,11 @@ class TransformersModel:
 
         self._model = model
         self._step = decode_step.DecodeStep(model) if decode_step.supports(model) else None
+        # A prompt chunk fed alone goes through the step too where that gives transformers'
+        # forward's numbers bit for bit (quantized weights): fewer operations a layer (fused
+        # projections, no mask), a tenth less time for a short chunk such as a question
+        # after a restored cache.
+        self._chunk_step = self._step if quantization != "none" else None
         self._tokenizer = tokenizer
         self._device = device
         # Fast tokenizers may raise "Already borrowed" when shared between threads.
@@ -391,7 +396,10 @@ class Decoding:
         cuts = [end - 1, stop] if self.cache.has_states and start < end - 1 < stop else [stop]
         with torch.inference_mode():
             for cut in cuts:
-                self.logits = self.cache.feed(self._owner._model, self._prompt[:, self.cache.length : cut])
+                if self._owner._chunk_step is not None:  # a Llama-architecture model: no states to keep
+                    self.logits = self._owner._chunk_step.forward([self.tokens[self.cache.length : cut]], [self.cache])
+                else:
+                    self.logits = self.cache.feed(self._owner._model, self._prompt[:, self.cache.length : cut])
                 if cut >= end - 1:
                     self.cache.checkpoint()
 
