@@ -287,3 +287,28 @@ def test_a_cache_another_worker_deletes_between_listing_and_use_is_not_found_nev
     assert caught.value.kind == ErrorKind.CACHE_NOT_FOUND, caught.value.message
     write_small_cache(path)
     assert store.list() == []
+
+
+def test_memory_is_reserved_for_the_largest_stored_cache_of_the_model_and_no_other(tmp_path: Path):
+    from worker.kvcache import store as store_module
+
+    other = container.Identity(**{**{f: getattr(IDENTITY, f) for f in IDENTITY.__struct_fields__}, "model_id": "x"})
+    write_small_cache(tmp_path / "short.kvc", tokens=TOKENS[:2])
+    write_small_cache(tmp_path / "long.kvc")
+    write_small_cache(tmp_path / "foreign.kvc", tokens=TOKENS * 40, identity=other)
+    (tmp_path / "damaged.kvc").write_bytes(b"not a cache")
+    store = CacheStore(tmp_path)
+    tensor_bytes = sum(entry.nbytes for entry in container.read_header(tmp_path / "long.kvc").tensors)
+    try:
+        assert store.reserve_for(IDENTITY) == tensor_bytes * 5 // 4
+        assert len(container._reserve.buffer) == tensor_bytes * 5 // 4
+        assert CacheStore(tmp_path / "none").reserve_for(IDENTITY) == 0 and container._reserve.buffer is None
+        store_module.RESERVE_MAX_BYTES, limit = 100, store_module.RESERVE_MAX_BYTES
+        try:
+            assert store.reserve_for(IDENTITY) == 100
+        finally:
+            store_module.RESERVE_MAX_BYTES = limit
+        store.release_memory()  # at unload
+        assert container._reserve.buffer is None
+    finally:
+        container.reserve(0)

@@ -211,3 +211,43 @@ def test_a_cache_of_the_previous_format_is_listed_but_refused_as_another_identit
     with pytest.raises(IdentityMismatch) as caught:
         load(path, IDENTITY)
     assert (caught.value.field, caught.value.found, caught.value.expected) == ("format", "KVC1", container.FORMAT)
+
+
+def test_a_restore_reads_into_the_memory_reserved_for_it_and_leaves_it_filled_for_the_next(cache_file: Path):
+    """Memory reserved (filled) ahead is what a restore reads into; while one restore holds
+    it the next reads into new memory, and once the first's tensors are gone it is free
+    again, its pages kept (not given back as other memory is)."""
+    try:
+        assert container.reserve(1 << 20) == 1 << 20
+        reserved = container._reserve.buffer
+        first = load(cache_file, IDENTITY, room=lambda entry: 2)
+        assert all(tensor.obj is reserved for tensor in first.tensors)
+        second = load(cache_file, IDENTITY)
+        assert all(tensor.obj is not reserved for tensor in second.tensors)
+        expected = [bytes(tensor) for tensor in second.tensors]
+        del first
+        third = load(cache_file, IDENTITY)
+        assert all(tensor.obj is reserved for tensor in third.tensors)
+        assert [bytes(tensor) for tensor in third.tensors] == expected
+        del third
+        assert container.reserve(8) == 8  # replaced: a cache restored into the old one keeps it alive
+        assert load(cache_file, IDENTITY).tensors[0].obj is not reserved  # too small for it
+    finally:
+        container.reserve(0)
+
+
+def test_a_reserve_replaced_while_a_restore_holds_it_is_never_handed_to_another(cache_file: Path):
+    try:
+        container.reserve(1 << 20)
+        old = container._reserve.buffer
+        held = load(cache_file, IDENTITY)
+        assert held.tensors[0].obj is old
+        container.reserve(1 << 20)
+        new = load(cache_file, IDENTITY)
+        assert new.tensors[0].obj is container._reserve.buffer is not old
+        del held  # the old reserve's tensors going must not free the new one under `new`
+        assert load(cache_file, IDENTITY).tensors[0].obj is not container._reserve.buffer
+        del new
+        assert load(cache_file, IDENTITY).tensors[0].obj is container._reserve.buffer
+    finally:
+        container.reserve(0)

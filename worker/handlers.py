@@ -117,8 +117,10 @@ class Handlers:
         self.unload(ctx, NoParams())
         started = time.perf_counter()
         model = backend.load(params, data_dir=self._data_dir)
-        if getattr(model, "supports_cache", False):  # now, not in the first request that uses a cache (5-10 ms)
+        if getattr(model, "supports_cache", False):  # now, not in the first request that uses a cache
             import worker.caching  # noqa: F401
+
+            self._store().reserve_for(model.cache_identity())
         self._model = model
         log.info(
             "loaded %s with backend %s in %.0f ms", params.model, params.backend, (time.perf_counter() - started) * 1e3

@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 
 MEMORY = "memory://"
 SUFFIX = ".kvc"
+# The memory reserve_for fills at load: at most this, and at most this share of the machine's.
+RESERVE_MAX_BYTES = 1 << 30
+RESERVE_SHARE = 8
 
 
 class StorableCache(Protocol):
@@ -74,12 +77,13 @@ class _MemoryCache:
 
 
 class Candidate(NamedTuple):
-    """A stored cache of the model in use, as auto sees it: its ref, the tokens it covers and
-    the prefix lengths it can be cut back to (None: any)."""
+    """A stored cache of the model in use, as auto sees it: its ref, the tokens it covers,
+    the prefix lengths it can be cut back to (None: any) and, for a file, its tensors' bytes."""
 
     ref: str
     tokens: list[int]
     resume_points: list[int] | None
+    file_tensor_bytes: int = 0
 
 
 class CacheStore:
@@ -145,8 +149,23 @@ class CacheStore:
                 self._pending_writes.pop(old, None)
             self._memory[ref] = entry
 
+    def reserve_for(self, identity: Identity) -> int:
+        """Fill memory now for restoring the largest stored cache of ``identity``, with a quarter
+        more for positions a request adds (container.reserve), up to 1/RESERVE_SHARE of the
+        machine's memory and RESERVE_MAX_BYTES: a restore after a restart then does not wait
+        for new memory. Returns the bytes reserved (0: no stored cache of the model, or a
+        cache directory that cannot be listed)."""
+        try:
+            largest = max((c.file_tensor_bytes for c in self.candidates(identity)[0]), default=0)
+        except OSError:
+            largest = 0
+        limit = min(RESERVE_MAX_BYTES, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // RESERVE_SHARE)
+        return container.reserve(min(largest * 5 // 4, limit))
+
     def release_memory(self) -> int:
-        """Forget every memory:// cache (the model they belong to is unloaded); returns how many."""
+        """Forget every memory:// cache and the memory reserved for restores (the model they
+        belong to is unloaded); returns how many caches."""
+        container.reserve(0)
         with self._lock:
             refs = list(self._memory)
             self._memory.clear()
@@ -257,7 +276,9 @@ class CacheStore:
                 continue
             self._headers[ref] = (version, header)
             if header.identity == identity:
-                found.append(Candidate(ref, header.tokens, header.resume_points))
+                found.append(
+                    Candidate(ref, header.tokens, header.resume_points, sum(e.nbytes for e in header.tensors))
+                )
         return found, skipped
 
     def take_pending_writes(self, ref: str) -> int:
