@@ -297,6 +297,10 @@ def test_memory_is_reserved_for_the_largest_stored_cache_of_the_model_and_no_oth
     write_small_cache(tmp_path / "long.kvc")
     write_small_cache(tmp_path / "foreign.kvc", tokens=TOKENS * 40, identity=other)
     (tmp_path / "damaged.kvc").write_bytes(b"not a cache")
+    truncated = tmp_path / "truncated.kvc"  # its header claims 40 times the tensors; the file holds a few bytes
+    write_small_cache(truncated, tokens=TOKENS * 40)
+    data = truncated.read_bytes()
+    truncated.write_bytes(data[: 48 + int.from_bytes(data[8:16], "little")])  # the prefix and header alone
     store = CacheStore(tmp_path)
     tensor_bytes = sum(entry.nbytes for entry in container.read_header(tmp_path / "long.kvc").tensors)
     try:

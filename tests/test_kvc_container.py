@@ -251,3 +251,17 @@ def test_a_reserve_replaced_while_a_restore_holds_it_is_never_handed_to_another(
         assert load(cache_file, IDENTITY).tensors[0].obj is container._reserve.buffer
     finally:
         container.reserve(0)
+
+
+def test_a_damaged_file_read_into_the_reserve_leaves_it_free_for_the_next_restore(cache_file: Path, tmp_path: Path):
+    damaged = tmp_path / "damaged.kvc"
+    data = bytearray(cache_file.read_bytes())
+    data[load(cache_file).header.tensors[-1].offset] ^= 1
+    damaged.write_bytes(data)
+    try:
+        container.reserve(1 << 20)
+        with pytest.raises(CacheFormatError, match="checksum mismatch"):
+            load(damaged, IDENTITY)
+        assert load(cache_file, IDENTITY).tensors[0].obj is container._reserve.buffer
+    finally:
+        container.reserve(0)

@@ -485,9 +485,13 @@ def load(
         regions = _regions(header, room)
         memory = max((region.start + region.nbytes for region in regions), default=0)
         buffer = _reserve.take(memory, len(regions)) or _anonymous(memory)
-        _read_and_check(path, fd, header, buffer, regions, header_end)
-        if _pread(path, fd, 1, size):
-            raise CacheFormatError(path, "changed while being read (it is longer than its header says)")
+        try:
+            _read_and_check(path, fd, header, buffer, regions, header_end)
+            if _pread(path, fd, 1, size):
+                raise CacheFormatError(path, "changed while being read (it is longer than its header says)")
+        except BaseException:
+            _reserve.put_back(buffer)  # no tensors to hold it: free for the next restore
+            raise
     return LoadedCache(header, buffer, regions)
 
 
@@ -551,6 +555,12 @@ class _Reserve:
                 return None
             self._users = users
             return self.buffer
+
+    def put_back(self, buffer: mmap.mmap) -> None:
+        """``buffer`` was taken for a restore that failed: free again if it is the reserve."""
+        with self._lock:
+            if buffer is self.buffer:
+                self._users = 0
 
     def give_back(self, buffer: mmap.mmap) -> None:
         with self._lock:

@@ -276,9 +276,10 @@ class CacheStore:
                 continue
             self._headers[ref] = (version, header)
             if header.identity == identity:
-                found.append(
-                    Candidate(ref, header.tokens, header.resume_points, sum(e.nbytes for e in header.tensors))
-                )
+                # No more than the file holds past its header: a header may claim anything.
+                held = found_stat.st_size - (header.tensors[0].offset if header.tensors else found_stat.st_size)
+                tensor_bytes = max(0, min(sum(e.nbytes for e in header.tensors), held))
+                found.append(Candidate(ref, header.tokens, header.resume_points, tensor_bytes))
         return found, skipped
 
     def take_pending_writes(self, ref: str) -> int:
