@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter
+from unittest.mock import ANY
 from pathlib import Path
 
 import pytest
@@ -290,8 +291,6 @@ def test_a_cache_another_worker_deletes_between_listing_and_use_is_not_found_nev
 
 
 def test_memory_is_reserved_for_the_largest_stored_cache_of_the_model_and_no_other(tmp_path: Path):
-    from worker.kvcache import store as store_module
-
     other = container.Identity(**{**{f: getattr(IDENTITY, f) for f in IDENTITY.__struct_fields__}, "model_id": "x"})
     write_small_cache(tmp_path / "short.kvc", tokens=TOKENS[:2])
     write_small_cache(tmp_path / "long.kvc")
@@ -304,15 +303,33 @@ def test_memory_is_reserved_for_the_largest_stored_cache_of_the_model_and_no_oth
     store = CacheStore(tmp_path)
     tensor_bytes = sum(entry.nbytes for entry in container.read_header(tmp_path / "long.kvc").tensors)
     try:
-        assert store.reserve_for(IDENTITY) == tensor_bytes * 5 // 4
+        assert store.reserve_for(IDENTITY, 1 << 30) == tensor_bytes * 5 // 4
         assert len(container._reserve.buffer) == tensor_bytes * 5 // 4
-        assert CacheStore(tmp_path / "none").reserve_for(IDENTITY) == 0 and container._reserve.buffer is None
-        store_module.RESERVE_MAX_BYTES, limit = 100, store_module.RESERVE_MAX_BYTES
-        try:
-            assert store.reserve_for(IDENTITY) == 100
-        finally:
-            store_module.RESERVE_MAX_BYTES = limit
+        assert CacheStore(tmp_path / "none").reserve_for(IDENTITY, 1 << 30) == 0
+        assert container._reserve.buffer is None
+        assert store.reserve_for(IDENTITY, 100) == 100
+        assert store.reserve_for(IDENTITY, 0) == 0 and container._reserve.buffer is None  # --restore-reserve-max-bytes 0
         store.release_memory()  # at unload
         assert container._reserve.buffer is None
     finally:
         container.reserve(0)
+
+
+async def test_a_worker_started_beside_stored_caches_fills_memory_for_them_at_load_unless_told_not_to(
+    spawn_worker, tiny_model_dir, tmp_path
+):
+    cache_dir = tmp_path / "caches"
+    writer = await loaded_worker(spawn_worker, tiny_model_dir, cache_dir)
+    tokens = prompt_tokens(random.Random(SEED), SHARED_PROMPT)
+    await writer.call("prefill", {"tokens": tokens, "cache": "kept"})
+    tensor_bytes = sum(entry.nbytes for entry in container.read_header(cache_dir / "kept.kvc").tensors)
+    assert "reserved" not in writer.stderr_tail(100_000)  # no stored cache when it loaded
+    restarted = await loaded_worker(spawn_worker, tiny_model_dir, cache_dir)
+    assert f"reserved {tensor_bytes * 5 // 4} bytes for restoring stored caches" in restarted.stderr_tail(100_000)
+    answer = await restarted.call("generate", {"tokens": tokens + tokens[:3], "max_tokens": 4, "cache": "kept"})
+    assert answer["usage"]["cache_read_tokens"] == len(tokens)
+    declined = await loaded_worker(spawn_worker, tiny_model_dir, cache_dir, "--restore-reserve-max-bytes", "0")
+    assert "reserved" not in declined.stderr_tail(100_000)
+    assert await declined.call("generate", {"tokens": tokens + tokens[:3], "max_tokens": 4, "cache": "kept"}) == {
+        **answer, "timings": ANY
+    }

@@ -22,6 +22,7 @@ from worker.transcript import Recorder
 from worker.writer import DEFAULT_OUTBOX_MESSAGES, Writer
 
 DEFAULT_MEMORY_CACHE_MAX_BYTES = 2 << 30
+DEFAULT_RESTORE_RESERVE_MAX_BYTES = 1 << 30
 
 EXAMPLE = '{"jsonrpc":"2.0","id":1,"method":"capabilities"}'
 HELP_EPILOG = f"""\
@@ -108,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="hold memory:// caches of at most N bytes together, letting go of least recently used ones "
         f"(default {DEFAULT_MEMORY_CACHE_MAX_BYTES}, 2 GiB)",
     )
+    parser.add_argument(
+        "--restore-reserve-max-bytes",
+        type=_non_negative_int,
+        default=DEFAULT_RESTORE_RESERVE_MAX_BYTES,
+        metavar="N",
+        help="at load, fill at most N bytes of memory for restoring the model's largest stored cache "
+        f"(default {DEFAULT_RESTORE_RESERVE_MAX_BYTES}, 1 GiB; 0: none)",
+    )
     parser.add_argument("--record", metavar="FILE", help="write every message in and out to FILE as a transcript")
     parser.add_argument(
         "--drain",
@@ -166,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         cache_dir=args.cache_dir,
         cache_max_bytes=args.cache_max_bytes,
         memory_cache_max_bytes=args.memory_cache_max_bytes,
+        restore_reserve_max_bytes=args.restore_reserve_max_bytes,
     )
     server = Server(
         writer, handlers, max_message_bytes=args.max_message_bytes, recorder=recorder, drain_on_eof=args.drain,
@@ -207,6 +217,13 @@ def _read_stdin(server: Server) -> None:
 def _on_signals(stop) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, lambda *_: stop())
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:

@@ -82,6 +82,7 @@ class Handlers:
         cache_dir: Path | None = None,
         cache_max_bytes: int | None = None,
         memory_cache_max_bytes: int | None = None,
+        restore_reserve_max_bytes: int = 0,
     ) -> None:
         self._registry = registry
         self._wire = wire
@@ -89,6 +90,7 @@ class Handlers:
         self._cache_dir = cache_dir or data_dir / "caches"
         self._cache_max_bytes = cache_max_bytes
         self._memory_cache_max_bytes = memory_cache_max_bytes
+        self._restore_reserve_max_bytes = restore_reserve_max_bytes
         self._cache_store: CacheStore | None = None
         self._model: Model | None = None
 
@@ -120,7 +122,13 @@ class Handlers:
         if getattr(model, "supports_cache", False):  # now, not in the first request that uses a cache
             import worker.caching  # noqa: F401
 
-            self._store().reserve_for(model.cache_identity())
+            filling = time.perf_counter()
+            reserved = self._store().reserve_for(model.cache_identity(), self._restore_reserve_max_bytes)
+            if reserved:
+                log.info(
+                    "reserved %d bytes for restoring stored caches in %.0f ms",
+                    reserved, (time.perf_counter() - filling) * 1e3,
+                )
         self._model = model
         log.info(
             "loaded %s with backend %s in %.0f ms", params.model, params.backend, (time.perf_counter() - started) * 1e3

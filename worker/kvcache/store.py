@@ -45,8 +45,7 @@ log = logging.getLogger(__name__)
 
 MEMORY = "memory://"
 SUFFIX = ".kvc"
-# The memory reserve_for fills at load: at most this, and at most this share of the machine's.
-RESERVE_MAX_BYTES = 1 << 30
+# The memory reserve_for fills at load is at most this share of the machine's.
 RESERVE_SHARE = 8
 
 
@@ -149,17 +148,17 @@ class CacheStore:
                 self._pending_writes.pop(old, None)
             self._memory[ref] = entry
 
-    def reserve_for(self, identity: Identity) -> int:
+    def reserve_for(self, identity: Identity, max_bytes: int) -> int:
         """Fill memory now for restoring the largest stored cache of ``identity``, with a quarter
         more for positions a request adds (container.reserve), up to 1/RESERVE_SHARE of the
-        machine's memory and RESERVE_MAX_BYTES: a restore after a restart then does not wait
-        for new memory. Returns the bytes reserved (0: no stored cache of the model, or a
+        machine's memory and ``max_bytes``: a restore after a restart then does not wait for
+        new memory. Returns the bytes reserved (0: no stored cache of the model, or a
         cache directory that cannot be listed)."""
         try:
             largest = max((c.file_tensor_bytes for c in self.candidates(identity)[0]), default=0)
         except OSError:
             largest = 0
-        limit = min(RESERVE_MAX_BYTES, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // RESERVE_SHARE)
+        limit = min(max_bytes, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // RESERVE_SHARE)
         return container.reserve(min(largest * 5 // 4, limit))
 
     def release_memory(self) -> int:
