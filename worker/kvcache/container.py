@@ -425,7 +425,8 @@ class LoadedCache:
 
     When a tensor's view is no longer used (whatever was built on it, a torch tensor say,
     is gone too), its pages leave the process: a restored cache whose layers are replaced
-    one by one holds each layer once, never the mapping and the copies together."""
+    one by one holds each layer once, never the mapping and the copies together. Memory
+    from the reserve (``reserve``) stays filled instead, for the next restore."""
 
     def __init__(self, header: Header, mapping: mmap.mmap, regions: list[Region]) -> None:
         self.header = header
