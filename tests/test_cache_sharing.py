@@ -121,7 +121,14 @@ FORGERIES = {
     "duplicate layer": header_edit("tensors", 2, "layer", 0),
     "1 TB shape": header_edit("tensors", 0, "shape", [1, 2, 1 << 36, 16]),
     "layer kinds of another model": lambda h: h["layers"][0].update(kind="sliding", sliding_window=4),
+    "a key of no heads": lambda h: no_heads(h["tensors"][0]),
 }
+
+
+def no_heads(tensor: dict) -> None:
+    """A key tensor of zero heads, consistent in itself (the reader lays it out with room to grow)."""
+    _, _, positions, dim = tensor["shape"]
+    tensor.update(shape=[1, 0, positions, dim], strides=[0, positions * dim * 4, dim * 4, 4], nbytes=0, crc32=0)
 
 
 async def test_headers_with_a_sound_checksum_but_inconsistent_fields_are_corrupt_and_skipped_by_auto(

@@ -265,3 +265,16 @@ def test_a_damaged_file_read_into_the_reserve_leaves_it_free_for_the_next_restor
         assert load(cache_file, IDENTITY).tensors[0].obj is container._reserve.buffer
     finally:
         container.reserve(0)
+
+
+def test_a_forged_tensor_of_no_heads_read_with_room_is_refused_as_damaged(cache_file: Path):
+    """A header with a sound checksum may describe a key tensor of zero heads; asked for room,
+    the reader lays it out like any other and refuses the file for what follows it."""
+    from tests.cache_samples import forge
+
+    def no_heads(header):
+        header["tensors"][0].update(shape=[1, 0, 5, 4], strides=[0, 80, 16, 4], nbytes=0, crc32=0)
+
+    forge(cache_file, no_heads)
+    with pytest.raises(CacheFormatError, match="damaged padding before tensor layers.0.value"):
+        load(cache_file, IDENTITY, room=lambda entry: 2)

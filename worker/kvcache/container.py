@@ -504,8 +504,8 @@ def _regions(header: Header, room: Callable[[TensorEntry], int] | None) -> list[
         spare = room(entry) if room is not None and entry.kind in ("key", "value") else 0
         if spare > 0:
             _, heads, positions, dim = entry.shape
-            head_bytes = entry.nbytes // heads
-            stride = (positions + spare) * dim * DTYPE_SIZES[entry.dtype]
+            itemsize = DTYPE_SIZES[entry.dtype]
+            head_bytes, stride = positions * dim * itemsize, (positions + spare) * dim * itemsize
             shape = (1, heads, positions + spare, dim)
             spans = [(start + head * stride, head_bytes) for head in range(heads)]
             nbytes = heads * stride
