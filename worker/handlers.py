@@ -119,21 +119,24 @@ class Handlers:
         self.unload(ctx, NoParams())
         started = time.perf_counter()
         model = backend.load(params, data_dir=self._data_dir)
-        if getattr(model, "supports_cache", False):  # now, not in the first request that uses a cache
-            import worker.caching  # noqa: F401
-
-            filling = time.perf_counter()
-            reserved = self._store().reserve_for(model.cache_identity(), self._restore_reserve_max_bytes)
-            if reserved:
-                log.info(
-                    "reserved %d bytes for restoring stored caches in %.0f ms",
-                    reserved, (time.perf_counter() - filling) * 1e3,
-                )
+        if getattr(model, "supports_cache", False):
+            self._prepare_restores(model)
         self._model = model
         log.info(
             "loaded %s with backend %s in %.0f ms", params.model, params.backend, (time.perf_counter() - started) * 1e3
         )
         return model.info
+
+    def _prepare_restores(self, model: Model) -> None:
+        """Import the cache modules now, not in the first request that uses a cache, and fill
+        the memory for restoring this model's largest stored cache (CacheStore.reserve_for)."""
+        import worker.caching  # noqa: F401
+
+        started = time.perf_counter()
+        reserved = self._store().reserve_for(model.cache_identity(), self._restore_reserve_max_bytes)
+        if reserved:
+            took = (time.perf_counter() - started) * 1e3
+            log.info("reserved %d bytes for restoring stored caches in %.0f ms", reserved, took)
 
     def unload(self, ctx: Context, params: NoParams) -> UnloadResult:
         model, self._model = self._model, None

@@ -276,8 +276,8 @@ class CacheStore:
             self._headers[ref] = (version, header)
             if header.identity == identity:
                 # No more than the file holds past its header: a header may claim anything.
-                held = found_stat.st_size - (header.tensors[0].offset if header.tensors else found_stat.st_size)
-                tensor_bytes = max(0, min(sum(e.nbytes for e in header.tensors), held))
+                past_header = found_stat.st_size - (header.tensors[0].offset if header.tensors else found_stat.st_size)
+                tensor_bytes = max(0, min(sum(e.nbytes for e in header.tensors), past_header))
                 found.append(Candidate(ref, header.tokens, header.resume_points, tensor_bytes))
         return found, skipped
 
