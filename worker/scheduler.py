@@ -26,8 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from worker.backends.base import PREFILL_CHUNK_TOKENS, Decoding, Model
-
-TASK_METHODS = frozenset({"generate", "prefill"})
+from worker.policy import POLICY
 # While others decode, a round that feeds a chunk is sized to cost this many times a step of
 # one stream alone: under the 2x the running streams are promised, because the times it is
 # sized from vary by a fifth or more from one step to the next on a busy CPU; the round that
@@ -82,14 +81,14 @@ class Admission:
     """Model-lane requests in arrival order, and which of them may start now.
 
     - Requests start in the order they arrive; one that must wait holds back those behind it.
-    - A ``generate`` or ``prefill`` starts while fewer than ``max_batch`` run, unless it
+    - A batched request (worker/policy.py: ``generate``, ``prefill``) starts while fewer than ``max_batch`` run, unless it
       reads or writes a cache that a running prefill is still writing (it would not see it).
       A generate with ``cache: "auto"`` may use any stored cache, so it waits for every
       running prefill; it does not wait for other auto generates (each is a separate
       conversation and uses what is stored when it starts).
     - Any other request starts once nothing runs, and nothing starts while it runs.
     - A cancelled request is let out at once, wherever it is in the queue (it answers without
-      running), except ``shutdown``, which keeps its place.
+      running), except one that runs when cancelled (``shutdown``), which keeps its place.
     """
 
     def __init__(self, max_batch: int) -> None:
@@ -103,14 +102,14 @@ class Admission:
     def next(self) -> Queued | None:
         """The request to start now, taken off the queue; None while none may start."""
         for job in self.queue:
-            if job.method != "shutdown" and job.is_cancelled():
+            if not POLICY[job.method].runs_when_cancelled and job.is_cancelled():
                 self.queue.remove(job)
                 self.running.append(job)  # until answered, like any other
                 return job
         if not self.queue:
             return None
         head = self.queue[0]
-        if head.method in TASK_METHODS:
+        if POLICY[head.method].batched:
             if len(self.running) >= self.max_batch or any(_waits_for(head, job) for job in self.running):
                 return None
         elif self.running:
@@ -129,7 +128,7 @@ class Admission:
 
 def _waits_for(job: Queued, running: Queued) -> bool:
     """Whether ``job`` must wait for ``running`` to end before it starts."""
-    if running.method not in TASK_METHODS:
+    if not POLICY[running.method].batched:
         return True
     if running.method != "prefill":  # a generate writes only auto caches, which nothing waits for
         return False
@@ -294,7 +293,7 @@ class Scheduler:
     def begin(self, job: Queued) -> None:
         """Start a job the lane let out: a task joins the running ones once made, anything
         else runs now."""
-        if job.method not in TASK_METHODS or job.is_cancelled():
+        if not POLICY[job.method].batched or job.is_cancelled():
             self._lane.run_job(job)
             return
         with self._lock:

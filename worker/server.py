@@ -48,7 +48,8 @@ from protocol.methods import (
 from worker.generation import cancelled_before_start
 from worker.handlers import Context, Handlers
 from worker.scheduler import DEFAULT_MAX_BATCH, Scheduler, Task
-from worker.session import Job, Lane, Session
+from worker.policy import POLICY
+from worker.session import Job, Session
 from worker.transcript import Recorder
 from worker.torch_threads import keep_to_one_thread
 from worker.writer import Writer
@@ -72,20 +73,21 @@ class Server:
         self._decoder = FrameDecoder(max_message_bytes)
         self._recorder = recorder
         self._drain_on_eof = drain_on_eof
-        self._routes: dict[str, tuple[Callable[[Context, Any], Any], Lane]] = {
-            "capabilities": (handlers.capabilities, Lane.INLINE),
-            "load": (handlers.load, Lane.MODEL),
-            "unload": (handlers.unload, Lane.MODEL),
-            "tokenize": (handlers.tokenize, Lane.TEXT),
-            "detokenize": (handlers.detokenize, Lane.TEXT),
-            "render": (handlers.render, Lane.TEXT),
-            "generate": (handlers.generate, Lane.MODEL),
-            "prefill": (handlers.prefill, Lane.MODEL),
-            "cache/list": (handlers.cache_list, Lane.AFTER_CACHE_USE),
-            "cache/info": (handlers.cache_info, Lane.AFTER_CACHE_USE),
-            "cache/delete": (handlers.cache_delete, Lane.AFTER_CACHE_USE),
-            "cancel": (self._cancel, Lane.INLINE),
-            "shutdown": (lambda ctx, params: None, Lane.MODEL),
+        # Each method's handler; how it runs (lane, batching, cancels) is its row in worker/policy.py.
+        self._routes: dict[str, Callable[[Context, Any], Any]] = {
+            "capabilities": handlers.capabilities,
+            "load": handlers.load,
+            "unload": handlers.unload,
+            "tokenize": handlers.tokenize,
+            "detokenize": handlers.detokenize,
+            "render": handlers.render,
+            "generate": handlers.generate,
+            "prefill": handlers.prefill,
+            "cache/list": handlers.cache_list,
+            "cache/info": handlers.cache_info,
+            "cache/delete": handlers.cache_delete,
+            "cancel": self._cancel,
+            "shutdown": lambda ctx, params: None,
         }
         assert self._routes.keys() == METHODS.keys(), "every protocol method needs a route"
         # The session's state (worker/session.py) is read and changed under this lock only;
@@ -151,11 +153,10 @@ class Server:
                 log.warning("ignored a response (id %r): the worker sends no requests", message.id)
 
     def _on_request(self, request: Request) -> None:
-        route = self._routes.get(request.method)
-        if route is None:
+        handler = self._routes.get(request.method)
+        if handler is None:
             self._send_error(request.id, _unknown_method(request.method, list(self._routes)))
             return
-        handler, lane = route
         try:
             params = _decode_params(request.method, request.params, METHODS[request.method].params)
         except RpcError as exc:
@@ -163,7 +164,7 @@ class Server:
             return
         try:
             with self._lock:
-                job = self._session.receive(request.id, request.method, params, lane, time.perf_counter())
+                job = self._session.receive(request.id, request.method, params, time.perf_counter())
                 self._lock.notify_all()
         except RpcError as exc:
             self._send_error(request.id, exc)
@@ -224,11 +225,12 @@ class Server:
         a text request, or one cancelled while it waited)."""
 
         def run() -> Any:
-            if job.cancelled.is_set() and job.method != "shutdown":
-                if job.method == "generate":
+            policy = POLICY[job.method]
+            if job.cancelled.is_set() and not policy.runs_when_cancelled:
+                if policy.cancelled_result:
                     return cancelled_before_start(_ms_since(job.queued_at))
                 raise RpcError(ErrorKind.REQUEST_CANCELLED, f"Request {job.id!r} was cancelled before it ran.")
-            return self._routes[job.method][0](self._context(job), job.params)
+            return self._routes[job.method](self._context(job), job.params)
 
         self._answer(job.id, job.method, run, job)
 
@@ -239,7 +241,7 @@ class Server:
     def start_task(self, job: Job, ready: Callable[[Task | None], None]) -> None:
         def make() -> None:
             try:
-                task = self._routes[job.method][0](self._context(job), job.params)
+                task = self._routes[job.method](self._context(job), job.params)
             except Exception as exc:
                 self._release(job)
                 self._writer.send(self._error_body(job.id, job.method, exc))

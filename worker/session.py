@@ -4,11 +4,12 @@ A plain object in the spirit of h11: it does no I/O and starts no thread, and ev
 who runs when is here, so that tests drive it call by call. The server holds it under one lock,
 calls it from its threads and waits on that lock when it says nothing is ready yet.
 
-- A request runs on a lane: answered at once by the reader (``INLINE``), on the text lane, or
-  on the model lane, whose order and batching :class:`~worker.scheduler.Admission` decides.
-  Some wait behind earlier model-lane requests to see their effect: text requests behind a
-  ``load``/``unload`` (they run on the model lane then), ``cache/*`` behind a ``prefill`` or a
-  ``generate`` that uses a cache.
+- A request runs on the lane its method's row in worker/policy.py names: answered at once by
+  the reader (``INLINE``), on the text lane, or on the model lane, whose order and batching
+  :class:`~worker.scheduler.Admission` decides. Some wait behind earlier model-lane requests
+  to see their effect (``policy.waits_behind``): text requests behind a ``load``/``unload``
+  (they run on the model lane then), ``cache/*`` behind a ``prefill`` or a ``generate`` that
+  uses a cache.
 - An id is in flight from the request until its answer is sent; a second request with it is
   refused. After ``shutdown`` every new request is refused, and what was in flight is cancelled.
 - A ``load``, ``unload`` or ``shutdown`` starts only after the text requests received before it
@@ -17,28 +18,16 @@ calls it from its threads and waits on that lock when it says nothing is ready y
 
 from __future__ import annotations
 
-import enum
 import threading
 from collections import deque
-from collections.abc import Callable
 
 import msgspec
 
 from protocol.envelope import RequestId
 from protocol.errors import ErrorKind, RpcError
 from protocol.methods import CancelResult, Params
+from worker.policy import POLICY, Lane, waits_behind
 from worker.scheduler import Admission
-
-# Requests that stop when cancelled while they run; a running load or unload finishes.
-_STOPPABLE_WHILE_RUNNING = frozenset({"generate", "prefill"})
-_ALONE = frozenset({"load", "unload", "shutdown"})
-
-
-class Lane(enum.Enum):
-    INLINE = enum.auto()  # answered by the reader thread at once
-    TEXT = enum.auto()  # the text lane, unless a load or unload is still ahead of it (then the model lane)
-    MODEL = enum.auto()  # queued for the model thread, in order
-    AFTER_CACHE_USE = enum.auto()  # inline, unless a prefill, or a generate from a cache, is ahead of it
 
 
 class Job(msgspec.Struct):
@@ -55,14 +44,6 @@ class Job(msgspec.Struct):
         return self.cancelled.is_set()
 
 
-# For each lane that may wait: which earlier, unfinished model-lane jobs it waits behind,
-# so that it sees their effect (the model they load, the cache they write or read).
-_WAITS_FOR: dict[Lane, Callable[[Job], bool]] = {
-    Lane.INLINE: lambda job: False,
-    Lane.TEXT: lambda job: job.method in ("load", "unload"),
-    Lane.AFTER_CACHE_USE: lambda job: job.method == "prefill" or getattr(job.params, "cache", None) is not None,
-}
-
 
 class Session:
     def __init__(self, max_batch: int) -> None:
@@ -73,8 +54,9 @@ class Session:
         self.stopping = False  # no more input is read; the lanes finish their queues
         self._starting: Job | None = None  # a load/unload/shutdown waiting for earlier text requests
 
-    def receive(self, request_id: RequestId, method: str, params: Params, lane: Lane, now: float) -> Job | None:
-        """A request to queue: its job, or None when the reader answers it at once.
+    def receive(self, request_id: RequestId, method: str, params: Params, now: float) -> Job | None:
+        """A request to queue (a method of worker/policy.py's table): its job, or None when the
+        reader answers it at once.
         Raises RpcError for an id already in flight and for any request after shutdown."""
         if request_id in self.jobs:
             raise RpcError(
@@ -88,7 +70,10 @@ class Session:
                 "The worker is shutting down after a 'shutdown' request and takes no more requests; "
                 "send 'exit', or start a new worker.",
             )
-        behind = lane is Lane.MODEL or any(map(_WAITS_FOR[lane], self.jobs.values()))
+        lane = POLICY[method].lane
+        behind = lane is Lane.MODEL or any(
+            not job.text_lane and waits_behind(lane, job.method, job.params) for job in self.jobs.values()
+        )
         job = None
         if behind or lane is Lane.TEXT:
             job = Job(request_id, method, params, now, text_lane=not behind)
@@ -97,7 +82,7 @@ class Session:
                 self.admission.add(job)
             else:
                 self.text_queue.append(job)
-        if method == "shutdown":
+        if method == "shutdown":  # the one method with this rule: it ends the session
             self.shutdown_requested = True
             for other in self.jobs.values():
                 if other is not job:
@@ -110,7 +95,7 @@ class Session:
             return CancelResult(cancelled=False, state="unknown")
         job.cancelled.set()
         if job.running:  # a running load or unload cannot stop halfway; it answers as usual
-            return CancelResult(cancelled=job.method in _STOPPABLE_WHILE_RUNNING, state="running")
+            return CancelResult(cancelled=POLICY[job.method].stoppable, state="running")
         return CancelResult(cancelled=True, state="queued")
 
     def cancel_all(self) -> None:
@@ -139,7 +124,7 @@ class Session:
         job = self._starting or self.admission.next()
         if job is None:
             return None
-        if job.method in _ALONE and any(j.text_lane for j in self.jobs.values()):
+        if POLICY[job.method].changes_model and any(j.text_lane for j in self.jobs.values()):
             self._starting = job  # taken off the queue: it starts once those have answered
             return None
         self._starting = None
