@@ -276,8 +276,8 @@ def load_model(threads: int, name: str):
     import torch
 
     from protocol.methods import LoadParams
-    from worker.backends.transformers_backend import TransformersBackend
-    from worker.default_model import default_data_dir
+    from worker.backends.transformers.backend import TransformersBackend
+    from worker.data_dir import default_data_dir
 
     torch.set_num_threads(threads)
     return TransformersBackend().load(msgspec.convert({"model": name}, LoadParams), data_dir=default_data_dir())

@@ -66,9 +66,9 @@ def grammar_time_per_token(model: str, tokens: list[int]) -> float:
     import torch
 
     from protocol.methods import GenerateParams, JsonSchemaFormat, JsonSchemaSpec, LoadParams
-    from worker.backends.transformers_backend import TransformersBackend
+    from worker.backends.transformers.backend import TransformersBackend
     from worker.constraints import output_constraint
-    from worker.default_model import default_data_dir
+    from worker.data_dir import default_data_dir
 
     loaded = TransformersBackend().load(LoadParams(model=model), data_dir=default_data_dir())
     params = GenerateParams(

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from protocol.methods import LoadParams  # noqa: E402
-from worker.backends.transformers_backend import TransformersBackend  # noqa: E402
-from worker.default_model import default_data_dir  # noqa: E402
+from worker.backends.transformers.backend import TransformersBackend  # noqa: E402
+from worker.data_dir import default_data_dir  # noqa: E402
 
 KINDS = {
     "weights": ("aten::mm", "aten::addmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm"),

@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from worker.default_model import converted_path, default_data_dir
+    from worker.backends.transformers.shipped import converted_path, default_data_dir
 
     model_dir = converted_path(default_data_dir())
     print(

@@ -44,7 +44,7 @@ function installLlamaCpp() {
 }
 
 const python = join(root, ".venv", "bin", "python");
-const gguf = execFileSync(python, ["-c", "from worker.default_model import gguf_path; print(gguf_path())"], {
+const gguf = execFileSync(python, ["-c", "from worker.backends.transformers.shipped import gguf_path; print(gguf_path())"], {
   cwd: root,
   encoding: "utf8",
 }).trim();

@@ -109,7 +109,7 @@ class LoadParams(Params):
     backend: str = "transformers"
     device: str = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # Weight-only quantization of the linear layers, on the CPU (worker/backends/fast_weights.py).
+    # Weight-only quantization of the linear layers, on the CPU (worker/backends/transformers/fast_weights.py).
     quantization: Literal["auto", "none", "int8", "int4"] = "auto"
     trust_remote_code: bool = False
     # Backends that simulate work (echo) sleep this long per generated token;

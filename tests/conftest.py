@@ -19,8 +19,8 @@ TORCH_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLE
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """The tiny offline test model of a family (worker.tiny_model), each built once per session."""
-    from worker.tiny_model import build
+    """The tiny offline test model of a family (worker.backends.transformers.tiny_model), each built once per session."""
+    from worker.backends.transformers.tiny_model import build
 
     built: dict[str, Path] = {}
 
@@ -69,7 +69,7 @@ def tiny_as_loaded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     import torch
 
     from protocol.methods import LoadParams
-    from worker.backends.transformers_backend import TransformersBackend
+    from worker.backends.transformers.backend import TransformersBackend
 
     torch.set_num_threads(1)
     loaded = TransformersBackend().load(LoadParams(model=str(tiny_model_dir)), data_dir=tmp_path_factory.mktemp("data"))

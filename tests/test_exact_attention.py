@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory: pytest.TempPathFactory):
-    from worker.backends import exact_attention
+    from worker.backends.transformers import exact_attention
 
     try:
         return exact_attention.kernel(tmp_path_factory.mktemp("data"))
@@ -94,7 +94,7 @@ def test_shapes_the_kernel_does_not_take_are_left_to_float64_attention(kernel):
 
 
 def test_transformers_masks_become_one_range_of_keys_per_row_or_none():
-    from worker.backends.hf_compat import key_ranges
+    from worker.backends.transformers.hf_compat import key_ranges
 
     n, positions = 12, 4
     causal_mask = torch.ones(positions, n, dtype=torch.bool).tril(diagonal=n - positions)[None, None]
@@ -112,7 +112,7 @@ def test_transformers_masks_become_one_range_of_keys_per_row_or_none():
 
 
 def test_the_kernel_is_built_once_per_machine_and_reused(kernel, tmp_path: Path):
-    from worker.backends import exact_attention
+    from worker.backends.transformers import exact_attention
 
     built = exact_attention._build(tmp_path)
     stamp = built.stat().st_mtime_ns
@@ -140,7 +140,7 @@ async def test_a_damaged_kernel_file_is_built_again_and_two_workers_starting_tog
     """A file under the kernel's name that does not load (damaged, or planted) is built again,
     and two workers starting at once on the same data directory each end with a kernel that
     loads, no partial file left behind, and the same greedy tokens."""
-    from worker.backends import exact_attention
+    from worker.backends.transformers import exact_attention
 
     kernels = tmp_path / "data" / "kernels"
     name = exact_attention._build(kernels).name

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 def load(model_dir: Path, data_dir: Path, **params):
     from protocol.methods import LoadParams
-    from worker.backends.transformers_backend import TransformersBackend
+    from worker.backends.transformers.backend import TransformersBackend
 
     torch.set_num_threads(1)
     return TransformersBackend().load(LoadParams(model=str(model_dir), **params), data_dir=data_dir)
@@ -48,7 +48,7 @@ def test_a_prompt_fed_alone_takes_the_step_only_where_it_gives_transformers_forw
     """With quantized weights a prompt's chunks go through the decode step (fewer operations),
     whose numbers equal transformers' forward's bit for bit; dense weights, where the step's
     products of several rows may round otherwise, keep transformers' forward."""
-    from worker.backends.decode_step import DecodeStep
+    from worker.backends.transformers.decode_step import DecodeStep
 
     model = load(tiny_model_dir, tmp_path, quantization=quantization)
     passes = []
@@ -138,7 +138,7 @@ def test_quantized_weights_give_a_position_the_same_logits_however_its_prompt_wa
 
 
 def test_int4_weights_give_each_row_the_numbers_it_gets_alone():
-    from worker.backends.fast_weights import Int4Linear
+    from worker.backends.transformers.fast_weights import Int4Linear
 
     torch.manual_seed(0)
     linear = Int4Linear(torch.nn.Linear(576, 192, bias=False), torch.float32)
@@ -151,7 +151,7 @@ def test_int4_weights_give_each_row_the_numbers_it_gets_alone():
 def test_int4_gives_a_linear_it_cannot_take_8_bit_rows_not_dense_weights():
     """Every product of a quantized model gives each row the numbers it gets alone; a dense
     one would not, so a shape the int4 kernel refuses gets 8-bit rows."""
-    from worker.backends.fast_weights import Int4Linear, Int8Linear, quantize
+    from worker.backends.transformers.fast_weights import Int4Linear, Int8Linear, quantize
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 40, bias=False))
     assert quantize(model, "int4") == 2
@@ -160,7 +160,7 @@ def test_int4_gives_a_linear_it_cannot_take_8_bit_rows_not_dense_weights():
 
 def test_int4_weights_keep_the_values_of_4_bit_groups_exactly():
     """A weight that already is 4-bit groups (as a Q4_1 gguf's are) is represented without loss."""
-    from worker.backends.fast_weights import GROUP, Int4Linear
+    from worker.backends.transformers.fast_weights import GROUP, Int4Linear
 
     torch.manual_seed(1)
     rows, inputs = 32, 64
@@ -177,7 +177,7 @@ def test_int4_weights_keep_the_values_of_4_bit_groups_exactly():
 
 @pytest.mark.parametrize("sizes", [(576, 192, 192), (64, 32, 32), (1536, 1536)])
 def test_fused_projections_equal_the_separate_linears_bit_for_bit(sizes):
-    from worker.backends.fast_weights import Int4Linear, fused
+    from worker.backends.transformers.fast_weights import Int4Linear, fused
 
     torch.manual_seed(2)
     linears = [Int4Linear(torch.nn.Linear(128, size, bias=False), torch.float32) for size in sizes]
@@ -192,7 +192,7 @@ def test_fused_projections_equal_the_separate_linears_bit_for_bit(sizes):
 def test_appended_positions_grow_in_place_and_cut_back_like_transformers_layers(tiny_model_dir: Path):
     from transformers import AutoConfig
 
-    from worker.backends import hf_compat
+    from worker.backends.transformers import hf_compat
 
     cache = hf_compat.new_cache(AutoConfig.from_pretrained(tiny_model_dir))
     layer = cache.layers[0]
@@ -220,7 +220,7 @@ def test_the_wide_copy_of_a_layer_equals_its_positions_through_appends_cuts_and_
     the copy it reads is exactly the positions converted."""
     from transformers import AutoConfig
 
-    from worker.backends import hf_compat
+    from worker.backends.transformers import hf_compat
 
     layer = hf_compat.new_cache(AutoConfig.from_pretrained(tiny_model_dir)).layers[0]
 
@@ -302,8 +302,8 @@ async def test_a_cache_made_with_other_weights_is_refused_naming_the_quantizatio
 @pytest.mark.parametrize("load_params", [{}, {"quantization": "none"}], ids=["default", "dense"])
 async def test_smollm2_greedy_equals_in_process_generate_on_the_same_weights(tmp_path: Path, load_params: dict):
     from protocol.methods import LoadParams
-    from worker.backends.transformers_backend import TransformersBackend
-    from worker.default_model import default_data_dir
+    from worker.backends.transformers.backend import TransformersBackend
+    from worker.data_dir import default_data_dir
 
     torch.set_num_threads(2)
     reference = TransformersBackend().load(LoadParams(model="default", **load_params), data_dir=default_data_dir())
@@ -323,10 +323,10 @@ async def test_smollm2_greedy_equals_in_process_generate_on_the_same_weights(tmp
 def test_torch_work_off_the_model_thread_runs_on_one_thread_and_leaves_the_model_threads_alone():
     """A thread other than the model's that does torch work (the cache I/O thread) must not
     make an OpenMP pool of its own: while one exists, the model thread's decode steps wait
-    for sleeping threads (worker/torch_threads.py)."""
+    for sleeping threads (worker/backends/transformers/torch_threads.py)."""
     import threading
 
-    from worker.torch_threads import keep_to_one_thread
+    from worker.backends.transformers.torch_threads import keep_to_one_thread
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -352,7 +352,7 @@ def test_a_cache_computed_with_one_attention_implementation_is_another_identity_
     cache computed with one must not pass for one computed with another."""
     from transformers import AutoConfig
 
-    from worker.backends import hf_compat
+    from worker.backends.transformers import hf_compat
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
     digests = set()

@@ -223,7 +223,7 @@ async def test_the_weights_digest_is_computed_once_and_remembered_across_workers
 
 
 async def test_damaged_foreign_missing_and_other_model_caches_are_refused(tiny_model_dir, cache_dir, tmp_path):
-    from worker.tiny_model import build
+    from worker.backends.transformers.tiny_model import build
 
     other_model = build(tmp_path / "other", seed=1)
     host = await worker(tiny_model_dir, cache_dir)

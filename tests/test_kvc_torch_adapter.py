@@ -57,7 +57,7 @@ def family_hf(request, tiny_models):
 def room_of(model, held: int = 10**6):
     """The room to grow that the worker reads a file of this model's cache with, for a request
     whose cache will hold at most ``held`` positions."""
-    from worker.kvcache.torch_adapter import TorchCache, room_to_grow
+    from worker.backends.transformers.torch_adapter import TorchCache, room_to_grow
 
     kinds = TorchCache(model.config).kinds
     return lambda entry: room_to_grow(kinds, "cpu", entry, held)
@@ -68,7 +68,7 @@ def room_of(model, held: int = 10**6):
 def test_a_cache_restored_from_a_file_continues_greedy_decoding_exactly(family_hf, tmp_path: Path, keep, room):
     """The prefix is longer than the tiny gemma3 model's sliding window; a model with linear
     state is cut back to a position where the prefill kept it (a checkpoint)."""
-    from worker.kvcache.torch_adapter import TorchCache
+    from worker.backends.transformers.torch_adapter import TorchCache
 
     model, tokenizer = family_hf
     ids = tokenizer(PROMPT).input_ids
@@ -93,8 +93,8 @@ def test_a_cache_restored_from_a_file_continues_greedy_decoding_exactly(family_h
 def test_a_sliding_window_cache_is_cut_back_past_its_window_exactly(tiny_models):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from worker.kvcache.torch_adapter import TorchCache
-    from worker.tiny_model import SLIDING_WINDOW
+    from worker.backends.transformers.torch_adapter import TorchCache
+    from worker.backends.transformers.tiny_model import SLIDING_WINDOW
 
     directory = tiny_models("gemma3")
     model, tokenizer = AutoModelForCausalLM.from_pretrained(directory).eval(), AutoTokenizer.from_pretrained(directory)
@@ -111,7 +111,7 @@ def test_a_sliding_window_cache_is_cut_back_past_its_window_exactly(tiny_models)
 def test_a_linear_attention_cache_is_cut_back_only_to_its_checkpoints(tiny_models):
     from transformers import AutoModelForCausalLM
 
-    from worker.kvcache.torch_adapter import TorchCache
+    from worker.backends.transformers.torch_adapter import TorchCache
 
     model = AutoModelForCausalLM.from_pretrained(tiny_models("qwen3_5")).eval()
     cache = TorchCache(model.config)
@@ -144,7 +144,7 @@ def test_a_restored_layer_leaves_memory_as_soon_as_its_tensors_are_replaced(tiny
 
     import torch
 
-    from worker.kvcache.torch_adapter import TorchCache
+    from worker.backends.transformers.torch_adapter import TorchCache
 
     model, _ = tiny_hf
     config = model.config
@@ -181,7 +181,7 @@ def test_a_cache_read_with_room_grows_into_it_without_moving_its_positions(tiny_
     The room is what the request can use; past it the cache moves, exactly."""
     import torch
 
-    from worker.kvcache.torch_adapter import TorchCache
+    from worker.backends.transformers.torch_adapter import TorchCache
 
     model, tokenizer = tiny_hf
     ids = tokenizer(PROMPT).input_ids
@@ -205,9 +205,9 @@ def test_a_cache_read_with_room_grows_into_it_without_moving_its_positions(tiny_
 
 
 def test_the_room_read_is_what_the_request_holds_up_to_a_growth_step_on_full_layers_on_the_cpu():
-    from worker.backends.hf_compat import growth_capacity
+    from worker.backends.transformers.hf_compat import growth_capacity
     from worker.kvcache.container import TensorEntry
-    from worker.kvcache.torch_adapter import room_to_grow
+    from worker.backends.transformers.torch_adapter import room_to_grow
 
     def entry(layer: int, positions: int = 1000) -> TensorEntry:
         return TensorEntry(name="k", kind="key", layer=layer, shape=[1, 2, positions, 4], strides=[], offset=0,
@@ -225,7 +225,7 @@ def test_extending_a_cache_on_the_cpu_reads_grouped_heads_in_place_with_the_same
     import torch
     from transformers.integrations import sdpa_attention
 
-    from worker.backends import hf_compat
+    from worker.backends.transformers import hf_compat
 
     model, tokenizer = tiny_hf
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped heads

@@ -15,7 +15,7 @@ import pytest_asyncio
 
 from protocol.errors import RpcError
 from worker.host import Host, WorkerError
-from worker.tiny_model import CONTEXT_LENGTH
+from worker.backends.transformers.tiny_model import CONTEXT_LENGTH
 from tests.conftest import TORCH_ENV
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -401,7 +401,7 @@ async def test_prompt_plus_max_tokens_beyond_the_context_is_context_overflow_bef
 
 
 def bad_load_cases(tmp: Path, tiny: Path) -> dict[str, tuple[dict, tuple]]:
-    from worker.default_model import gguf_path
+    from worker.backends.transformers.shipped import gguf_path
 
     (tmp / "empty-dir").mkdir()
     (tmp / "random.gguf").write_bytes(random.Random(3).randbytes(64 * 1024))
@@ -478,7 +478,7 @@ async def test_messages_for_a_model_without_a_chat_template_are_unsupported(
 async def test_a_chat_template_that_writes_bos_itself_still_gives_one_bos(
     scratch_worker: Host, tiny_model_dir: Path, tmp_path: Path
 ):
-    from worker.tiny_model import CHATML
+    from worker.backends.transformers.tiny_model import CHATML
 
     with_bos = copy_model(tiny_model_dir, tmp_path / "bos-template", chat_template="{{ bos_token }}" + CHATML)
     await scratch_worker.call("load", {"model": str(with_bos)}, timeout=120)

@@ -13,7 +13,7 @@ from pathlib import Path
 from protocol.framing import DEFAULT_MAX_MESSAGE_BYTES, Framing
 from worker import __version__
 from worker.backends import Registry
-from worker.default_model import default_data_dir
+from worker.data_dir import default_data_dir
 from worker.handlers import Handlers, WireInfo
 from worker.scheduler import DEFAULT_MAX_BATCH
 from worker.server import Server

@@ -40,13 +40,19 @@ from protocol.methods import (
 from protocol.framing import Framing
 from worker import __version__
 from worker.backends import Registry
-from worker.backends.base import Model
+from worker.backends.base import Model, SideThreadModel
 
 if TYPE_CHECKING:
     from worker.caching import Prefill
     from worker.kvcache.store import CacheStore
 from worker.constraints import output_constraint
-from worker.generation import Generation, check_draft, check_vocabulary, prompt_tokens, render_messages
+from worker.generation import (
+    Generation,
+    check_draft,
+    check_vocabulary,
+    prompt_tokens,
+    render_messages,
+)
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +219,11 @@ class Handlers:
 
     def cache_delete(self, ctx: Context, params: CacheRefParams) -> CacheDeleteResult:
         return CacheDeleteResult(deleted=self._store().delete(params.cache))
+
+    def prepare_side_thread(self) -> None:
+        """Before the loaded model's work on a thread other than the model thread."""
+        if isinstance(self._model, SideThreadModel):
+            self._model.prepare_side_thread()
 
     def _store(self) -> CacheStore:
         if self._cache_store is None:  # imported on first use: capabilities stays fast

@@ -51,7 +51,6 @@ from worker.scheduler import DEFAULT_MAX_BATCH, Scheduler, Task
 from worker.policy import POLICY
 from worker.session import Job, Session
 from worker.transcript import Recorder
-from worker.torch_threads import keep_to_one_thread
 from worker.writer import Writer
 
 log = logging.getLogger(__name__)
@@ -257,10 +256,10 @@ class Server:
         self._on_cache_io(self._answer, job.id, job.method, task.finish if error is None else fail, job)
 
     def _on_cache_io(self, work: Callable[..., Any], *args: Any) -> None:
-        """Run ``work`` on the cache I/O thread, whose torch work stays on one thread."""
+        """Run ``work`` on the cache I/O thread (prepared for the model's work off its own thread)."""
 
         def run() -> None:
-            keep_to_one_thread()
+            self._handlers.prepare_side_thread()
             work(*args)
 
         self._cache_io.submit(run)

@@ -47,7 +47,7 @@ export function workerEnv(): NodeJS.ProcessEnv {
 let tinyModelPromise: Promise<string> | undefined;
 
 /**
- * Build the tiny offline test model (`python -m worker.tiny_model DIR`) into a
+ * Build the tiny offline test model (`python -m worker.backends.transformers.tiny_model DIR`) into a
  * fresh temporary directory, once per process, and return that directory. It is
  * removed when the process exits. A failed build is not cached: the next call
  * tries again.
@@ -70,11 +70,11 @@ async function buildTinyModel(): Promise<string> {
   await new Promise<void>((done, fail) => {
     execFile(
       exe,
-      ["-m", "worker.tiny_model", dir],
+      ["-m", "worker.backends.transformers.tiny_model", dir],
       { cwd: repoRoot, env: workerEnv(), timeout: 300_000, maxBuffer: 16 * 1024 * 1024 },
       (error, _stdout, stderr) => {
         if (error) {
-          fail(new Error(`building the tiny model failed (${exe} -m worker.tiny_model ${dir}): ${error.message}\n${stderr}`));
+          fail(new Error(`building the tiny model failed (${exe} -m worker.backends.transformers.tiny_model ${dir}): ${error.message}\n${stderr}`));
         } else {
           done();
         }
@@ -82,7 +82,7 @@ async function buildTinyModel(): Promise<string> {
     );
   });
   if (!existsSync(join(dir, "config.json"))) {
-    throw new Error(`python -m worker.tiny_model ${dir} exited 0 but wrote no config.json`);
+    throw new Error(`python -m worker.backends.transformers.tiny_model ${dir} exited 0 but wrote no config.json`);
   }
   return dir;
 }

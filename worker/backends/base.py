@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo, Tool
 
@@ -155,6 +155,16 @@ class CachingModel(Model, Protocol):
         """As Model.start; ``cache`` (a fresh one if None) covers a prefix of ``prompt`` shorter
         than the whole of it, and the decoding extends it in place (``decoding.cache``).
         ``params`` None: a prefill, which only feeds the prompt."""
+        ...
+
+
+@runtime_checkable
+class SideThreadModel(Protocol):
+    """A model whose work on the worker's threads other than the model thread (making and
+    finishing tasks on the cache I/O thread) needs that thread prepared first. Optional."""
+
+    def prepare_side_thread(self) -> None:
+        """Called on such a thread before each piece of the model's work there; cheap."""
         ...
 
 

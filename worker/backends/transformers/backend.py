@@ -32,7 +32,7 @@ from worker.constraints import GrammarTokenizer
 if TYPE_CHECKING:
     from worker.constraints import OutputConstraint
     from worker.kvcache.container import Identity, LoadedCache, TensorEntry
-    from worker.kvcache.torch_adapter import TorchCache
+    from worker.backends.transformers.torch_adapter import TorchCache
 
 _DEFAULT_DTYPES = {"cpu": "float32", "cuda": "bfloat16", "mps": "float16"}
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class TransformersBackend:
                 field="params.quantization",
             )
         _check_device(params.device)
-        from worker.default_model import SHIPPED
+        from worker.backends.transformers.shipped import SHIPPED
 
         if params.model not in SHIPPED:
             _local_model_path(params.model)
@@ -72,7 +72,7 @@ class TransformersBackend:
     def load(self, params: LoadParams, *, data_dir: Path) -> TransformersModel:
         self.check(params, data_dir=data_dir)
         started = time.perf_counter()
-        from worker.backends import hf_compat  # before transformers: it keeps the hub offline
+        from worker.backends.transformers import hf_compat  # before transformers: it keeps the hub offline
 
         device = params.device
         path = _model_path(params.model, data_dir)
@@ -83,7 +83,7 @@ class TransformersBackend:
         model, tokenizer = _load_pretrained(path, dtype, device, params.trust_remote_code, attention)
         identity = _identity(path, model, tokenizer, dtype, quantization, data_dir / "digests")
         if quantization != "none":
-            from worker.backends.fast_weights import quantize
+            from worker.backends.transformers.fast_weights import quantize
 
             quantize(model, quantization)
         return TransformersModel(params, path, model, tokenizer, identity, device, dtype, quantization, started)
@@ -92,7 +92,7 @@ class TransformersBackend:
 def _exact_attention(data_dir: Path) -> str:
     """The attention for quantized weights: exact_attention's kernel (built on first use), or
     float64 attention where it cannot be built (slower, as independent of chunking)."""
-    from worker.backends import exact_attention, hf_compat
+    from worker.backends.transformers import exact_attention, hf_compat
 
     try:
         exact_attention.kernel(data_dir)
@@ -118,7 +118,7 @@ class TransformersModel:
         self, params: LoadParams, path: Path, model, tokenizer, identity: Identity, device: str, dtype: str,
         quantization: str, started: float,
     ):
-        from worker.backends import decode_step
+        from worker.backends.transformers import decode_step
 
         self._model = model
         self._step = decode_step.DecodeStep(model) if decode_step.supports(model) else None
@@ -153,6 +153,11 @@ class TransformersModel:
             load_time_ms=(time.perf_counter() - started) * 1000.0,
         )
         self.grammar_tokenizer = GrammarTokenizer(tokenizer, self.eos_token_ids)
+
+    def prepare_side_thread(self) -> None:
+        from worker.backends.transformers.torch_threads import keep_to_one_thread
+
+        keep_to_one_thread()
 
     # --- text ---------------------------------------------------------------------
 
@@ -214,7 +219,7 @@ class TransformersModel:
         return self._identity
 
     def new_cache(self) -> TorchCache:
-        from worker.kvcache.torch_adapter import TorchCache
+        from worker.backends.transformers.torch_adapter import TorchCache
 
         return TorchCache(self._model.config)
 
@@ -233,14 +238,14 @@ class TransformersModel:
         cache.crop(keep_tokens)
 
     def cache_room(self, entry: TensorEntry, held: int) -> int:
-        from worker.kvcache.torch_adapter import room_to_grow
+        from worker.backends.transformers.torch_adapter import room_to_grow
 
         if self._cache_kinds is None:
             self._cache_kinds = self.new_cache().kinds
         return room_to_grow(self._cache_kinds, self._device, entry, held)
 
     def load_cache(self, loaded: LoadedCache) -> TorchCache:
-        from worker.kvcache.torch_adapter import TorchCache
+        from worker.backends.transformers.torch_adapter import TorchCache
 
         return TorchCache.from_file(loaded, self._model.config, self._device)
 
@@ -323,7 +328,7 @@ class Decoding:
     ):
         import torch
 
-        from worker.backends.sampling import Sampler
+        from worker.backends.transformers.sampling import Sampler
 
         self.cache = cache
         self.tokens = list(prompt)  # the prompt and the tokens chosen so far
@@ -440,10 +445,10 @@ def _identity(path: Path, model, tokenizer, dtype: str, quantization: str, memo_
     """Everything that decides what the model computes for a token: every byte of the
     weights and tokenizer files (a .gguf file holds both), the chat template, and the
     whole configuration. Digests of big files are remembered (worker.fingerprint)."""
-    from worker.backends import hf_compat
+    from worker.backends.transformers import hf_compat
     from worker.fingerprint import files_sha256
     from worker.kvcache.container import Identity
-    from worker.kvcache.torch_adapter import TorchCache
+    from worker.backends.transformers.torch_adapter import TorchCache
 
     config = model.config
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
@@ -495,10 +500,10 @@ def _check_device(device: str) -> str:
 
 
 def _model_path(model: str, data_dir: Path) -> Path:
-    from worker.default_model import SHIPPED
+    from worker.backends.transformers.shipped import SHIPPED
 
     if model in SHIPPED:
-        from worker.default_model import converted_path
+        from worker.backends.transformers.shipped import converted_path
 
         try:
             return converted_path(data_dir, model)

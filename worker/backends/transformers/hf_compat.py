@@ -104,7 +104,7 @@ def _exact_kernel(implementation: str, query: torch.Tensor, keys: torch.Tensor, 
     these shapes; else None."""
     if implementation != EXACT_ATTENTION:
         return None
-    from worker.backends import exact_attention
+    from worker.backends.transformers import exact_attention
 
     kernel = exact_attention.loaded()
     return kernel if kernel.takes(query, keys, values) else None

@@ -1,0 +1,49 @@
+"""The layers as docs/ARCHITECTURE.md draws them, checked on the sources' imports."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TRANSFORMERS_PACKAGE = ROOT / "worker" / "backends" / "transformers"
+HEAVY = {"torch", "transformers"}
+# Modules outside the package that still import one of HEAVY, each with the reason; the list
+# is exact, so a module that stops doing so must leave it too.
+KNOWN_OUTSIDE = {
+    "worker/tool_calls.py": "reads calls with transformers' streaming response parser",
+}
+
+
+def imported_top_levels(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def sources(*packages: str) -> list[Path]:
+    return sorted(path for package in packages for path in (ROOT / package).rglob("*.py"))
+
+
+def test_only_the_transformers_package_imports_torch_or_transformers():
+    outside = {
+        str(path.relative_to(ROOT)): sorted(imported_top_levels(path) & HEAVY)
+        for path in sources("protocol", "worker")
+        if TRANSFORMERS_PACKAGE not in path.parents and imported_top_levels(path) & HEAVY
+    }
+    assert outside.keys() == KNOWN_OUTSIDE.keys(), f"imports of torch or transformers outside the package: {outside}"
+
+
+def test_protocol_imports_nothing_of_the_worker():
+    offenders = [str(path.relative_to(ROOT)) for path in sources("protocol") if "worker" in imported_top_levels(path)]
+    assert offenders == []
+
+
+def test_the_checker_sees_imports_inside_functions(tmp_path: Path):
+    module = tmp_path / "lazy.py"
+    module.write_text("def f():\n    from torch import nn\n    import transformers.utils as u\n")
+    assert imported_top_levels(module) == {"torch", "transformers"}
