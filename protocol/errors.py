@@ -36,6 +36,13 @@ class ErrorKind(enum.StrEnum):
     CACHE_PREFIX_MISMATCH = "cache_prefix_mismatch"
     CACHE_TOO_LARGE = "cache_too_large"
     CACHE_STORAGE_FAILED = "cache_storage_failed"
+    # A model served by another program (the openai backend)
+    ENGINE_UNREACHABLE = "engine_unreachable"
+    ENGINE_AUTH_FAILED = "engine_auth_failed"
+    MODEL_NOT_SERVED = "model_not_served"
+    ENGINE_OVERLOADED = "engine_overloaded"
+    ENGINE_ERROR = "engine_error"
+    ENGINE_STALLED = "engine_stalled"
 
 
 CODES: dict[ErrorKind, int] = {
@@ -61,6 +68,12 @@ CODES: dict[ErrorKind, int] = {
     ErrorKind.CACHE_PREFIX_MISMATCH: -32010,
     ErrorKind.CACHE_TOO_LARGE: -32011,
     ErrorKind.CACHE_STORAGE_FAILED: -32012,
+    ErrorKind.ENGINE_UNREACHABLE: -32013,
+    ErrorKind.ENGINE_AUTH_FAILED: -32014,
+    ErrorKind.MODEL_NOT_SERVED: -32015,
+    ErrorKind.ENGINE_OVERLOADED: -32016,
+    ErrorKind.ENGINE_ERROR: -32017,
+    ErrorKind.ENGINE_STALLED: -32018,
 }
 
 

@@ -115,6 +115,12 @@ class LoadParams(Params):
     # Backends that simulate work (echo) sleep this long per generated token;
     # others refuse a non-zero value.
     token_delay_ms: Annotated[float, Meta(ge=0, le=60_000)] = 0.0
+    # The openai backend: the server's OpenAI API root (e.g. "http://127.0.0.1:8000/v1"), the
+    # environment variable holding its API key (the key itself never crosses the protocol), and
+    # how long a request may wait for the server's next byte before it ends as engine_stalled.
+    base_url: Annotated[str, Meta(min_length=1, max_length=2048)] | None = None
+    api_key_env: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    stall_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 120.0
 
 
 class UnloadResult(Result):

@@ -112,3 +112,58 @@ def install_plugin(directory: Path, module: str, source: str, backends: dict[str
     lines = "".join(f"{name} = {target}\n" for name, target in backends.items())
     (dist_info / "entry_points.txt").write_text(f"[lm_worker.backends]\n{lines}")
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(directory), os.environ.get("PYTHONPATH")]))}
+
+
+VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+
+
+@pytest.fixture(scope="session")
+def vllm_url(tmp_path_factory: pytest.TempPathFactory):
+    """A real vLLM server serving the default SmolLM2 as "smollm2" (the openai backend's engine),
+    started once per session from .venv-vllm; LM_WORKER_TEST_VLLM_URL names one already running."""
+    if explicit := os.environ.get("LM_WORKER_TEST_VLLM_URL"):
+        yield explicit
+        return
+    if not VLLM_PYTHON.exists():
+        pytest.skip("vLLM is not installed in .venv-vllm (make vllm); the openai backend's engine tests need it")
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    from worker.backends.transformers.shipped import converted_path
+
+    model = converted_path(tmp_path_factory.mktemp("vllm-data"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tmp_path_factory.mktemp("vllm-log") / "server.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen(
+            [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+             "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
+             "--enable-prefix-caching", "--enable-prompt-tokens-details"],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
+        )
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                urllib.request.urlopen(url + "/models", timeout=2).read()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"vLLM did not start; its log: {log.read_text()[-3000:]}") from None
+                time.sleep(1)
+        yield url
+    finally:
+        import signal
+
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()

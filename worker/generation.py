@@ -21,7 +21,7 @@ from protocol.methods import (
     ToolCall,
     Usage,
 )
-from worker.backends.base import Model
+from worker.backends.base import EngineDelta, Model, StreamedDecoding, StreamEnd
 from worker.constraints import OutputConstraint
 from worker.streaming import IncrementalDetokenizer, StopMatcher
 from worker.tool_calls import call_reader, for_template, request_tools
@@ -37,14 +37,7 @@ class PromptSource(msgspec.Struct, frozen=True):
     messages: Sequence[ChatMessage] | None
 
 
-def resolve_prompt(
-    model: Model,
-    source: PromptSource,
-    *,
-    add_special_tokens: bool,
-    tools: Sequence[Tool] = (),
-    add_generation_prompt: bool = True,
-) -> list[int]:
+def check_source(source: PromptSource) -> None:
     given = [name for name in ("prompt", "tokens", "messages") if getattr(source, name) is not None]
     if len(given) != 1:
         found = f"got {' and '.join(given)}" if given else "got none"
@@ -53,6 +46,17 @@ def resolve_prompt(
             f"Give exactly one of 'prompt' (text), 'tokens' (ids) or 'messages' (chat); {found}.",
             field=f"params.{given[-1] if given else 'prompt'}",
         )
+
+
+def resolve_prompt(
+    model: Model,
+    source: PromptSource,
+    *,
+    add_special_tokens: bool,
+    tools: Sequence[Tool] = (),
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    check_source(source)
     if source.messages is not None:
         return render_messages(model, source.messages, tools, add_generation_prompt=add_generation_prompt)[1]
     if source.tokens is not None:
@@ -73,6 +77,8 @@ def render_messages(
 
 def check_vocabulary(model: Model, tokens: Sequence[int], field: str) -> None:
     vocab = model.info.vocab_size
+    if not vocab:  # the backend cannot tell (an engine checks the ids itself)
+        return
     for i, token in enumerate(tokens):
         if token >= vocab:
             raise RpcError(
@@ -121,6 +127,30 @@ def check_context(model: Model, prompt_length: int, max_tokens: int) -> None:
         )
 
 
+def check_engine_request(model: Model, params: GenerateParams) -> None:
+    """What a request to an engine may not ask (the engine resolves the prompt and keeps its
+    own cache; the rest of the checks are the engine's)."""
+    check_source(PromptSource(params.prompt, params.tokens, params.messages))
+    request_tools(params)
+    check_draft(model, params)
+    if params.cache not in (None, "auto") or params.cache_trim_tokens is not None:
+        field = "params.cache" if params.cache_trim_tokens is None else "params.cache_trim_tokens"
+        raise RpcError(
+            ErrorKind.UNSUPPORTED,
+            f"The {model.info.backend} backend's server keeps the KV cache in its own memory, so the worker "
+            'cannot store or read a named or memory:// cache; send cache: "auto" to let the server reuse '
+            "prefixes it has computed (usage.cache_read_tokens reports them), or no cache.",
+            field=field,
+        )
+    if params.tools and params.messages is None:
+        raise RpcError(
+            ErrorKind.UNSUPPORTED,
+            f"The {model.info.backend} backend passes tools to the server's chat endpoint, which takes "
+            "'messages'; send the conversation as messages.",
+            field="params.tools",
+        )
+
+
 def check_draft(model: Model, params: GenerateParams) -> None:
     draft = params.draft
     if draft is None:
@@ -157,20 +187,27 @@ class Generation:
         started: float | None = None,
         after: Callable[[GenerateResult], None] = lambda result: None,
         constraint: OutputConstraint | None = None,
+        streamed: StreamedDecoding | None = None,
     ) -> None:
+        """``streamed``: the request as an engine runs it (an EngineModel's submit); then
+        ``prompt`` is empty, and the engine's counts arrive with its stream."""
         self.model = model
         self._params = params
-        self._prompt_tokens = len(prompt)
         self._is_cancelled = is_cancelled
         self._queued_ms = queued_ms
         self._start = start
         self._started = started or time.perf_counter()
         self._after = after
+        detokenizer = None if streamed is not None else IncrementalDetokenizer(model.detokenize, prompt)
         self._stream = _Stream(
-            model, params, request_id, len(prompt), start.reused if start else 0, send_chunk, acked, prompt
+            model, params, request_id, len(prompt), start.reused if start else 0, send_chunk, acked, detokenizer
         )
         self._first_token_at: float | None = None
         self._stop: StopReason | None = None
+        self._streamed = streamed
+        if streamed is not None:
+            self.decoding: Any = streamed
+            return
         extra: dict[str, Any] = {"cache": start.cache} if start and start.cache is not None else {}
         if constraint is not None:
             extra["constraint"] = constraint
@@ -189,6 +226,9 @@ class Generation:
     def advance(self) -> None:
         """Take the tokens the last step (or the prompt's last chunk) made possible: one, or
         more where it checked a draft; a request cancelled meanwhile takes none."""
+        if self._streamed is not None:
+            self._take_deltas(self._streamed)
+            return
         while not self.done:
             token = self.decoding.next_token()
             self._first_token_at = self._first_token_at or time.perf_counter()
@@ -198,14 +238,52 @@ class Generation:
             if self._params.draft is None or not self.decoding.has_next():
                 return
 
+    def _take_deltas(self, decoding: StreamedDecoding) -> None:
+        """Everything an engine's stream has received since the last step: any number of deltas,
+        none included; then how the stream ended, once it has."""
+        self._stream.counts(decoding.prompt_tokens, decoding.cached_tokens or 0)
+        while not self.done and decoding.has_next():
+            self._first_token_at = self._first_token_at or time.perf_counter()
+            self._stop = self._stream.push_delta(decoding.next_delta())
+            if self._stop is None and self._stream.generated >= self._params.max_tokens:
+                self._stop = _reason("max_tokens")
+        end = decoding.end
+        if self.done or end is None or decoding.has_next():
+            return
+        if end.error is not None:
+            raise end.error
+        self._stop = _engine_stop(end, self._stream.tokens)
+
     @property
     def done(self) -> bool:
         if self._stop is None and self._is_cancelled():
             self._stop = _reason("cancelled")
         return self._stop is not None
 
+    def _engine_cache_use(self) -> CacheUse | None:
+        """What ``cache: "auto"`` did on an engine: its prefix cache's reuse; nothing is stored by
+        the worker (the engine keeps what it computed as long as its memory allows)."""
+        if self._streamed is None or self._params.cache != "auto":
+            return None
+        reused = self._stream.cache_read_tokens
+        return CacheUse(
+            mode="auto", ref=None, reused_tokens=reused,
+            reason=None if reused else "the server's prefix cache held none of this prompt",
+            skipped=[], stored=None, stored_tokens=0,
+            store_reason="the server keeps its own prefix cache; the worker stores nothing on this backend",
+        )
+
+    def close(self) -> None:
+        """Let go of the engine's request, if any (it stops computing): after the end, a
+        cancel or a failure."""
+        if self._streamed is not None:
+            self._streamed.close()
+
     def finish(self) -> GenerateResult:
         assert self.done
+        self.close()
+        if self._streamed is not None:  # the counts as the engine's last events gave them
+            self._stream.counts(self._streamed.prompt_tokens, self._streamed.cached_tokens or 0)
         self._stream.finish()
         finished = time.perf_counter()
         first = self._first_token_at or finished
@@ -223,18 +301,18 @@ class Generation:
             finish_reason="tool_calls" if made_calls else _FINISH_REASONS[self._stop.kind],
             stop_reason=self._stop,
             usage=Usage(
-                prompt_tokens=self._prompt_tokens,
-                completion_tokens=len(tokens),
-                cache_read_tokens=start.reused if start else 0,
+                prompt_tokens=self._stream.prompt_tokens,
+                completion_tokens=self._stream.generated,
+                cache_read_tokens=self._stream.cache_read_tokens,
                 cache_write_tokens=start.written if start else 0,
             ),
-            cache=start.use if start else None,
+            cache=start.use if start else self._engine_cache_use(),
             timings=Timings(
                 queued_ms=self._queued_ms,
                 prompt_ms=(first - self._started) * 1000.0,
                 decode_ms=decode_s * 1000.0,
                 total_ms=(finished - self._started) * 1000.0,
-                tokens_per_second=(len(tokens) - 1) / decode_s if decode_s > 0 and len(tokens) > 1 else 0.0,
+                tokens_per_second=(self._stream.generated - 1) / decode_s if decode_s > 0 and self._stream.generated > 1 else 0.0,
                 draft_tokens=self.decoding.drafted_tokens if drafted else 0,
                 draft_accepted_tokens=self.decoding.accepted_tokens if drafted else 0,
             ),
@@ -265,6 +343,16 @@ def _reason(kind: str, *, token: int | None = None, stop: str | None = None) -> 
     return StopReason(kind=kind, token=token, stop=stop)
 
 
+def _engine_stop(end: StreamEnd, tokens: list[int]) -> StopReason:
+    """How an engine's own end reads in the worker's terms: its length limit (or context) as
+    max_tokens, its stop string as one, anything else (end of sequence, tool calls) as eos."""
+    if end.reason == "length":
+        return _reason("max_tokens")
+    if end.stop is not None:
+        return _reason("stop_string", stop=end.stop)
+    return _reason("eos", token=tokens[-1] if tokens else None)
+
+
 _FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_tokens": "length", "cancelled": "cancelled"}
 
 
@@ -285,15 +373,16 @@ class _Stream:
         cache_read_tokens: int,
         send_chunk: SendChunk,
         acked: Callable[[], int],
-        prompt: Sequence[int],
+        detokenizer: IncrementalDetokenizer | None,
     ) -> None:
+        """``detokenizer`` None: the text comes with the tokens (an engine's deltas, push_delta)."""
         self._eos = model.eos_token_ids
-        self._detok = IncrementalDetokenizer(model.detokenize, prompt)
+        self._detok = detokenizer
         self._stops = StopMatcher(params.stop)
         self._send = send_chunk if params.stream else None
         self._request_id = request_id
-        self._prompt_tokens = prompt_tokens
-        self._cache_read_tokens = cache_read_tokens
+        self.prompt_tokens = prompt_tokens
+        self.cache_read_tokens = cache_read_tokens
         self._pieces: list[str] = []
         self._contents: list[str] = []
         self._calls = call_reader(params, model.info.tool_calls)
@@ -303,6 +392,12 @@ class _Stream:
         self._sent = 0  # chunks sent
         self._held: _Unsent | None = None
         self.tokens: list[int] = []
+        self.generated = 0  # tokens generated: len(tokens), unless an engine gave no ids
+        self._made_calls: list[ToolCall] = []
+
+    def counts(self, prompt_tokens: int, cache_read_tokens: int) -> None:
+        """The prompt's counts as an engine reported them (known only once its stream starts)."""
+        self.prompt_tokens, self.cache_read_tokens = prompt_tokens, cache_read_tokens
 
     @property
     def text(self) -> str:
@@ -314,10 +409,12 @@ class _Stream:
 
     @property
     def tool_calls(self) -> list[ToolCall]:
-        return self._calls.calls if self._calls else []
+        return self._made_calls
 
     def push(self, token: int) -> StopReason | None:
+        assert self._detok is not None
         self.tokens.append(token)
+        self.generated += 1
         if token in self._eos:
             self._emit("", [token])
             return _reason("eos", token=token)
@@ -328,11 +425,23 @@ class _Stream:
             return _reason("stop_string", stop=stop)
         return None
 
+    def push_delta(self, delta: EngineDelta) -> StopReason | None:
+        """An engine's delta: its text (stop strings matched here, as for local models), its
+        token ids, and the calls its parser completed."""
+        self.tokens += delta.tokens
+        self.generated += delta.counted
+        text, stop = self._stops.push(delta.text)
+        self._emit(text, delta.tokens, text, delta.calls)
+        if stop is not None:
+            self._stopped = True
+            return _reason("stop_string", stop=stop)
+        return None
+
     def finish(self) -> None:
         """Emit what was held back (unless a stop string ended the text), and every chunk a
         slow reader's window held: the stream is whole before the result."""
         if not self._stopped:
-            text, stop = self._stops.push(self._detok.flush())
+            text, stop = self._stops.push(self._detok.flush() if self._detok else "")
             tail = text + ("" if stop is not None else self._stops.flush())
             if tail:
                 self._emit(tail, [])
@@ -350,6 +459,7 @@ class _Stream:
         if content is None:
             content, calls = self._calls.feed(text) if self._calls else (text, ())
         self._contents.append(content)
+        self._made_calls += calls
         if self._send is None:
             return
         held = self._held or _Unsent()
@@ -372,9 +482,9 @@ class _Stream:
                 index=self._sent,
                 text="".join(held.texts),
                 tokens=held.tokens,
-                generated_tokens=len(self.tokens),
-                prompt_tokens=self._prompt_tokens,
-                cache_read_tokens=self._cache_read_tokens,
+                generated_tokens=self.generated,
+                prompt_tokens=self.prompt_tokens,
+                cache_read_tokens=self.cache_read_tokens,
                 content="".join(held.contents),
                 tool_calls=held.calls,
             )

@@ -40,7 +40,7 @@ from protocol.methods import (
 from protocol.framing import Framing
 from worker import __version__
 from worker.backends import Registry
-from worker.backends.base import Model, SideThreadModel
+from worker.backends.base import EngineModel, Model, SideThreadModel
 
 if TYPE_CHECKING:
     from worker.caching import Prefill
@@ -49,6 +49,7 @@ from worker.constraints import output_constraint
 from worker.generation import (
     Generation,
     check_draft,
+    check_engine_request,
     check_vocabulary,
     prompt_tokens,
     render_messages,
@@ -169,7 +170,8 @@ class Handlers:
         return RenderResult(text=text, tokens=tokens, count=len(tokens))
 
     def generate(self, ctx: Context, params: GenerateParams) -> Generation:
-        """The generation, ready for the scheduler to feed and step (nothing computed yet)."""
+        """The generation, ready for the scheduler to feed and step (nothing computed yet; on
+        an engine, the request is sent)."""
         from worker.caching import finish_generate, start_generate
 
         def send_chunk(chunk: GenerateChunk) -> None:
@@ -177,6 +179,12 @@ class Handlers:
 
         started = time.perf_counter()  # the restore of a cache counts as prompt time
         model = self._loaded()
+        if isinstance(model, EngineModel):
+            check_engine_request(model, params)
+            return Generation(
+                model, params, [], request_id=ctx.id, is_cancelled=ctx.cancelled.is_set, send_chunk=send_chunk,
+                acked=ctx.acked, queued_ms=ctx.queued_ms, started=started, streamed=model.submit(params),
+            )
         prompt = prompt_tokens(model, params)
         constraint = output_constraint(model, params)
         check_draft(model, params)

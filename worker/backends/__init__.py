@@ -20,7 +20,8 @@ from worker.backends.base import Backend
 ENTRY_POINT_GROUP = "lm_worker.backends"
 BUILTIN: dict[str, str] = {
     "echo": "worker.backends.echo:EchoBackend",
-    "transformers": "worker.backends.transformers_backend:TransformersBackend",
+    "openai": "worker.backends.openai.backend:OpenAIBackend",
+    "transformers": "worker.backends.transformers.backend:TransformersBackend",
 }
 
 log = logging.getLogger(__name__)

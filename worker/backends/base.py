@@ -19,7 +19,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo, Tool
+import msgspec
+
+from protocol.errors import RpcError
+from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo, Tool, ToolCall
 
 # The scheduler feeds a prompt in chunks of at most this many tokens, so that a cancel is
 # seen within one chunk.
@@ -155,6 +158,53 @@ class CachingModel(Model, Protocol):
         """As Model.start; ``cache`` (a fresh one if None) covers a prefix of ``prompt`` shorter
         than the whole of it, and the decoding extends it in place (``decoding.cache``).
         ``params`` None: a prefill, which only feeds the prompt."""
+        ...
+
+
+class EngineDelta(msgspec.Struct, frozen=True):
+    """What a stream from an engine received at once: text with the token ids it came from."""
+
+    tokens: list[int]  # empty where the engine does not return token ids
+    text: str
+    calls: list[ToolCall]  # tool calls the engine's parser completed with it
+    counted: int  # tokens this delta counts for: len(tokens), or 1 where ids are not returned
+
+
+class StreamEnd(msgspec.Struct, frozen=True):
+    """How an engine's stream ended."""
+
+    reason: str  # the engine's finish_reason ("stop", "length", "tool_calls", ...) or "error"
+    stop: str | None = None  # the engine's stop string, where one ended it
+    error: RpcError | None = None  # for "error": what broke the request
+
+
+class StreamedDecoding(Protocol):
+    """A request running on an engine (another program computes it): its prompt is never fed
+    (``prompt_left`` is 0), and what it produces arrives as deltas, any number per step."""
+
+    prompt_left: int
+    prompt_tokens: int  # as the engine counted them, once its stream has said
+    cached_tokens: int | None  # prompt tokens the engine's prefix cache supplied; None until said
+    exact: bool  # whether every delta so far came with its token ids
+    end: StreamEnd | None  # set once the stream has ended; deltas may still be queued
+
+    def has_next(self) -> bool: ...
+
+    def next_delta(self) -> EngineDelta: ...
+
+    def close(self) -> None:
+        """Stop the request on the engine (closes its connection); idempotent, any thread."""
+        ...
+
+
+@runtime_checkable
+class EngineModel(Protocol):
+    """A model another program serves (the openai backend): it takes a generate request whole,
+    its prompt as given, and the engine resolves the prompt, samples, and keeps its own cache.
+    ``Model.step`` waits until some of the decodings has received something."""
+
+    def submit(self, params: GenerateParams) -> StreamedDecoding:
+        """Send the request now; raises ``RpcError`` when the engine refuses it."""
         ...
 
 

@@ -65,6 +65,12 @@ export interface LoadParams {
     trust_remote_code?: boolean;
     /** minimum 0; maximum 60000. Default `0`. */
     token_delay_ms?: number;
+    /** minLength 1; maxLength 2048. Default `null`. */
+    base_url?: string | null;
+    /** minLength 1; maxLength 256. Default `null`. */
+    api_key_env?: string | null;
+    /** exclusiveMinimum 0; maximum 3600. Default `120`. */
+    stall_timeout_s?: number;
 }
 export interface UnloadResult {
     unloaded: boolean;

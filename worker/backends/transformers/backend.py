@@ -57,6 +57,14 @@ class TransformersBackend:
                 "token_delay_ms is for the echo backend; omit it for transformers.",
                 field="params.token_delay_ms",
             )
+        for field in ("base_url", "api_key_env"):
+            if getattr(params, field) is not None:
+                raise RpcError(
+                    ErrorKind.INVALID_PARAMS,
+                    f"{field} is for the openai backend (a model on a server); load with \"backend\": \"openai\", "
+                    f"or leave {field} out.",
+                    field=f"params.{field}",
+                )
         if params.quantization in ("int4", "int8") and params.device.split(":")[0] != "cpu":
             raise RpcError(
                 ErrorKind.INVALID_PARAMS,

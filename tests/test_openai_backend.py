@@ -1,0 +1,246 @@
+"""The openai backend through real workers: faults against small real HTTP servers that
+misbehave on purpose, and the protocol's behaviour against a real vLLM server (the fixture
+``vllm_url``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from worker.host import Host, WorkerError
+
+
+class Misbehaving(BaseHTTPRequestHandler):
+    """A server speaking just enough of the API to fail in the way ``server.mode`` says."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _json(self, status: int, body: object) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self.server.seen.append(dict(self.headers))  # type: ignore[attr-defined]
+        mode = self.server.mode  # type: ignore[attr-defined]
+        if mode == "garbage":
+            self.wfile.write(b"this is not HTTP at all\r\n\r\n")
+            return
+        if mode == "refuse_key":
+            self._json(401, {"error": {"message": "Unauthorized"}})
+            return
+        self._json(200, {"data": [{"id": "served-model", "max_model_len": 2048}]})
+
+    def do_POST(self) -> None:
+        self.server.seen.append(dict(self.headers))  # type: ignore[attr-defined]
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        mode = self.server.mode  # type: ignore[attr-defined]
+        if mode == "busy":
+            self._json(429, {"error": {"message": "Too many requests"}})
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        event = {"choices": [{"index": 0, "text": "Hi", "token_ids": [7], "finish_reason": None}],
+                 "prompt_token_ids": [1, 2, 3]}
+        self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        self.wfile.flush()
+        if mode == "stall":
+            time.sleep(3)
+        elif mode == "not_json":
+            self.wfile.write(b"data: {not json\n\n")
+        # "drop": the connection closes before [DONE], as when the server restarts mid-stream
+        self.close_connection = True
+
+
+@pytest.fixture
+def misbehaving() -> Iterator[ThreadingHTTPServer]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Misbehaving)
+    server.mode = "ok"  # type: ignore[attr-defined]
+    server.seen = []  # type: ignore[attr-defined]
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def url_of(server: ThreadingHTTPServer) -> str:
+    return f"http://127.0.0.1:{server.server_address[1]}/v1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def error_of(host: Host, method: str, params: dict) -> dict:
+    with pytest.raises(WorkerError) as raised:
+        await host.call(method, params)
+    error = raised.value
+    return {"code": error.code, "message": error.message, "data": error.data}
+
+
+async def test_load_names_each_fault_by_its_own_kind_and_the_worker_keeps_serving(spawn_worker, misbehaving):
+    host = await spawn_worker()
+    nothing = f"http://127.0.0.1:{free_port()}/v1"
+    assert (await error_of(host, "load", {"backend": "openai", "base_url": nothing}))["data"]["kind"] == "engine_unreachable"
+    misbehaving.mode = "garbage"
+    garbage = await error_of(host, "load", {"backend": "openai", "base_url": url_of(misbehaving)})
+    assert garbage["data"]["kind"] == "engine_unreachable", garbage  # no HTTP answer at all
+    misbehaving.mode = "refuse_key"
+    refused = await error_of(host, "load", {"backend": "openai", "base_url": url_of(misbehaving)})
+    assert (refused["code"], refused["data"]["kind"]) == (-32014, "engine_auth_failed")
+    misbehaving.mode = "ok"
+    missing = await error_of(host, "load", {"backend": "openai", "base_url": url_of(misbehaving), "model": "other"})
+    assert missing["data"]["kind"] == "model_not_served" and "'served-model'" in missing["message"]
+    unset = await error_of(
+        host, "load", {"backend": "openai", "base_url": url_of(misbehaving), "api_key_env": "LM_WORKER_NO_SUCH_KEY"}
+    )
+    assert unset["data"] == {"kind": "invalid_params", "field": "params.api_key_env", "method": "load"}
+    wrong = await error_of(host, "load", {"backend": "openai", "base_url": url_of(misbehaving), "quantization": "int8"})
+    assert wrong["data"]["field"] == "params.quantization"
+    info = await host.call("load", {"backend": "openai", "base_url": url_of(misbehaving)})
+    assert (info["model"], info["context_length"]) == ("served-model", 2048), "default: the one model served"
+
+
+async def test_the_api_key_goes_to_the_server_and_nowhere_else(spawn_worker, misbehaving, tmp_path: Path):
+    secret = "sk-test-" + "5ecret" * 4
+    transcript = tmp_path / "session.jsonl"
+    host = await spawn_worker("--record", str(transcript), env={"LM_WORKER_TEST_KEY": secret})
+    await host.call("load", {"backend": "openai", "base_url": url_of(misbehaving), "api_key_env": "LM_WORKER_TEST_KEY"})
+    await host.call("generate", {"prompt": "x", "max_tokens": 1})
+    assert all(headers.get("Authorization") == f"Bearer {secret}" for headers in misbehaving.seen)
+    await host.close()
+    assert secret not in transcript.read_text() and secret.encode() not in host.stderr
+    assert "LM_WORKER_TEST_KEY" in transcript.read_text(), "the variable's name is what is recorded"
+
+
+@pytest.mark.parametrize(
+    ("mode", "kind"),
+    [("drop", "engine_error"), ("not_json", "engine_error"), ("stall", "engine_stalled"), ("busy", "engine_overloaded")],
+)
+async def test_a_fault_mid_request_ends_that_request_with_its_kind_and_the_next_works(spawn_worker, misbehaving, mode, kind):
+    host = await spawn_worker()
+    await host.call("load", {"backend": "openai", "base_url": url_of(misbehaving), "stall_timeout_s": 0.5})
+    misbehaving.mode = mode
+    error = await error_of(host, "generate", {"prompt": "x", "max_tokens": 5})
+    assert error["data"]["kind"] == kind, error
+    assert "127.0.0.1" in error["message"]
+    misbehaving.mode = "ok"
+    with pytest.raises(WorkerError) as dropped:  # the fake server always drops after one event
+        await host.call("generate", {"prompt": "x", "max_tokens": 5})
+    assert dropped.value.kind == "engine_error"
+    result = await host.call("generate", {"prompt": "x", "max_tokens": 1})
+    assert (result["text"], result["tokens"], result["usage"]["prompt_tokens"]) == ("Hi", [7], 3)
+
+
+async def test_named_caches_drafts_and_tools_without_messages_are_refused_with_the_reason(spawn_worker, misbehaving):
+    host = await spawn_worker()
+    await host.call("load", {"backend": "openai", "base_url": url_of(misbehaving)})
+    named = await error_of(host, "generate", {"prompt": "x", "cache": "mine"})
+    assert named["data"]["kind"] == "unsupported" and "auto" in named["message"]
+    draft = await error_of(host, "generate", {"prompt": "x", "draft": {"method": "prompt_lookup"}})
+    assert draft["data"]["field"] == "params.draft"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    tools = await error_of(host, "generate", {"prompt": "x", "tools": [tool]})
+    assert tools["data"]["field"] == "params.tools"
+
+
+# --- against a real vLLM server -----------------------------------------------------------
+
+
+def metric(base_url: str, name: str) -> float:
+    root = base_url.removesuffix("/v1")
+    with urllib.request.urlopen(f"{root}/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+@pytest.fixture
+async def engine_worker(spawn_worker, vllm_url: str) -> Host:
+    host = await spawn_worker()
+    await host.call("load", {"backend": "openai", "base_url": vllm_url, "model": "smollm2"})
+    return host
+
+
+@pytest.mark.slow
+async def test_streamed_chunks_add_up_to_the_result_with_exact_counts(engine_worker: Host):
+    host = engine_worker
+    counted = await host.call("tokenize", {"text": "The history of the city of Rome begins"})
+    request_id, answer = host.start("generate", {"prompt": "The history of the city of Rome begins", "max_tokens": 24})
+    result = (await answer)["result"]
+    chunks = host.chunks[request_id]
+    assert "".join(c["text"] for c in chunks) == result["text"]
+    assert [t for c in chunks for t in c["tokens"]] == result["tokens"]
+    assert chunks[-1]["generated_tokens"] == result["usage"]["completion_tokens"] == len(result["tokens"]) == 24
+    assert result["usage"]["prompt_tokens"] == chunks[-1]["prompt_tokens"] == counted["count"]
+    assert result["finish_reason"] == "length"
+
+
+@pytest.mark.slow
+async def test_a_stop_string_ends_the_text_before_it_as_on_a_local_model(engine_worker: Host):
+    free = await engine_worker.call("generate", {"prompt": "Count: 1, 2, 3, 4,", "max_tokens": 30})
+    assert ", 7" in free["text"], free["text"]
+    stopped = await engine_worker.call("generate", {"prompt": "Count: 1, 2, 3, 4,", "max_tokens": 30, "stop": [", 7"]})
+    assert stopped["text"] == free["text"][: free["text"].index(", 7")]
+    assert stopped["stop_reason"] == {"kind": "stop_string", "token": None, "stop": ", 7"}
+
+
+@pytest.mark.slow
+async def test_cancel_stops_the_engine_within_a_second(engine_worker: Host, vllm_url: str):
+    host = engine_worker
+    request_id, answer = host.start("generate", {"prompt": "Once upon a time", "max_tokens": 2000})
+    await host.wait_until(lambda: len(host.chunks[request_id]) >= 3)
+    assert metric(vllm_url, "vllm:num_requests_running") >= 1
+    await host.call("cancel", {"id": request_id})
+    cancelled_at = time.monotonic()
+    assert (await answer)["result"]["finish_reason"] == "cancelled"
+    while metric(vllm_url, "vllm:num_requests_running") > 0:
+        assert time.monotonic() - cancelled_at < 1.0, "the engine still runs the cancelled request"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.slow
+async def test_a_repeated_long_prefix_is_read_from_the_engines_cache(engine_worker: Host):
+    prefix = " ".join(f"Item {i} is on shelf {i % 7}." for i in range(120))
+    first = await engine_worker.call("generate", {"prompt": prefix + " Where is item 3?", "max_tokens": 4, "cache": "auto"})
+    second = await engine_worker.call("generate", {"prompt": prefix + " Where is item 9?", "max_tokens": 4, "cache": "auto"})
+    assert first["usage"]["prompt_tokens"] > 1000
+    assert second["usage"]["cache_read_tokens"] >= first["usage"]["prompt_tokens"] - 32
+    assert second["cache"]["reused_tokens"] == second["usage"]["cache_read_tokens"]
+
+
+@pytest.mark.slow
+async def test_concurrent_requests_run_together_and_each_equals_itself_alone(engine_worker: Host):
+    prompts = [f"Write about the number {n}:" for n in range(4)]
+    alone = [await engine_worker.call("generate", {"prompt": p, "max_tokens": 16}) for p in prompts]
+    together = await asyncio.gather(*(engine_worker.call("generate", {"prompt": p, "max_tokens": 16}) for p in prompts))
+    assert [r["tokens"] for r in together] == [r["tokens"] for r in alone]
+
+
+@pytest.mark.slow
+async def test_json_schema_output_comes_from_the_engines_structured_output(engine_worker: Host):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}
+    result = await engine_worker.call(
+        "generate",
+        {"messages": [{"role": "user", "content": "Name a city."}], "max_tokens": 40,
+         "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}},
+    )
+    assert isinstance(json.loads(result["text"])["city"], str)

@@ -1,0 +1,452 @@
+"""The ``openai`` backend: the same protocol on a model that another program serves over the
+OpenAI-compatible HTTP API (vLLM first; SGLang, llama.cpp's server and the gateways in front of
+vLLM replicas speak it too).
+
+The engine owns the model, its batching and its KV memory; the worker keeps its protocol:
+chunks with cumulative counts, stop strings, flow control, cancels, errors. Each ``generate``
+is one streamed HTTP request, sent as soon as the request is made and read on a thread of its
+own; the model lane only collects what each stream has received (``Model.step`` waits until
+some stream has something), so requests run side by side on the engine, bounded by
+``--max-batch``. A cancel closes the request's connection, which makes the engine drop it.
+
+- ``prompt`` and ``tokens`` go to ``/v1/completions`` (token ids as the prompt where given),
+  ``messages`` to ``/v1/chat/completions`` with the tools, so that the engine applies its own
+  chat template and reads tool calls with its own parser.
+- Token ids come back with vLLM's ``return_token_ids``, so counts are exact there; an engine
+  that does not return them gets each streamed delta counted as one token (estimated), and the
+  result's usage is the engine's own.
+- ``cache: "auto"`` lets the engine's prefix cache work and reports what it reused
+  (``usage.prompt_tokens_details.cached_tokens``); named and ``memory://`` refs are refused.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from protocol.errors import ErrorKind, RpcError
+from protocol.methods import (
+    ChatMessage,
+    GenerateParams,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    LoadParams,
+    ModelInfo,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+    ToolCallSupport,
+)
+from worker.backends.base import EngineDelta, StreamEnd
+from worker.backends.openai.engine import Engine, EngineAddress, EventStream
+from worker.tool_calls import template_dict
+
+# The model lane waits this long at most for any stream to receive something before it looks
+# at cancels and new requests again.
+STEP_WAIT_S = 0.005
+CONNECT_TIMEOUT_S = 10.0
+
+
+class OpenAIBackend:
+    name = "openai"
+    description = (
+        "A model served by an OpenAI-compatible server (vLLM, SGLang, llama.cpp's server, a gateway): "
+        "base_url and the served model's name."
+    )
+
+    def unavailable_reason(self) -> str | None:
+        return None  # the standard library is all it needs
+
+    def check(self, params: LoadParams, *, data_dir: Path) -> None:
+        if params.base_url is None:
+            raise RpcError(
+                ErrorKind.INVALID_PARAMS,
+                "The openai backend needs base_url, the server's OpenAI API root "
+                '(e.g. "base_url": "http://127.0.0.1:8000/v1").',
+                field="params.base_url",
+            )
+        EngineAddress.parse(params.base_url)
+        for field, value, default in (
+            ("device", params.device, "cpu"),
+            ("dtype", params.dtype, "auto"),
+            ("quantization", params.quantization, "auto"),
+            ("token_delay_ms", params.token_delay_ms, 0.0),
+            ("trust_remote_code", params.trust_remote_code, False),
+        ):
+            if value != default:
+                raise RpcError(
+                    ErrorKind.INVALID_PARAMS,
+                    f"{field} is decided by the server for the openai backend; leave it out of load.",
+                    field=f"params.{field}",
+                )
+        _api_key(params)
+
+    def load(self, params: LoadParams, *, data_dir: Path) -> OpenAIModel:
+        self.check(params, data_dir=data_dir)
+        started = time.perf_counter()
+        assert params.base_url is not None
+        engine = Engine(
+            EngineAddress.parse(params.base_url),
+            _api_key(params),
+            connect_timeout_s=CONNECT_TIMEOUT_S,
+            stall_timeout_s=params.stall_timeout_s,
+        )
+        listed = _served_models(engine)
+        served = _choose(listed, params.model, engine)
+        return OpenAIModel(params, engine, served, started)
+
+
+class ServedModel(msgspec.Struct):
+    """An entry of /v1/models (fields beyond the id are vLLM's and llama.cpp's)."""
+
+    id: str
+    max_model_len: int | None = None
+
+
+class ModelList(msgspec.Struct):
+    data: list[ServedModel]
+
+
+def _served_models(engine: Engine) -> list[ServedModel]:
+    answer = engine.get("/models")
+    try:
+        return msgspec.convert(answer, ModelList).data
+    except msgspec.ValidationError as exc:
+        raise RpcError(
+            ErrorKind.ENGINE_ERROR,
+            f"The server at {engine.address} answered /models with something that is not a model list ({exc}); "
+            "is base_url the OpenAI API root (it usually ends in /v1)?",
+            field="params.base_url",
+        ) from None
+
+
+def _choose(listed: list[ServedModel], wanted: str, engine: Engine) -> ServedModel:
+    names = ", ".join(repr(m.id) for m in listed) or "none"
+    if wanted == "default" and len(listed) == 1:  # the one model the server serves
+        return listed[0]
+    for served in listed:
+        if served.id == wanted:
+            return served
+    raise RpcError(
+        ErrorKind.MODEL_NOT_SERVED,
+        f"The server at {engine.address} does not serve {wanted!r}; it serves {names}. Load one of those "
+        "(the name the server was started with, e.g. vLLM's --served-model-name).",
+        field="params.model",
+    )
+
+
+def _api_key(params: LoadParams) -> str | None:
+    if params.api_key_env is None:
+        return None
+    key = os.environ.get(params.api_key_env)
+    if not key:
+        raise RpcError(
+            ErrorKind.INVALID_PARAMS,
+            f"api_key_env names the environment variable {params.api_key_env!r}, which is not set in the "
+            "worker's environment; set it before starting the worker, or leave api_key_env out.",
+            field="params.api_key_env",
+        )
+    return key
+
+
+class OpenAIModel:
+    """A model on the server; every call goes over HTTP."""
+
+    chunks_in_step = False
+    grammar_tokenizer = None  # the engine constrains output itself (response_format is passed on)
+    eos_token_ids: frozenset[int] = frozenset()  # the engine ends a stream at its end-of-sequence
+
+    def __init__(self, params: LoadParams, engine: Engine, served: ServedModel, started: float) -> None:
+        self._engine = engine
+        self._name = served.id
+        self._arrived = threading.Condition()  # notified whenever a stream receives something
+        self.info = ModelInfo(
+            model=served.id,
+            backend="openai",
+            path=str(engine.address),
+            vocab_size=0,  # not told by the API: the engine checks token ids
+            context_length=served.max_model_len or 0,
+            special_tokens=[],
+            has_chat_template=True,
+            device="engine",
+            dtype="engine",
+            quantization="engine",
+            # The engine renders tools with its template and reads calls with its parser.
+            tool_calls=ToolCallSupport(template_takes_tools=True, format=None, forced=True),
+            load_time_ms=(time.perf_counter() - started) * 1000.0,
+        )
+
+    # --- text, through the engine's tokenizer endpoints ----------------------------------
+
+    def tokenize(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        answer = self._tokenizer_call(
+            "/tokenize", {"model": self._name, "prompt": text, "add_special_tokens": add_special_tokens}
+        )
+        return list(answer["tokens"])
+
+    def detokenize(self, tokens: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        answer = self._tokenizer_call("/detokenize", {"model": self._name, "tokens": list(tokens)})
+        return str(answer["prompt"])
+
+    def render(
+        self, messages: Sequence[ChatMessage], *, tools: Sequence[Tool], add_generation_prompt: bool
+    ) -> tuple[str, list[int]]:
+        body: dict[str, Any] = {
+            "model": self._name,
+            "messages": [template_dict(m) for m in messages],
+            "add_generation_prompt": add_generation_prompt,
+        }
+        if tools:
+            body["tools"] = [msgspec.to_builtins(t) for t in tools]
+        tokens = list(self._tokenizer_call("/tokenize", body)["tokens"])
+        return self.detokenize(tokens), tokens
+
+    def _tokenizer_call(self, path: str, body: dict[str, Any]) -> Any:
+        try:
+            answer = self._engine.post(path, body, root=True)
+        except RpcError as exc:
+            if exc.kind is ErrorKind.INVALID_PARAMS and "404" in exc.message:
+                raise RpcError(
+                    ErrorKind.UNSUPPORTED,
+                    f"The server at {self._engine.address} has no {path} endpoint (vLLM has one); "
+                    f"tokenize, detokenize and render need it. Send text or messages to generate instead.",
+                ) from None
+            raise
+        if not isinstance(answer, dict) or ("tokens" not in answer and "prompt" not in answer):
+            raise RpcError(ErrorKind.ENGINE_ERROR, f"The server's {path} answered {str(answer)[:200]!r}, not tokens.")
+        return answer
+
+    # --- generation -------------------------------------------------------------------
+
+    def submit(self, params: GenerateParams) -> EngineDecoding:
+        path, body = self._request(params)
+        return EngineDecoding(self._engine, path, body, self._arrived, params)
+
+    def start(self, prompt: Sequence[int], params: GenerateParams | None) -> EngineDecoding:
+        raise AssertionError("an engine's requests are sent whole (submit)")
+
+    def _request(self, params: GenerateParams) -> tuple[str, dict[str, Any]]:
+        body: dict[str, Any] = {
+            "model": self._name,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "return_token_ids": True,  # vLLM: the prompt's and each delta's token ids
+        }
+        # Sampling fields past OpenAI's own only where set, for engines that refuse unknown ones.
+        for field, default in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("repetition_penalty", 1.0)):
+            if (value := getattr(params, field)) != default:
+                body[field] = value
+        if params.seed is not None:
+            body["seed"] = params.seed
+        if isinstance(params.response_format, JsonObjectFormat):
+            body["response_format"] = {"type": "json_object"}
+        elif isinstance(params.response_format, JsonSchemaFormat):
+            spec = params.response_format.json_schema
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": spec.name, "schema": spec.schema, "strict": True},
+            }
+        if params.messages is not None:
+            body["messages"] = [template_dict(m) for m in params.messages]
+            if params.tools:
+                body["tools"] = [msgspec.to_builtins(t) for t in params.tools]
+                choice = params.tool_choice
+                body["tool_choice"] = msgspec.to_builtins(choice) if isinstance(choice, NamedToolChoice) else choice
+                body["parallel_tool_calls"] = params.parallel_tool_calls
+            return "/chat/completions", body
+        body["prompt"] = list(params.tokens) if params.tokens is not None else params.prompt
+        if params.prompt is not None:
+            body["add_special_tokens"] = params.add_special_tokens
+        return "/completions", body
+
+    def step(self, decodings: Sequence[Any], chunk: Any = None) -> None:
+        """Wait until some stream has received something (or a moment has passed)."""
+        with self._arrived:
+            self._arrived.wait_for(lambda: any(d.has_next() or d.end is not None for d in decodings), STEP_WAIT_S)
+
+    def close(self) -> None:
+        pass  # each request's connection closes with it
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_tokens_details: dict[str, Any] | None = None
+
+
+class _FunctionDelta(msgspec.Struct):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class _ToolCallDelta(msgspec.Struct):
+    index: int = 0
+    id: str | None = None
+    function: _FunctionDelta | None = None
+
+
+class _Delta(msgspec.Struct):
+    content: str | None = None
+    tool_calls: list[_ToolCallDelta] | None = None
+
+
+class _Choice(msgspec.Struct):
+    index: int = 0
+    text: str | None = None  # /completions
+    delta: _Delta | None = None  # /chat/completions
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class _Event(msgspec.Struct):
+    """One event of a streamed completion (both endpoints' shapes; vLLM's extra fields)."""
+
+    choices: list[_Choice] = []
+    usage: _Usage | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class _CallParts(msgspec.Struct):
+    id: str | None = None
+    name: str = ""
+    arguments: str = ""
+
+
+class EngineDecoding:
+    """One streamed request: a thread reads its events into a queue of deltas that the model
+    lane takes (``Model.step`` waits for them). The worker never feeds a prompt: ``prompt_left``
+    is 0 from the start, and the engine's counts arrive with the stream."""
+
+    prompt_left = 0
+
+    def __init__(
+        self, engine: Engine, path: str, body: dict[str, Any], arrived: threading.Condition, params: GenerateParams
+    ) -> None:
+        self._arrived = arrived
+        self._deltas: collections.deque[EngineDelta] = collections.deque()
+        self._tools = {tool.function.name for tool in params.tools or []}
+        self._calls: dict[int, _CallParts] = {}
+        self.prompt_tokens = 0
+        self.cached_tokens: int | None = None  # None until the engine has reported it
+        self.exact = True  # token ids came with every delta so far
+        self.end: StreamEnd | None = None
+        self._stream: EventStream | None = None
+        self._closed = False
+        self._stream = engine.stream(path, body)  # raises a precise RpcError when the request is refused
+        threading.Thread(target=self._read, name="lm-worker-engine-stream", daemon=True).start()
+
+    def feed(self, max_tokens: int) -> None:
+        raise AssertionError("the engine computes the prompt: nothing to feed")
+
+    def has_next(self) -> bool:
+        return bool(self._deltas)
+
+    def next_delta(self) -> EngineDelta:
+        return self._deltas.popleft()
+
+    def next_token(self) -> int:
+        raise AssertionError("an engine's stream is taken by delta (next_delta)")
+
+    def close(self) -> None:
+        """Stop the request (a cancel, a stop string, the end): the engine sees the connection close."""
+        self._closed = True
+        if self._stream is not None:
+            self._stream.close()
+
+    def _read(self) -> None:
+        assert self._stream is not None
+        try:
+            for raw in self._stream:
+                self._take(msgspec.convert(raw, _Event))
+            if self.end is None and not self._closed:
+                self._ended(StreamEnd(reason="stop"))
+        except RpcError as exc:
+            self._ended(StreamEnd(reason="error", error=exc))
+        except msgspec.ValidationError as exc:
+            error = RpcError(ErrorKind.ENGINE_ERROR, f"The server sent an event of an unexpected shape ({exc}).")
+            self._ended(StreamEnd(reason="error", error=error))
+
+    def _take(self, event: _Event) -> None:
+        if event.prompt_token_ids is not None:
+            self.prompt_tokens = len(event.prompt_token_ids)
+        if event.usage is not None:
+            self.prompt_tokens = event.usage.prompt_tokens or self.prompt_tokens
+            details = event.usage.prompt_tokens_details or {}
+            if isinstance(details.get("cached_tokens"), int):
+                self.cached_tokens = details["cached_tokens"]
+        for choice in event.choices:
+            self._choice(choice)
+
+    def _choice(self, choice: _Choice) -> None:
+        text = choice.text if choice.text is not None else (choice.delta.content if choice.delta else None) or ""
+        tokens = choice.token_ids
+        calls = self._tool_call_parts(choice.delta.tool_calls if choice.delta else None)
+        if choice.finish_reason is not None:
+            calls += self._whole_calls()
+        if text or tokens or calls:
+            if tokens is None:
+                self.exact = False
+            self._push(EngineDelta(tokens=tokens or [], text=text, calls=calls, counted=len(tokens) if tokens is not None else 1))
+        if choice.finish_reason is not None:
+            stop = choice.stop_reason if isinstance(choice.stop_reason, str) else None
+            self._ended(StreamEnd(reason=choice.finish_reason, stop=stop))
+
+    def _tool_call_parts(self, parts: list[_ToolCallDelta] | None) -> list[ToolCall]:
+        """Accumulate streamed call fragments; a call is whole once a later one starts."""
+        done: list[ToolCall] = []
+        for part in parts or []:
+            if part.index not in self._calls:
+                done += self._whole_calls()
+                self._calls[part.index] = _CallParts()
+            call = self._calls[part.index]
+            call.id = call.id or part.id
+            if part.function is not None:
+                call.name += part.function.name or ""
+                call.arguments += part.function.arguments or ""
+        return done
+
+    def _whole_calls(self) -> list[ToolCall]:
+        calls = [_tool_call(parts, self._tools) for parts in self._calls.values()]
+        self._calls.clear()
+        return calls
+
+    def _push(self, delta: EngineDelta) -> None:
+        with self._arrived:
+            self._deltas.append(delta)
+            self._arrived.notify_all()
+
+    def _ended(self, end: StreamEnd) -> None:
+        with self._arrived:
+            if self.end is None:
+                self.end = end
+            self._arrived.notify_all()
+
+
+def _tool_call(parts: _CallParts, tools: set[str]) -> ToolCall:
+    """A call the engine's parser read, in the worker's shape (checked as the local reader checks)."""
+    call_id = "call_" + secrets.token_hex(12)
+    raw = parts.arguments
+    try:
+        arguments = json.loads(raw) if raw.strip() else {}
+    except json.JSONDecodeError:
+        return ToolCall(id=call_id, name=parts.name or None, arguments=None, raw=raw, error="the arguments are not JSON")
+    if not parts.name:
+        return ToolCall(id=call_id, name=None, arguments=None, raw=raw, error="the call names no function")
+    if parts.name not in tools:
+        error = f"there is no tool named {parts.name!r} among the tools given"
+        return ToolCall(id=call_id, name=parts.name, arguments=None, raw=raw, error=error)
+    if not isinstance(arguments, dict):
+        return ToolCall(id=call_id, name=parts.name, arguments=None, raw=raw, error="the call's arguments are not a JSON object")
+    return ToolCall(id=call_id, name=parts.name, arguments=arguments, raw=raw, error=None)
