@@ -25,6 +25,11 @@ _NAME = r"(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}"
 CacheRef = Annotated[str, Meta(pattern=rf"^(?!auto$){_NAME}$(?!\n)")]
 CacheRefOrAuto = Annotated[str, Meta(pattern=rf"^(auto|{_NAME})$(?!\n)")]  # generate's cache: a ref or "auto"
 TokenId = Annotated[int, Meta(ge=0)]
+# Stop strings are matched at every token on the model thread, beside the other requests of
+# the batch: bounded, so that no request's can slow its neighbours (PROTOCOL.md 8.4).
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 1024
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class Params(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -274,7 +279,7 @@ class GenerateParams(PromptParams):
     min_p: Annotated[float, Meta(ge=0, le=1)] = 0.0
     repetition_penalty: Annotated[float, Meta(gt=0)] = 1.0
     seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None  # a signed 64-bit integer
-    stop: list[Annotated[str, Meta(min_length=1)]] = []
+    stop: Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] = []
     stream: bool = True  # send generate/chunk notifications
     # Chunks sent past the last one acknowledged with generate/ack; later text waits, merged
     # into one chunk, until an ack makes room (None: no limit, no acks needed).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 from hypothesis import given, settings
@@ -88,6 +89,28 @@ def test_a_partial_stop_string_is_held_back_then_released_when_it_does_not_compl
     assert matcher.push("x") == ("ENx", None)
     assert matcher.push("EN") == ("", None)
     assert matcher.flush() == "EN"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="ab", max_size=40), st.lists(st.text(alphabet="ab", min_size=2, max_size=6), min_size=1, max_size=3))
+def test_the_text_held_back_is_exactly_the_end_that_could_still_begin_a_stop_string(text: str, stops: list[str]):
+    matcher, pushed, emitted = StopMatcher(stops), "", ""
+    for char in text:
+        piece, stop = matcher.push(char)
+        pushed, emitted = pushed + char, emitted + piece
+        if stop is not None:
+            return
+        could_begin = max((k for s in stops for k in range(1, len(s)) if pushed.endswith(s[:k])), default=0)
+        assert emitted + pushed[len(emitted) :] == pushed and len(pushed) - len(emitted) == could_begin
+
+
+def test_long_stop_strings_cost_the_same_per_character_late_in_a_long_text():
+    """Every stop string one character from complete at every character: the worst case."""
+    stops = ["a" * 1023 + chr(ord("A") + i) for i in range(32)]
+    matcher = StopMatcher(stops)
+    started = time.perf_counter()
+    emitted = "".join(matcher.push("a")[0] for _ in range(5000))
+    assert len(emitted) == 5000 - 1023 and time.perf_counter() - started < 2.0
 
 
 def test_no_stop_strings_pass_text_straight_through():

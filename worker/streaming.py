@@ -54,8 +54,17 @@ class IncrementalDetokenizer:
 
 
 class StopMatcher:
+    """Finds stop strings in text given piece by piece, holding back what could begin one.
+
+    Each stop string is followed with Knuth-Morris-Pratt: its state is the longest prefix
+    of it that the text so far ends with, updated in constant time per character (amortized)
+    whatever came before. So a token costs the same late in a long generation as early,
+    and the text held back is never longer than the longest stop string."""
+
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = list(stops)
+        self._fallbacks = [_fallback(stop) for stop in self._stops]
+        self._matched = [0] * len(self._stops)  # per stop string: the prefix of it the text ends with
         self._pending = ""
 
     def push(self, text: str) -> tuple[str, str | None]:
@@ -64,16 +73,43 @@ class StopMatcher:
         if not self._stops:
             return text, None
         pending = self._pending + text
-        # The stop string that completes first wins, as it would if text came one character at a time.
-        found = [(i + len(stop), i, stop) for stop in self._stops if (i := pending.find(stop)) >= 0]
-        if found:
-            _, index, stop = min(found)
-            self._pending = ""
-            return pending[:index], stop
-        hold = max((k for stop in self._stops for k in range(1, len(stop)) if pending.endswith(stop[:k])), default=0)
+        held = len(self._pending)
+        matched = self._matched
+        for offset, char in enumerate(text):
+            found = None
+            for i, stop in enumerate(self._stops):
+                k = matched[i]
+                while k and stop[k] != char:
+                    k = self._fallbacks[i][k - 1]
+                if stop[k] == char:
+                    k += 1
+                if k == len(stop):
+                    # The one that completes first wins; of those completing here, the one begun first.
+                    if found is None or len(stop) > len(found):
+                        found = stop
+                    k = self._fallbacks[i][k - 1]
+                matched[i] = k
+            if found is not None:
+                self._pending, self._matched = "", [0] * len(self._stops)
+                return pending[: held + offset + 1 - len(found)], found
+        hold = max(matched)
         self._pending = pending[len(pending) - hold :]
         return pending[: len(pending) - hold], None
 
     def flush(self) -> str:
         text, self._pending = self._pending, ""
+        self._matched = [0] * len(self._stops)
         return text
+
+
+def _fallback(stop: str) -> list[int]:
+    """KMP's failure function: for each prefix of ``stop``, the length of its longest proper
+    prefix that is also a suffix of it."""
+    table, k = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = table[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        table[i] = k
+    return table

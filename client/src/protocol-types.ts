@@ -192,7 +192,7 @@ export interface GenerateParams {
   repetition_penalty?: number;
   /** minimum -9223372036854776000; maximum 9223372036854776000. Default `null`. */
   seed?: number | null;
-  /** items: minLength 1. Default `[]`. */
+  /** maxItems 32; items: minLength 1; items: maxLength 1024. Default `[]`. */
   stop?: string[];
   /** Default `true`. */
   stream?: boolean;
