@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import msgspec
 import pytest
@@ -19,6 +20,21 @@ from protocol.envelope import (
 )
 from protocol.errors import CODES, ErrorKind, RpcError
 from protocol.methods import GenerateChunk
+from worker.host import REPO_ROOT
+
+
+def documented_codes() -> dict[str, int]:
+    """Each error kind's code as docs/PROTOCOL.md's error table states it."""
+    text = (REPO_ROOT / "docs" / "PROTOCOL.md").read_text()
+    return {kind: int(code) for code, kind in re.findall(r"^\| (-32\d{3}) \| `([a-z_]+)` \|", text, flags=re.M)}
+
+
+DOCUMENTED = documented_codes()
+
+
+def test_every_error_kind_has_the_code_the_reference_gives_it():
+    assert {kind.value: code for kind, code in CODES.items()} == DOCUMENTED
+    assert set(CODES) == set(ErrorKind)
 
 
 def request(**fields) -> bytes:
@@ -286,7 +302,7 @@ def test_encode_error_never_carries_result(msg_id, kind):
     assert set(decoded) == {"jsonrpc", "id", "error"}
     assert decoded["jsonrpc"] == "2.0"
     assert decoded["id"] == msg_id
-    assert decoded["error"]["code"] == CODES[kind]
+    assert decoded["error"]["code"] == DOCUMENTED[kind.value]
     assert decoded["error"]["message"] == f"{kind} happened; do something else."
     assert decoded["error"]["data"] == {"kind": kind.value}  # unset details are omitted
 
@@ -319,7 +335,7 @@ def test_rejected_errors_encode_to_valid_error_responses():
         message = rejected(body)
         decoded = msgspec.json.decode(encode_error(message.id, message.error))
         assert decoded["id"] == message.id
-        assert decoded["error"]["code"] == CODES[ErrorKind(decoded["error"]["data"]["kind"])]
+        assert decoded["error"]["code"] == DOCUMENTED[decoded["error"]["data"]["kind"]]
 
 
 # --- the error code table ---------------------------------------------------------
