@@ -372,7 +372,9 @@ class GenerateResult(Result):
 
 class PrefillParams(PromptParams, kw_only=True):
     add_generation_prompt: bool = True  # for messages
-    cache: CacheRef  # where to store the result
+    # Where to store the result; "auto": where auto generates look (the stored cache sharing the
+    # longest prefix is the start, and the result is stored under an auto ref).
+    cache: CacheRefOrAuto
     base: CacheRef | None = None  # start from this cache's tokens where they are a prefix
     trim_to_tokens: NonNegativeInt | None = None  # use at most this many of base's tokens
     prefix_offsets: list[NonNegativeInt] = []  # kept with the cache for the host, never read

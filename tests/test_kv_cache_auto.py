@@ -166,3 +166,21 @@ def test_auto_stores_nothing_for_a_generate_cancelled_before_its_first_chunk(tmp
                     [1, 2, 3], cancelled_before_start(0.0))
     assert use.stored is None and use.store_reason.startswith("nothing was computed")
     assert list(tmp_path.iterdir()) == []
+
+
+async def test_an_auto_prefill_is_where_auto_generates_start_and_builds_on_what_is_stored(cache_model, cache_dir):
+    system = [{"role": "system", "content": SYSTEM}]
+    conversation = system + [{"role": "user", "content": QUESTION}]
+    host = await worker(cache_model, cache_dir)
+    try:
+        plain = await chat(host, conversation)
+        warm = await host.call("prefill", {"messages": system, "add_generation_prompt": False, "cache": "auto"})
+        longer = await host.call("prefill", {"messages": conversation, "cache": "auto"}, timeout=300)
+        cached = await chat(host, conversation, cache="auto")
+    finally:
+        await host.close()
+    assert warm["cache"].startswith("auto-") and warm["cache_read_tokens"] == 0
+    assert longer["cache"].startswith("auto-") and longer["cache"] != warm["cache"]
+    assert 0 < longer["cache_read_tokens"] <= warm["token_count"], "the second prefill starts from the first"
+    assert cached["tokens"] == plain["tokens"]
+    assert cached["cache"]["ref"] == longer["cache"] and cached["cache"]["reused_tokens"] == longer["token_count"] - 1

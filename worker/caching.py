@@ -87,7 +87,10 @@ class Prefill:
             )
         self._identity = model.cache_identity()
         reused, cache = 0, None
-        if params.base is not None:
+        if params.cache == AUTO and params.base is None:  # from the stored cache an auto generate would use
+            start = _start_auto(store, model, tokens, len(tokens))
+            reused, cache = start.reused, start.cache
+        elif params.base is not None:
             base_tokens, cache = store.load(
                 params.base, self._identity, model.load_cache, field="params.base", room=_room(model, len(tokens))
             )
@@ -119,12 +122,13 @@ class Prefill:
             raise RpcError(ErrorKind.REQUEST_CANCELLED, "prefill was cancelled; nothing was stored.")
         params, tokens = self._params, self._tokens
         written = len(tokens) - self._reused
+        ref = _auto_ref(self._identity, tokens) if params.cache == AUTO else params.cache
         size = self._store.save(
-            params.cache, self._identity, tokens, self.decoding.cache,
+            ref, self._identity, tokens, self.decoding.cache,
             offsets=params.prefix_offsets, hashes=params.prefix_hashes, written_tokens=written,
         )
         return PrefillResult(
-            cache=params.cache, token_count=len(tokens), cache_read_tokens=self._reused, cache_write_tokens=written,
+            cache=ref, token_count=len(tokens), cache_read_tokens=self._reused, cache_write_tokens=written,
             bytes=size, time_ms=(time.perf_counter() - self._started) * 1000.0,
         )
 

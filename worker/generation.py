@@ -15,13 +15,15 @@ from protocol.methods import (
     GenerateChunk,
     GenerateParams,
     GenerateResult,
+    PrefillParams,
+    PrefillResult,
     StopReason,
     Timings,
     Tool,
     ToolCall,
     Usage,
 )
-from worker.backends.base import EngineDelta, Model, StreamedDecoding, StreamEnd
+from worker.backends.base import EngineDelta, EngineModel, Model, StreamedDecoding, StreamEnd
 from worker.constraints import OutputConstraint
 from worker.streaming import IncrementalDetokenizer, StopMatcher
 from worker.tool_calls import call_reader, for_template, request_tools
@@ -319,6 +321,71 @@ class Generation:
         )
         self._after(result)
         return result
+
+
+class EnginePrefill:
+    """A prefill on an engine: the prompt sent as a request for one token, so that the engine's
+    prefix cache holds it for the requests after; what the engine read from that cache and
+    computed is the answer. Only ``cache: "auto"`` names where the result goes: the engine's
+    own memory."""
+
+    def __init__(self, generation: Generation, started: float) -> None:
+        self._generation = generation
+        self._started = started
+        self.model = generation.model
+        self.decoding = generation.decoding
+
+    @classmethod
+    def start(
+        cls, model: EngineModel, params: PrefillParams, *, request_id: int | str, is_cancelled: Callable[[], bool]
+    ) -> EnginePrefill:
+        started = time.perf_counter()
+        backend = model.info.backend  # type: ignore[attr-defined]
+        if params.cache != "auto" or params.base is not None or params.trim_to_tokens is not None:
+            field = "params.cache" if params.cache != "auto" else "params.base" if params.base else "params.trim_to_tokens"
+            raise RpcError(
+                ErrorKind.UNSUPPORTED,
+                f"The {backend} backend's server keeps the KV cache in its own memory, so a prefill cannot store a "
+                'named or memory:// cache or start from one; send cache: "auto" (and no base) to compute the '
+                "prompt into the server's prefix cache.",
+                field=field,
+            )
+        source = PromptSource(params.prompt, params.tokens, params.messages)
+        check_source(source)
+        one = GenerateParams(
+            prompt=params.prompt, tokens=params.tokens, messages=params.messages, tools=params.tools,
+            add_special_tokens=params.add_special_tokens, max_tokens=1, stream=False,
+        )
+        decoding = model.submit(one, add_generation_prompt=params.add_generation_prompt)
+        generation = Generation(
+            model, one, [], request_id=request_id, is_cancelled=is_cancelled, send_chunk=lambda chunk: None,
+            queued_ms=0.0, started=started, streamed=decoding,  # type: ignore[arg-type]
+        )
+        return cls(generation, started)
+
+    def feed(self, max_tokens: int) -> None:
+        raise AssertionError("the engine computes the prompt")
+
+    def fed(self) -> None:
+        raise AssertionError("the engine computes the prompt")
+
+    def advance(self) -> None:
+        self._generation.advance()
+
+    @property
+    def done(self) -> bool:
+        return self._generation.done
+
+    def finish(self) -> PrefillResult:
+        result = self._generation.finish()
+        if result.finish_reason == "cancelled":
+            raise RpcError(ErrorKind.REQUEST_CANCELLED, "prefill was cancelled; the server may hold part of it.")
+        usage = result.usage
+        return PrefillResult(
+            cache="auto", token_count=usage.prompt_tokens, cache_read_tokens=usage.cache_read_tokens,
+            cache_write_tokens=usage.prompt_tokens - usage.cache_read_tokens, bytes=0,
+            time_ms=(time.perf_counter() - self._started) * 1000.0,
+        )
 
 
 def cancelled_before_start(queued_ms: float) -> GenerateResult:

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from worker.kvcache.store import CacheStore
 from worker.constraints import output_constraint
 from worker.generation import (
+    EnginePrefill,
     Generation,
     check_draft,
     check_engine_request,
@@ -204,15 +205,18 @@ class Handlers:
             constraint=constraint,
         )
 
-    def prefill(self, ctx: Context, params: PrefillParams) -> Prefill:
-        """The prefill, ready for the scheduler to feed."""
+    def prefill(self, ctx: Context, params: PrefillParams) -> Prefill | EnginePrefill:
+        """The prefill, ready for the scheduler to feed (on an engine: its request, sent)."""
         from worker.caching import Prefill
 
         def send_progress(progress: PrefillProgress) -> None:
             ctx.send_notification("prefill/progress", progress)
 
+        model = self._loaded()
+        if isinstance(model, EngineModel):
+            return EnginePrefill.start(model, params, request_id=ctx.id, is_cancelled=ctx.cancelled.is_set)
         return Prefill(
-            self._store(), self._loaded(), params,
+            self._store(), model, params,
             request_id=ctx.id, is_cancelled=ctx.cancelled.is_set, send_progress=send_progress,
         )
 

@@ -81,10 +81,10 @@ class Admission:
     """Model-lane requests in arrival order, and which of them may start now.
 
     - Requests start in the order they arrive; one that must wait holds back those behind it.
-    - A batched request (worker/policy.py: ``generate``, ``prefill``) starts while fewer than ``max_batch`` run, unless it
-      reads or writes a cache that a running prefill is still writing (it would not see it).
-      A generate with ``cache: "auto"`` may use any stored cache, so it waits for every
-      running prefill; it does not wait for other auto generates (each is a separate
+    - A batched request (worker/policy.py: ``generate``, ``prefill``) starts while fewer than
+      ``max_batch`` run, unless it reads or writes a cache that a running prefill is still
+      writing (it would not see it). A request with ``cache: "auto"`` may start from any stored
+      cache, so it waits for every running prefill; it does not wait for auto generates (each is a separate
       conversation and uses what is stored when it starts).
     - Any other request starts once nothing runs, and nothing starts while it runs.
     - A cancelled request is let out at once, wherever it is in the queue (it answers without
@@ -133,9 +133,8 @@ def _waits_for(job: Queued, running: Queued) -> bool:
     if running.method != "prefill":  # a generate writes only auto caches, which nothing waits for
         return False
     written = running.params.cache
-    if job.method == "prefill":
-        return written in (job.params.cache, job.params.base)
-    return job.params.cache in (written, "auto")
+    read = (job.params.cache, job.params.base) if job.method == "prefill" else (job.params.cache,)
+    return written in read or job.params.cache == "auto"  # auto may start from any stored cache
 
 
 class ModelLane(Protocol):

@@ -331,7 +331,7 @@ export interface PrefillParams {
   add_special_tokens?: boolean;
   /** Default `true`. */
   add_generation_prompt?: boolean;
-  /** pattern `^(?!auto$)(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$(?!\n)`. */
+  /** pattern `^(auto|(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127})$(?!\n)`. */
   cache: string;
   /** pattern `^(?!auto$)(memory://)?[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$(?!\n)`. Default `null`. */
   base?: string | null;

@@ -203,8 +203,9 @@ class EngineModel(Protocol):
     its prompt as given, and the engine resolves the prompt, samples, and keeps its own cache.
     ``Model.step`` waits until some of the decodings has received something."""
 
-    def submit(self, params: GenerateParams) -> StreamedDecoding:
-        """Send the request now; raises ``RpcError`` when the engine refuses it."""
+    def submit(self, params: GenerateParams, *, add_generation_prompt: bool = True) -> StreamedDecoding:
+        """Send the request now; raises ``RpcError`` when the engine refuses it.
+        ``add_generation_prompt`` False: ``messages`` end without the assistant's turn begun (a prefill)."""
         ...
 
 

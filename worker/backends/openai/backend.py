@@ -227,8 +227,10 @@ class OpenAIModel:
 
     # --- generation -------------------------------------------------------------------
 
-    def submit(self, params: GenerateParams) -> EngineDecoding:
+    def submit(self, params: GenerateParams, *, add_generation_prompt: bool = True) -> EngineDecoding:
         path, body = self._request(params)
+        if not add_generation_prompt and params.messages is not None:
+            body["add_generation_prompt"] = False  # vLLM's chat endpoint
         return EngineDecoding(self._engine, path, body, self._arrived, params)
 
     def start(self, prompt: Sequence[int], params: GenerateParams | None) -> EngineDecoding:
