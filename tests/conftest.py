@@ -1,4 +1,6 @@
-"""Shared fixtures: workers spawned as real subprocesses over real pipes."""
+"""Shared fixtures: workers over real pipes, in this process (the default: the same pieces on
+threads, no process start-up) or as real subprocesses where only a process shows what a test
+checks (stdout guarding, signals, exit codes, logs on stderr, the environment)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ from worker.host import Host
 SpawnWorker = Callable[..., Awaitable[Host]]
 
 # Torch threads that spin on cores other work is using make a forward pass tens of
-# times slower; tests run torch on one thread, in this process and in the workers.
+# times slower; tests run torch on one thread, in this process (set before torch is
+# imported: workers in this process run on it) and in the workers it spawns.
 TORCH_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+os.environ.update(TORCH_ENV)
 
 
 @pytest.fixture(scope="session")
@@ -78,11 +82,16 @@ def tiny_as_loaded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.fixture
 async def spawn_worker() -> AsyncIterator[SpawnWorker]:
-    """Spawn ``python -m worker`` with the given arguments; every worker is reaped after the test."""
+    """A worker with the given arguments, in this process; a real ``python -m worker`` process
+    with ``process=True`` (or given ``python``, or an ``env`` beyond TORCH_ENV). Every worker is
+    ended after the test."""
     hosts: list[Host] = []
 
-    async def spawn(*args: str, **kwargs) -> Host:
-        host = await Host.spawn(*args, **kwargs)
+    async def spawn(*args: str, process: bool = False, **kwargs) -> Host:
+        if process or kwargs.get("python") or kwargs.get("env", TORCH_ENV) != TORCH_ENV:
+            host = await Host.spawn(*args, **kwargs)
+        else:
+            host = await Host.start_in_process(*args, **{k: v for k, v in kwargs.items() if k == "framing"})
         hosts.append(host)
         return host
 
@@ -114,56 +123,3 @@ def install_plugin(directory: Path, module: str, source: str, backends: dict[str
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(directory), os.environ.get("PYTHONPATH")]))}
 
 
-VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
-
-
-@pytest.fixture(scope="session")
-def vllm_url(tmp_path_factory: pytest.TempPathFactory):
-    """A real vLLM server serving the default SmolLM2 as "smollm2" (the openai backend's engine),
-    started once per session from .venv-vllm; LM_WORKER_TEST_VLLM_URL names one already running."""
-    if explicit := os.environ.get("LM_WORKER_TEST_VLLM_URL"):
-        yield explicit
-        return
-    if not VLLM_PYTHON.exists():
-        pytest.skip("vLLM is not installed in .venv-vllm (make vllm); the openai backend's engine tests need it")
-    import socket
-    import subprocess
-    import time
-    import urllib.request
-
-    from worker.backends.transformers.shipped import converted_path
-
-    model = converted_path(tmp_path_factory.mktemp("vllm-data"))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log = tmp_path_factory.mktemp("vllm-log") / "server.log"
-    with open(log, "wb") as out:
-        server = subprocess.Popen(
-            [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-             "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
-             "--enable-prefix-caching", "--enable-prompt-tokens-details"],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
-        )
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                urllib.request.urlopen(url + "/models", timeout=2).read()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"vLLM did not start; its log: {log.read_text()[-3000:]}") from None
-                time.sleep(1)
-        yield url
-    finally:
-        import signal
-
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()

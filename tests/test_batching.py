@@ -142,7 +142,7 @@ async def test_streams_in_a_batch_equal_each_request_alone_with_caches_in_it(cac
     """On every family of cache layers (the Llama family steps them in one pass, the others in
     turn). In the batch: a greedy request, one from a named cache, a seeded sampled one with
     auto, and one that joins while the others decode."""
-    host = await Host.spawn("--cache-dir", str(tmp_path / "caches"), env=TORCH_ENV)
+    host = await Host.start_in_process("--cache-dir", str(tmp_path / "caches"))
     try:
         await host.call("load", {"model": cache_model}, timeout=300)
         system = "the cat sat on the mat and the dog runs quickly to the river. " * 3

@@ -36,8 +36,10 @@ def prompt_tokens(rng: random.Random, count: int) -> list[int]:
     return [rng.randrange(4, 512) for _ in range(count)]
 
 
-async def loaded_worker(spawn_worker: SpawnWorker, tiny_model_dir: Path, cache_dir: Path, *args: str) -> Host:
-    host = await spawn_worker("--cache-dir", str(cache_dir), *args, env=TORCH_ENV)
+async def loaded_worker(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, cache_dir: Path, *args: str, process: bool = False
+) -> Host:
+    host = await spawn_worker("--cache-dir", str(cache_dir), *args, env=TORCH_ENV, process=process)
     await host.call("load", {"model": str(tiny_model_dir)}, timeout=180)
     return host
 
@@ -87,7 +89,7 @@ async def test_a_worker_killed_while_writing_caches_leaves_only_whole_caches_and
     tokens = prompt_tokens(rng, KILL_PROMPT)
     # The workers load at once (loading dominates the cost); each is then killed in its own round.
     writers = await asyncio.gather(
-        *(loaded_worker(spawn_worker, tiny_model_dir, cache_dir) for _ in range(KILL_ROUNDS))
+        *(loaded_worker(spawn_worker, tiny_model_dir, cache_dir, process=True) for _ in range(KILL_ROUNDS))
     )
     await writers[0].call("prefill", {"tokens": tokens[:16], "cache": "seed"})
     identity = container.read_header(cache_dir / "seed.kvc").identity
@@ -319,16 +321,18 @@ async def test_a_worker_started_beside_stored_caches_fills_memory_for_them_at_lo
     spawn_worker, tiny_model_dir, tmp_path
 ):
     cache_dir = tmp_path / "caches"
-    writer = await loaded_worker(spawn_worker, tiny_model_dir, cache_dir)
+    writer = await loaded_worker(spawn_worker, tiny_model_dir, cache_dir, process=True)  # its log is read
     tokens = prompt_tokens(random.Random(SEED), SHARED_PROMPT)
     await writer.call("prefill", {"tokens": tokens, "cache": "kept"})
     tensor_bytes = sum(entry.nbytes for entry in container.read_header(cache_dir / "kept.kvc").tensors)
     assert "reserved" not in writer.stderr_tail(100_000)  # no stored cache when it loaded
-    restarted = await loaded_worker(spawn_worker, tiny_model_dir, cache_dir)
+    restarted = await loaded_worker(spawn_worker, tiny_model_dir, cache_dir, process=True)
     assert f"reserved {tensor_bytes * 5 // 4} bytes for restoring stored caches" in restarted.stderr_tail(100_000)
     answer = await restarted.call("generate", {"tokens": tokens + tokens[:3], "max_tokens": 4, "cache": "kept"})
     assert answer["usage"]["cache_read_tokens"] == len(tokens)
-    declined = await loaded_worker(spawn_worker, tiny_model_dir, cache_dir, "--restore-reserve-max-bytes", "0")
+    declined = await loaded_worker(
+        spawn_worker, tiny_model_dir, cache_dir, "--restore-reserve-max-bytes", "0", process=True
+    )
     assert "reserved" not in declined.stderr_tail(100_000)
     assert await declined.call("generate", {"tokens": tokens + tokens[:3], "max_tokens": 4, "cache": "kept"}) == {
         **answer, "timings": ANY

@@ -359,7 +359,7 @@ async def test_eviction_passes_over_entries_that_are_not_cache_files(tiny_model_
     cache_dir.mkdir()
     (cache_dir / "loop.kvc").symlink_to(cache_dir / "loop.kvc")
     os.mkfifo(cache_dir / "fifo.kvc")
-    host = await Host.spawn("--cache-dir", str(cache_dir), "--cache-max-bytes", "1", env=TORCH_ENV)
+    host = await Host.start_in_process("--cache-dir", str(cache_dir), "--cache-max-bytes", "1")
     try:
         await host.call("load", {"model": str(tiny_model_dir)}, timeout=300)
         for ref in ("one", "two"):

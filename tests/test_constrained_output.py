@@ -54,7 +54,7 @@ async def test_json_object_output_is_an_object(spawn_worker: SpawnWorker, tiny_m
 
 async def test_constrained_output_from_a_cache_equals_it_without_one(cache_model: str, tmp_path: Path):
     """On every family of cache layers: from a named cache, and from auto's stored turn."""
-    host = await Host.spawn("--cache-dir", str(tmp_path / "caches"), env=TORCH_ENV)
+    host = await Host.start_in_process("--cache-dir", str(tmp_path / "caches"))
     try:
         await host.call("load", {"model": cache_model}, timeout=600)
         prompt = "the cat sat on the mat and the dog runs quickly to the river. " * 3 + "As JSON:"

@@ -369,7 +369,7 @@ async def test_end_of_input_mid_stream_cancels_and_exits_promptly(spawn_worker: 
 
 
 async def test_sigterm_mid_stream_answers_the_generation_and_exits_promptly(spawn_worker: SpawnWorker):
-    host = await spawn_worker()
+    host = await spawn_worker(process=True)
     msg_id, done = await _slow_stream(host, prompt_len=5000)
     started = time.monotonic()
     host.process.send_signal(signal.SIGTERM)

@@ -263,7 +263,7 @@ def test_a_copied_cache_holds_no_spare_room(tiny_model_dir: Path, tmp_path: Path
 async def test_load_reports_float32_with_int8_weights_by_default_on_the_cpu_and_others_on_request(
     tiny_model_dir: Path, tmp_path: Path
 ):
-    host = await Host.spawn("--data-dir", str(tmp_path), env=TORCH_ENV)
+    host = await Host.start_in_process("--data-dir", str(tmp_path))
     model = str(tiny_model_dir)
     try:
         info = await host.call("load", {"model": model}, timeout=120)
@@ -284,7 +284,7 @@ async def test_load_reports_float32_with_int8_weights_by_default_on_the_cpu_and_
 
 
 async def test_a_cache_made_with_other_weights_is_refused_naming_the_quantization(tiny_model_dir: Path, tmp_path: Path):
-    host = await Host.spawn("--data-dir", str(tmp_path), env=TORCH_ENV)
+    host = await Host.start_in_process("--data-dir", str(tmp_path))
     try:
         await host.call("load", {"model": str(tiny_model_dir), "quantization": "none"}, timeout=120)
         await host.call("prefill", {"prompt": "the cat sat on the mat", "cache": "dense"}, timeout=60)
@@ -307,7 +307,7 @@ async def test_smollm2_greedy_equals_in_process_generate_on_the_same_weights(tmp
 
     torch.set_num_threads(2)
     reference = TransformersBackend().load(LoadParams(model="default", **load_params), data_dir=default_data_dir())
-    host = await Host.spawn(env=TORCH_ENV)
+    host = await Host.start_in_process()
     try:
         await host.call("load", {"model": "default", **load_params}, timeout=300)
         for text in ("def fibonacci(n):\n", "Once upon a time, in a land far away,", "1, 2, 3, 4, 5,"):

@@ -15,7 +15,7 @@ QUESTION = "hello world, the sun and the moon"
 
 async def worker(model: Path | str, cache_dir: Path) -> Host:
     """A worker on ``model`` (a directory, or "default") using ``cache_dir``."""
-    host = await Host.spawn("--cache-dir", str(cache_dir), env=TORCH_ENV)
+    host = await Host.start_in_process("--cache-dir", str(cache_dir))
     await host.call("load", {"model": str(model)}, timeout=300)
     return host
 
@@ -196,6 +196,7 @@ async def test_a_model_changed_in_its_configuration_or_anywhere_in_its_weights_r
 
 async def test_the_weights_digest_is_computed_once_and_remembered_across_workers(tiny_model_dir, cache_dir, tmp_path):
     data_dir = tmp_path / "data"
+    # Processes: their logs say whether the weights were hashed.
     first = await Host.spawn("--cache-dir", str(cache_dir), "--data-dir", str(data_dir), env=TORCH_ENV)
     try:
         await first.call("load", {"model": str(tiny_model_dir)}, timeout=120)
@@ -322,7 +323,7 @@ async def test_prefill_refuses_an_empty_prompt_a_trim_without_base_and_names_a_b
             ({"tokens": [], "cache": "x"}, "invalid_params", "params.prompt"),
             ({"prompt": SYSTEM, "cache": "x", "trim_to_tokens": 3}, "invalid_params", "params.base"),
             ({"prompt": SYSTEM, "cache": "x", "base": "missing"}, "cache_not_found", "params.base"),
-            ({"prompt": SYSTEM, "cache": "auto"}, "invalid_params", "params.cache"),
+            ({"prompt": SYSTEM, "cache": "x", "base": "auto"}, "invalid_params", "params.base"),
         ]
         for params, kind, field in cases:
             with pytest.raises(WorkerError) as caught:
@@ -349,7 +350,7 @@ async def prefilled_bytes(model, cache_dir: Path, ref: str) -> int:
 async def test_the_cache_directory_is_bounded_by_evicting_the_least_recently_used(tiny_model_dir, cache_dir):
     size = await prefilled_bytes(tiny_model_dir, cache_dir, "probe")
     (cache_dir / "probe.kvc").unlink()
-    host = await Host.spawn("--cache-dir", str(cache_dir), "--cache-max-bytes", str(2 * size + size // 2), env=TORCH_ENV)
+    host = await Host.start_in_process("--cache-dir", str(cache_dir), "--cache-max-bytes", str(2 * size + size // 2))
     try:
         await host.call("load", {"model": str(tiny_model_dir)}, timeout=120)
         for name in ("one", "two"):
@@ -365,7 +366,7 @@ async def test_the_cache_directory_is_bounded_by_evicting_the_least_recently_use
 
 async def test_memory_caches_keep_within_their_budget_dropping_the_least_recently_used(cache_model, cache_dir):
     size = await prefilled_bytes(cache_model, cache_dir, "memory://probe")
-    host = await Host.spawn("--cache-dir", str(cache_dir), "--memory-cache-max-bytes", str(2 * size), env=TORCH_ENV)
+    host = await Host.start_in_process("--cache-dir", str(cache_dir), "--memory-cache-max-bytes", str(2 * size))
     try:
         await host.call("load", {"model": str(cache_model)}, timeout=300)
         for ref in ("memory://a", "memory://b"):

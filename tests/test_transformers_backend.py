@@ -36,7 +36,7 @@ GREEDY_TOKENS = 24
 
 
 async def spawn(tmp: Path) -> Host:
-    return await Host.spawn("--data-dir", str(tmp), env=TORCH_ENV)
+    return await Host.start_in_process("--data-dir", str(tmp))
 
 
 async def reap(host: Host) -> None:
@@ -537,7 +537,7 @@ async def test_stream_never_emits_a_replacement_character_that_a_later_token_com
 @pytest.mark.slow
 async def test_default_model_answers_paris_and_streams_multibyte_text_intact(tmp_path: Path):
     # The default data directory, where the converted copy is kept between runs.
-    host = await Host.spawn(env=TORCH_ENV)
+    host = await Host.start_in_process()
     try:
         info = await host.call("load", {"model": "default"}, timeout=300)
         assert info["has_chat_template"] and info["vocab_size"] >= 49152
@@ -563,7 +563,7 @@ async def test_default_model_answers_paris_and_streams_multibyte_text_intact(tmp
 async def test_an_unwritable_data_directory_makes_the_default_model_a_precise_load_error(tmp_path: Path):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the data directory should be")
-    host = await Host.spawn("--data-dir", str(blocker / "data"), env=TORCH_ENV)
+    host = await Host.start_in_process("--data-dir", str(blocker / "data"))
     try:
         with pytest.raises(WorkerError) as caught:
             await host.call("load", {}, timeout=120)

@@ -150,61 +150,76 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr, level=args.log_level.upper(), format="lm-worker %(levelname)s %(name)s: %(message)s"
     )
     out_fd = claim_stdout()
-    recorder = None
-    if args.record:
-        replay_args = _without_record(argv if argv is not None else sys.argv[1:])
-        recorder = Recorder(args.record, worker_version=__version__, args=replay_args)
-    writer = Writer(
-        out_fd,
-        capacity=args.outbox,
-        framing=None if args.framing == "auto" else Framing(args.framing),
-        recorder=recorder,
-        on_broken=lambda: server.end("stdout closed: the host stopped reading", cancel=True),
-    )
-    handlers = Handlers(
-        Registry(),
-        WireInfo(
-            methods=Server.method_names(),
-            notifications=Server.notification_names(),
-            framing=lambda: writer.framing,
-            max_message_bytes=args.max_message_bytes,
-            outbox_messages=args.outbox,
-            max_batch=args.max_batch,
-        ),
-        data_dir=args.data_dir or default_data_dir(),
-        cache_dir=args.cache_dir,
-        cache_max_bytes=args.cache_max_bytes,
-        memory_cache_max_bytes=args.memory_cache_max_bytes,
-        restore_reserve_max_bytes=args.restore_reserve_max_bytes,
-    )
-    server = Server(
-        writer, handlers, max_message_bytes=args.max_message_bytes, recorder=recorder, drain_on_eof=args.drain,
-        max_batch=args.max_batch,
-    )
-    _on_signals(lambda: server.end("signal", cancel=True))
-    threading.Thread(target=_read_stdin, args=(server,), name="lm-worker-reader", daemon=True).start()
+    replay_args = _without_record(argv if argv is not None else sys.argv[1:])
+    worker = Worker(args, out_fd, replay_args=replay_args)
+    _on_signals(lambda: worker.server.end("signal", cancel=True))
+    threading.Thread(target=read_input, args=(worker.server, 0), name="lm-worker-reader", daemon=True).start()
     if sys.stdin.isatty():
         print(f"lm-worker {__version__} ready: type one JSON-RPC request per line, e.g. {EXAMPLE}", file=sys.stderr)
-    while not server.ended.wait(0.5):
+    while not worker.server.ended.wait(0.5):
         pass  # a timed wait keeps signal handlers running promptly
-    stopped = server.wait_stopped(STOP_GRACE_S)
-    if stopped:
-        handlers.close()
-    writer.close(STOP_GRACE_S)
-    if recorder is not None:
-        recorder.close()
-    if not stopped:
+    if not worker.stop():
         # The model thread is inside native code; interpreter shutdown around it would abort.
         logging.getLogger(__name__).warning("a model request did not stop within %.0f s; exiting", STOP_GRACE_S)
         sys.stderr.flush()
-        os._exit(server.exit_code)
-    return server.exit_code
+        os._exit(worker.server.exit_code)
+    return worker.server.exit_code
 
 
-def _read_stdin(server: Server) -> None:
+class Worker:
+    """The pieces of a worker wired together (writer, handlers, server), writing its protocol
+    stream to ``out_fd``; whoever makes it feeds the server and, at the end, calls ``stop``.
+    ``python -m worker`` makes one over stdio; tests make one in their own process
+    (worker.host.Host.start_in_process)."""
+
+    def __init__(self, args: argparse.Namespace, out_fd: int, *, replay_args: list[str]) -> None:
+        self.recorder = Recorder(args.record, worker_version=__version__, args=replay_args) if args.record else None
+        self.writer = Writer(
+            out_fd,
+            capacity=args.outbox,
+            framing=None if args.framing == "auto" else Framing(args.framing),
+            recorder=self.recorder,
+            on_broken=lambda: self.server.end("stdout closed: the host stopped reading", cancel=True),
+        )
+        writer = self.writer
+        self.handlers = Handlers(
+            Registry(),
+            WireInfo(
+                methods=Server.method_names(),
+                notifications=Server.notification_names(),
+                framing=lambda: writer.framing,
+                max_message_bytes=args.max_message_bytes,
+                outbox_messages=args.outbox,
+                max_batch=args.max_batch,
+            ),
+            data_dir=args.data_dir or default_data_dir(),
+            cache_dir=args.cache_dir,
+            cache_max_bytes=args.cache_max_bytes,
+            memory_cache_max_bytes=args.memory_cache_max_bytes,
+            restore_reserve_max_bytes=args.restore_reserve_max_bytes,
+        )
+        self.server = Server(
+            self.writer, self.handlers, max_message_bytes=args.max_message_bytes, recorder=self.recorder,
+            drain_on_eof=args.drain, max_batch=args.max_batch,
+        )
+
+    def stop(self) -> bool:
+        """After the server has ended: let the lanes finish, write what is queued, let go of
+        the model. False if a model request did not stop in time (the model is kept then)."""
+        stopped = self.server.wait_stopped(STOP_GRACE_S)
+        if stopped:
+            self.handlers.close()
+        self.writer.close(STOP_GRACE_S)
+        if self.recorder is not None:
+            self.recorder.close()
+        return stopped
+
+
+def read_input(server: Server, fd: int) -> None:
+    """Feed the server what arrives on ``fd`` until the end of input (or until it stops reading)."""
     while True:
         try:
-            data = os.read(0, 1 << 16)
+            data = os.read(fd, 1 << 16)
         except OSError:
             data = b""
         if not data:

@@ -1,7 +1,9 @@
 """A small asyncio host for lm-worker: spawns ``python -m worker`` and talks to it.
 
 The demo, the transcript replayer, the benchmarks and the end-to-end tests all
-drive the worker through this one class, over real pipes.
+drive the worker through this one class, over real pipes. A worker can also run in
+the host's own process (``start_in_process``: the same pieces on threads, over real
+pipes), which the tests use where a separate process shows nothing more.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import asyncio
 import itertools
 import os
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -69,6 +72,13 @@ class Host:
             env={**os.environ, **(env or {})},
         )
         return cls(process, framing)
+
+    @classmethod
+    async def start_in_process(cls, *args: str, framing: Framing = Framing.NDJSON) -> Host:
+        """A worker with these command-line arguments in this process: its lanes on threads of
+        this process, its protocol stream over real pipes. No stdout guard, signals or logs of
+        its own (they go to this process's logging)."""
+        return cls(await InProcessWorker.start(list(args)), framing)  # type: ignore[arg-type]
 
     # --- sending ----------------------------------------------------------------
 
@@ -221,3 +231,62 @@ class Host:
     async def __aexit__(self, *exc: object) -> None:
         if self.process.returncode is None:
             await self.close()
+
+
+class InProcessWorker:
+    """What Host uses of a worker process (stdin, stdout, stderr, pid, returncode, wait, kill),
+    for a worker running on threads of this process: ``worker.cli.Worker`` fed from one pipe and
+    writing to another, as ``python -m worker`` is fed from stdin and writes to stdout."""
+
+    def __init__(self, worker: Any, stdin: asyncio.StreamWriter, stdout: asyncio.StreamReader, done: asyncio.Future):
+        self.pid = os.getpid()
+        self.stdin = stdin
+        self.stdout = stdout
+        self.stderr = asyncio.StreamReader()
+        self.stderr.feed_eof()
+        self._worker = worker
+        self._done = done
+
+    @classmethod
+    async def start(cls, args: list[str]) -> InProcessWorker:
+        from worker.cli import Worker, build_parser, read_input
+
+        worker = Worker(build_parser().parse_args(args), (out := os.pipe())[1], replay_args=args)
+        in_read, in_write = os.pipe()
+        loop = asyncio.get_running_loop()
+        stdout = asyncio.StreamReader(limit=1 << 26)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdout), os.fdopen(out[0], "rb", 0))
+        unused = asyncio.StreamReader()
+        protocol = asyncio.StreamReaderProtocol(unused)  # a write pipe's protocol with flow control and close
+        transport, _ = await loop.connect_write_pipe(lambda: protocol, os.fdopen(in_write, "wb", 0))
+        stdin = asyncio.StreamWriter(transport, protocol, unused, loop)
+        done: asyncio.Future[int] = loop.create_future()
+        self = cls(worker, stdin, stdout, done)
+
+        def run() -> None:
+            reader = threading.Thread(target=read_input, args=(worker.server, in_read), name="lm-worker-reader")
+            reader.daemon = True
+            reader.start()
+            worker.server.ended.wait()
+            worker.stop()
+            os.close(out[1])  # the host reads the end of the stream, as when a process exits
+            reader.join(5)
+            code = worker.server.exit_code
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(code))
+
+        threading.Thread(target=run, name="lm-worker-main", daemon=True).start()
+        return self
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code once the worker has ended (as a process's, None while it runs)."""
+        return self._done.result() if self._done.done() else None
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._done)
+
+    def kill(self) -> None:
+        """Not a kill: the worker is told to stop at once, cancelling what runs, and its input
+        is closed (its reader sees the end)."""
+        self._worker.server.end("killed by the host", cancel=True)
+        self.stdin.close()
