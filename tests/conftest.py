@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import engine_server
 from worker.host import Host
 
 SpawnWorker = Callable[..., Awaitable[Host]]
@@ -123,3 +124,24 @@ def install_plugin(directory: Path, module: str, source: str, backends: dict[str
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(directory), os.environ.get("PYTHONPATH")]))}
 
 
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Start the vLLM server as soon as some selected test needs it: its two minutes of warm-up
+    overlap the tests that run before."""
+    if any("vllm_url" in getattr(item, "fixturenames", ()) for item in items):
+        engine_server.start_early()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    engine_server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_url() -> str:
+    """A real vLLM server serving the default SmolLM2 as "smollm2", the openai backend's engine
+    (tests/engine_server.py); LM_WORKER_TEST_VLLM_URL names one already running instead."""
+    if explicit := os.environ.get("LM_WORKER_TEST_VLLM_URL"):
+        return explicit
+    if not engine_server.installed():
+        pytest.skip("vLLM is not installed in .venv-vllm (make vllm); the openai backend's engine tests need it")
+    return engine_server.ready_url()

@@ -48,3 +48,54 @@ def test_the_readme_ai_sdk_example_on_smollm2_calls_the_tool_and_fills_the_objec
     assert reused and int(reused.group(1)) > 0, out
     assert re.search(r'^weather\(\{"city":"Paris"\}\) returned ', out, re.M), out
     assert re.search(r"born: \d{4},\s+movement: '(renaissance|baroque|impressionism|cubism|other)'", out), out
+
+
+STREAM_WITH_A_TOOL = """
+import { streamText, tool } from "ai";
+import { z } from "zod";
+import { createLmWorker } from "lm-worker/ai-sdk";
+
+// The same provider, a model on vLLM: only the load params differ.
+const lm = createLmWorker({
+  workerOptions: { args: ["--log-level", "warning"] },
+  load: { backend: "openai", base_url: process.env.VLLM_URL, api_key_env: process.env.VLLM_KEY_ENV },
+});
+const model = lm("smollm2");
+try {
+  const weather = tool({
+    description: "The weather forecast for a city",
+    inputSchema: z.object({ city: z.string().max(20) }),
+    execute: async ({ city }) => ({ city, forecast: "sunny" }),
+  });
+  const result = streamText({
+    model, prompt: "What is the weather in Paris?", tools: { weather }, toolChoice: "required", maxOutputTokens: 60,
+  });
+  for await (const part of result.fullStream) {
+    if (part.type === "tool-call") console.log(`call ${part.toolName} ${JSON.stringify(part.input)}`);
+    if (part.type === "tool-result") console.log(`result ${JSON.stringify(part.output)}`);
+  }
+  console.log(`finish ${await result.finishReason}`);
+} finally {
+  await lm.close();
+}
+"""
+
+
+def test_stream_text_with_a_tool_through_the_provider_on_vllm(vllm_url: str):
+    from tests import engine_server
+
+    node = shutil.which("node")
+    assert node, "Node is needed for the AI SDK (make test installs the npm packages)"
+    script = REPO_ROOT / "client" / "dist" / "ai-sdk-vllm-tool.mjs"
+    script.write_text(STREAM_WITH_A_TOOL)
+    env = {**os.environ, "LM_WORKER_PYTHON": sys.executable, "VLLM_URL": vllm_url,
+           "VLLM_KEY_ENV": engine_server.API_KEY_ENV}
+    try:
+        run = subprocess.run([node, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        script.unlink()
+    assert run.returncode == 0, run.stderr[-3000:]
+    call = re.search(r'^call weather \{"city":"([^"]*)"\}$', run.stdout, re.M)
+    assert call, run.stdout
+    assert f'result {{"city":"{call.group(1)}","forecast":"sunny"}}' in run.stdout
+    assert "finish tool-calls" in run.stdout, run.stdout

@@ -229,7 +229,11 @@ class Generation:
         """Take the tokens the last step (or the prompt's last chunk) made possible: one, or
         more where it checked a draft; a request cancelled meanwhile takes none."""
         if self._streamed is not None:
-            self._take_deltas(self._streamed)
+            try:
+                self._take_deltas(self._streamed)
+            except BaseException:
+                self.close()  # the request fails here: the engine must not go on computing it
+                raise
             return
         while not self.done:
             token = self.decoding.next_token()
@@ -243,7 +247,11 @@ class Generation:
     def _take_deltas(self, decoding: StreamedDecoding) -> None:
         """Everything an engine's stream has received since the last step: any number of deltas,
         none included; then how the stream ended, once it has."""
+        counted_before = self._stream.prompt_tokens
         self._stream.counts(decoding.prompt_tokens, decoding.cached_tokens or 0)
+        if decoding.prompt_tokens and not counted_before and self.model.info.context_length:
+            # The engine would cut max_tokens short in silence; a local model refuses: so does this.
+            check_context(self.model, decoding.prompt_tokens, self._params.max_tokens)
         while not self.done and decoding.has_next():
             self._first_token_at = self._first_token_at or time.perf_counter()
             self._stop = self._stream.push_delta(decoding.next_delta())

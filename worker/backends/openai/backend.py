@@ -262,7 +262,8 @@ class OpenAIModel:
         if params.messages is not None:
             body["messages"] = [template_dict(m) for m in params.messages]
             if params.tools:
-                body["tools"] = [msgspec.to_builtins(t) for t in params.tools]
+                # strict: a forced call's arguments follow the tool's schema, as on the local backend
+                body["tools"] = [_strict(msgspec.to_builtins(t)) for t in params.tools]
                 choice = params.tool_choice
                 body["tool_choice"] = msgspec.to_builtins(choice) if isinstance(choice, NamedToolChoice) else choice
                 body["parallel_tool_calls"] = params.parallel_tool_calls
@@ -308,8 +309,14 @@ class _Choice(msgspec.Struct):
     text: str | None = None  # /completions
     delta: _Delta | None = None  # /chat/completions
     token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None  # /completions: in the first event's choice
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+class _ServerError(msgspec.Struct):
+    message: str = ""
+    code: int | str | None = None
 
 
 class _Event(msgspec.Struct):
@@ -317,7 +324,8 @@ class _Event(msgspec.Struct):
 
     choices: list[_Choice] = []
     usage: _Usage | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None  # /chat/completions: in the first event
+    error: _ServerError | str | None = None  # a request the server refused after its stream began
 
 
 class _CallParts(msgspec.Struct):
@@ -344,6 +352,8 @@ class EngineDecoding:
         self.cached_tokens: int | None = None  # None until the engine has reported it
         self.exact = True  # token ids came with every delta so far
         self.end: StreamEnd | None = None
+        self._last: EngineDelta | None = None
+        self._finish: StreamEnd | None = None
         self._stream: EventStream | None = None
         self._closed = False
         self._stream = engine.stream(path, body)  # raises a precise RpcError when the request is refused
@@ -372,8 +382,10 @@ class EngineDecoding:
         try:
             for raw in self._stream:
                 self._take(msgspec.convert(raw, _Event))
-            if self.end is None and not self._closed:
-                self._ended(StreamEnd(reason="stop"))
+            if self._last is not None:  # the delta that ended the text, now with the final counts
+                self._push(self._last)
+            if not self._closed:
+                self._ended(self._finish or StreamEnd(reason="stop"))
         except RpcError as exc:
             self._ended(StreamEnd(reason="error", error=exc))
         except msgspec.ValidationError as exc:
@@ -381,6 +393,12 @@ class EngineDecoding:
             self._ended(StreamEnd(reason="error", error=error))
 
     def _take(self, event: _Event) -> None:
+        if event.error is not None:
+            said = event.error if isinstance(event.error, str) else event.error.message
+            raise RpcError(
+                ErrorKind.INVALID_PARAMS,
+                f"The server refused the request after its stream began: {said[:1000]}",
+            )
         if event.prompt_token_ids is not None:
             self.prompt_tokens = len(event.prompt_token_ids)
         if event.usage is not None:
@@ -392,18 +410,28 @@ class EngineDecoding:
             self._choice(choice)
 
     def _choice(self, choice: _Choice) -> None:
+        if choice.prompt_token_ids is not None:
+            self.prompt_tokens = len(choice.prompt_token_ids)
         text = choice.text if choice.text is not None else (choice.delta.content if choice.delta else None) or ""
         tokens = choice.token_ids
         calls = self._tool_call_parts(choice.delta.tool_calls if choice.delta else None)
         if choice.finish_reason is not None:
             calls += self._whole_calls()
+        delta = None
         if text or tokens or calls:
             if tokens is None:
                 self.exact = False
-            self._push(EngineDelta(tokens=tokens or [], text=text, calls=calls, counted=len(tokens) if tokens is not None else 1))
-        if choice.finish_reason is not None:
-            stop = choice.stop_reason if isinstance(choice.stop_reason, str) else None
-            self._ended(StreamEnd(reason=choice.finish_reason, stop=stop))
+            counted = len(tokens) if tokens is not None else 1
+            delta = EngineDelta(tokens=tokens or [], text=text, calls=calls, counted=counted)
+        if choice.finish_reason is None:
+            if delta is not None:
+                self._push(delta)
+            return
+        # The last delta waits for the usage that follows it (cached tokens come only there), so
+        # that its chunk carries the final counts.
+        self._last = delta
+        stop = choice.stop_reason if isinstance(choice.stop_reason, str) else None
+        self._finish = StreamEnd(reason=choice.finish_reason, stop=stop)
 
     def _tool_call_parts(self, parts: list[_ToolCallDelta] | None) -> list[ToolCall]:
         """Accumulate streamed call fragments; a call is whole once a later one starts."""
@@ -434,6 +462,10 @@ class EngineDecoding:
             if self.end is None:
                 self.end = end
             self._arrived.notify_all()
+
+
+def _strict(tool: dict[str, Any]) -> dict[str, Any]:
+    return {**tool, "function": {**tool["function"], "strict": True}}
 
 
 def _tool_call(parts: _CallParts, tools: set[str]) -> ToolCall:

@@ -189,7 +189,7 @@ class EventStream:
                 "stream; the request was abandoned. Check the server's load and logs, or raise stall_timeout_s "
                 "in load.",
             ) from None
-        except (OSError, http.client.HTTPException, ValueError) as exc:
+        except Exception as exc:  # http.client raises odd errors (AttributeError too) when closed mid-read
             if self._closed.is_set():
                 return None
             raise _engine_error(self._address, f"broke the event stream ({exc!r})") from None
@@ -266,9 +266,21 @@ def _status_error(address: EngineAddress, method: str, url: str, status: int, bo
             field="params.model",
         )
     if 400 <= status < 500:
-        kind = ErrorKind.CONTEXT_OVERFLOW if "context length" in message.lower() or "maximum" in message.lower() and "token" in message.lower() else ErrorKind.INVALID_PARAMS
-        return RpcError(kind, f"The server at {address} refused the request ({status} on {method} {url}).{said}")
+        overflow = "context length" in message.lower() or _server_param(body) == "input_tokens"  # vLLM's words
+        return RpcError(
+            ErrorKind.CONTEXT_OVERFLOW if overflow else ErrorKind.INVALID_PARAMS,
+            f"The server at {address} refused the request ({status} on {method} {url}).{said}",
+        )
     return _engine_error(address, f"failed with {status} on {method} {url}.{said}")
+
+
+def _server_param(body: bytes) -> str | None:
+    """The ``param`` an OpenAI-style error body names, if any."""
+    try:
+        error = msgspec.json.decode(body).get("error")
+    except (msgspec.DecodeError, AttributeError):
+        return None
+    return error.get("param") if isinstance(error, dict) else None
 
 
 def _server_message(body: bytes) -> str:
@@ -280,6 +292,8 @@ def _server_message(body: bytes) -> str:
     error = decoded.get("error") if isinstance(decoded, dict) else None
     if isinstance(error, dict) and isinstance(error.get("message"), str):
         return error["message"][:1000]
+    if isinstance(error, str):  # vLLM's answer to a wrong API key: {"error": "Unauthorized"}
+        return error[:1000]
     if isinstance(decoded, dict) and isinstance(decoded.get("message"), str):  # vLLM's own endpoints
         return decoded["message"][:1000]
     if isinstance(decoded, dict) and isinstance(decoded.get("detail"), str):
