@@ -2,8 +2,8 @@
  * An AI SDK provider (`import { createLmWorker } from "lm-worker/ai-sdk"`): `generateText`,
  * `streamText`, tools and structured output of the `ai` package, run by an lm-worker.
  *
- * It implements the AI SDK's LanguageModelV4 specification. Only its types come from
- * `@ai-sdk/provider` (an optional peer dependency), so this module adds nothing at run time;
+ * It implements the AI SDK's LanguageModelV4 specification, whose types come from
+ * `@ai-sdk/provider` (a dependency, so that they resolve wherever the package is installed);
  * the errors it throws carry the AI SDK's markers, so `NoSuchModelError.isInstance` and the
  * like recognize them.
  */
