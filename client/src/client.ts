@@ -42,7 +42,11 @@ export interface WorkerOptions {
 }
 
 export interface CallOptions {
-  /** Aborting sends `$/cancelRequest`; the call then ends as the worker answers it (docs §9). */
+  /**
+   * Aborting sends `$/cancelRequest` (docs §9). A `generate` then ends as the worker answers,
+   * with its partial result; any other call rejects at once with the signal's reason (an
+   * `AbortError`, or a `TimeoutError` for `AbortSignal.timeout`), as `fetch` does.
+   */
   signal?: AbortSignal;
 }
 
@@ -110,8 +114,8 @@ export class LmWorker {
     });
   }
 
-  /** Spawn a worker and wait until it answers `capabilities`. */
-  static async start(options: WorkerOptions = {}): Promise<LmWorker> {
+  /** Spawn a worker and wait until it answers `capabilities`; aborting `signal` kills it. */
+  static async start(options: WorkerOptions & CallOptions = {}): Promise<LmWorker> {
     const worker = new LmWorker(options);
     const timeoutMs = options.startTimeoutMs ?? 60_000;
     let timer: NodeJS.Timeout | undefined;
@@ -122,7 +126,7 @@ export class LmWorker {
       );
     });
     try {
-      worker.capabilities = await Promise.race([worker.call("capabilities"), timeout]);
+      worker.capabilities = await Promise.race([worker.call("capabilities", undefined, { signal: options.signal }), timeout]);
       return worker;
     } catch (error) {
       await worker.kill();
@@ -150,36 +154,36 @@ export class LmWorker {
     return this.request(method, params, options?.signal).promise as Promise<Result<M>>;
   }
 
-  load(params: Params<"load">): Promise<Result<"load">> {
-    return this.call("load", params);
+  load(params: Params<"load">, options?: CallOptions): Promise<Result<"load">> {
+    return this.call("load", params, options);
   }
 
-  unload(): Promise<Result<"unload">> {
-    return this.call("unload");
+  unload(options?: CallOptions): Promise<Result<"unload">> {
+    return this.call("unload", undefined, options);
   }
 
-  tokenize(params: Params<"tokenize">): Promise<Result<"tokenize">> {
-    return this.call("tokenize", params);
+  tokenize(params: Params<"tokenize">, options?: CallOptions): Promise<Result<"tokenize">> {
+    return this.call("tokenize", params, options);
   }
 
-  detokenize(params: Params<"detokenize">): Promise<Result<"detokenize">> {
-    return this.call("detokenize", params);
+  detokenize(params: Params<"detokenize">, options?: CallOptions): Promise<Result<"detokenize">> {
+    return this.call("detokenize", params, options);
   }
 
-  render(params: Params<"render">): Promise<Result<"render">> {
-    return this.call("render", params);
+  render(params: Params<"render">, options?: CallOptions): Promise<Result<"render">> {
+    return this.call("render", params, options);
   }
 
-  cacheList(): Promise<Result<"cache/list">> {
-    return this.call("cache/list");
+  cacheList(options?: CallOptions): Promise<Result<"cache/list">> {
+    return this.call("cache/list", undefined, options);
   }
 
-  cacheInfo(params: Params<"cache/info">): Promise<Result<"cache/info">> {
-    return this.call("cache/info", params);
+  cacheInfo(params: Params<"cache/info">, options?: CallOptions): Promise<Result<"cache/info">> {
+    return this.call("cache/info", params, options);
   }
 
-  cacheDelete(params: Params<"cache/delete">): Promise<Result<"cache/delete">> {
-    return this.call("cache/delete", params);
+  cacheDelete(params: Params<"cache/delete">, options?: CallOptions): Promise<Result<"cache/delete">> {
+    return this.call("cache/delete", params, options);
   }
 
   /** Compute and store a prompt's KV cache; `onProgress` sees each chunk of a long one. */
@@ -198,8 +202,9 @@ export class LmWorker {
 
   /**
    * Start a generation: iterate the returned stream for chunks, in order, and await its
-   * `result` for the final answer. Aborting `signal` cancels it: the result is then the
-   * partial one, with `finish_reason: "cancelled"`.
+   * `result` for the final answer. Aborting `signal`, `stream.cancel()` or leaving a
+   * `for await` loop over the stream early (`break`, `return`, a throw) cancels it: the
+   * result is then the partial one, with `finish_reason: "cancelled"`.
    *
    * At most `highWaterMark` chunks (default 64) wait here for the consumer: the request's
    * `stream_window` is set to it (unless given) and the stream acknowledges the chunks the
@@ -209,8 +214,12 @@ export class LmWorker {
   generate(params: GenerateParams, options: CallOptions & { highWaterMark?: number } = {}): GenerateStream {
     const window = params.stream_window ?? options.highWaterMark ?? 64;
     const { id, promise } = this.request("generate", { ...params, stream_window: window }, options.signal);
-    const stream = new GenerateStream(id, promise as Promise<GenerateResult>, window, (index) =>
-      this.notify("generate/ack", { id, index }),
+    const stream = new GenerateStream(
+      id,
+      promise as Promise<GenerateResult>,
+      window,
+      (index) => this.notify("generate/ack", { id, index }),
+      () => this.notify("$/cancelRequest", { id }),
     );
     this.streams.set(id, stream);
     const forget = () => this.streams.delete(id);
@@ -258,18 +267,31 @@ export class LmWorker {
 
   private request(method: string, params: unknown, signal?: AbortSignal): { id: number; promise: Promise<unknown> } {
     const id = this.nextId++;
+    // A generate ends with the worker's answer to a cancel (its partial result); any other
+    // call ends at the abort itself, with the signal's reason, as fetch does. The worker's
+    // later answer to it finds the promise settled (it still counts in pendingRequests until then).
+    const endsAtAbort = method !== "generate";
+    let rejectAtAbort: (reason: unknown) => void = () => {};
     const promise = new Promise<unknown>((resolve, reject) => {
       if (this.exit !== null) {
         reject(new WorkerExitedError(this.exit.exitCode, this.exit.signal, this.stderrTail.trim(), "the worker has exited"));
         return;
       }
+      if (endsAtAbort && signal?.aborted) {
+        reject(signal.reason); // nothing sent
+        return;
+      }
+      rejectAtAbort = reject;
       this.pending.set(id, { method, resolve, reject });
       this.send({ jsonrpc: "2.0", id, method, ...(params === undefined ? {} : { params }) });
     });
     if (signal) {
-      const abort = () => this.notify("$/cancelRequest", { id });
+      const abort = () => {
+        this.notify("$/cancelRequest", { id });
+        if (endsAtAbort) rejectAtAbort(signal.reason);
+      };
       if (signal.aborted) {
-        abort();
+        if (!endsAtAbort) abort();
       } else {
         signal.addEventListener("abort", abort, { once: true });
         const forget = () => signal.removeEventListener("abort", abort);
@@ -367,7 +389,8 @@ interface Incoming {
  * The worker sends at most `window` chunks past the last one the consumer has taken (the
  * request's `stream_window`; the stream acknowledges taken chunks with `generate/ack`), so
  * at most that many wait here; a consumer that falls behind gets the rest of the text
- * merged into fewer chunks. Chunks not iterated are kept until the end.
+ * merged into fewer chunks. Chunks not iterated are kept until the end. Leaving a loop over
+ * the stream before its end cancels the generation, as the consumer wants no more of it.
  */
 export class GenerateStream implements AsyncIterable<GenerateChunk> {
   private readonly queue: GenerateChunk[] = [];
@@ -375,6 +398,7 @@ export class GenerateStream implements AsyncIterable<GenerateChunk> {
   private done = false;
   private failure: Error | null = null;
   private acked = -1;
+  private cancelled = false;
 
   constructor(
     /** The request id: what `generate/chunk` notifications and `cancel` refer to. */
@@ -383,6 +407,7 @@ export class GenerateStream implements AsyncIterable<GenerateChunk> {
     readonly result: Promise<GenerateResult>,
     private readonly window: number,
     private readonly ack: (index: number) => void,
+    private readonly stop: () => void,
   ) {
     result.then(
       () => this.end(null),
@@ -401,27 +426,44 @@ export class GenerateStream implements AsyncIterable<GenerateChunk> {
     this.wake();
   }
 
+  /**
+   * Cancel the generation (`$/cancelRequest`), unless it has ended; its `result`, the
+   * partial one (`finish_reason: "cancelled"`), is what this returns.
+   */
+  cancel(): Promise<GenerateResult> {
+    if (!this.done && !this.cancelled) {
+      this.cancelled = true;
+      this.stop();
+    }
+    return this.result;
+  }
+
   async *[Symbol.asyncIterator](): AsyncIterator<GenerateChunk> {
-    for (;;) {
-      const chunk = this.queue.shift();
-      if (chunk !== undefined) {
-        // Acknowledge every half window: the worker never has to hold a consumer that keeps up.
-        if (!this.done && chunk.index - this.acked >= Math.max(1, Math.floor(this.window / 2))) {
-          this.acked = chunk.index;
-          this.ack(chunk.index);
+    try {
+      for (;;) {
+        const chunk = this.queue.shift();
+        if (chunk !== undefined) {
+          // Acknowledge every half window: the worker never has to hold a consumer that keeps up.
+          if (!this.done && chunk.index - this.acked >= Math.max(1, Math.floor(this.window / 2))) {
+            this.acked = chunk.index;
+            this.ack(chunk.index);
+          }
+          yield chunk;
+          continue;
         }
-        yield chunk;
-        continue;
+        if (this.failure !== null) {
+          throw this.failure;
+        }
+        if (this.done) {
+          return;
+        }
+        await new Promise<void>((resolve) => {
+          this.waiting = resolve;
+        });
       }
-      if (this.failure !== null) {
-        throw this.failure;
-      }
-      if (this.done) {
-        return;
-      }
-      await new Promise<void>((resolve) => {
-        this.waiting = resolve;
-      });
+    } finally {
+      // Here before the end: the loop over the stream was left (its return()), so nobody reads on.
+      if (!this.done) void this.cancel();
     }
   }
 

@@ -2,6 +2,7 @@
 // tiny transformers model. No mocks: every test spawns `python -m worker`.
 
 import assert from "node:assert/strict";
+import { execFileSync } from "node:child_process";
 import { getEventListeners } from "node:events";
 import { after, before, describe, test } from "node:test";
 import { mkdirSync, rmSync, writeFileSync } from "node:fs";
@@ -89,6 +90,56 @@ describe("with the echo backend", () => {
     assert.equal(result.finish_reason, "cancelled");
     assert.ok(result.tokens.length < 2000, `${result.tokens.length} tokens after the cancel`);
     assert.equal(seen.map((c) => c.text).join(""), result.text);
+    await worker.load({ backend: "echo" });
+  });
+
+  test("breaking out of a for-await loop over a generate cancels it", async () => {
+    await worker.load({ backend: "echo", token_delay_ms: 5 });
+    const stream = worker.generate({ prompt: "b".repeat(2000), max_tokens: 2001 });
+    const seen: GenerateChunk[] = [];
+    for await (const chunk of stream) {
+      seen.push(chunk);
+      if (seen.length === 3) break;
+    }
+    const started = Date.now();
+    const result = await stream.result;
+    assert.equal(result.finish_reason, "cancelled");
+    assert.ok(result.tokens.length < 500, `${result.tokens.length} tokens generated after the loop was left`);
+    assert.ok(Date.now() - started < 2000, "the generation stopped soon after the break");
+    await worker.load({ backend: "echo" });
+  });
+
+  test("stream.cancel() cancels a generate and gives its partial result", async () => {
+    await worker.load({ backend: "echo", token_delay_ms: 5 });
+    const stream = worker.generate({ prompt: "s".repeat(2000), max_tokens: 2001 });
+    const chunks = stream[Symbol.asyncIterator]();
+    const first = await chunks.next();
+    const result = await stream.cancel();
+    assert.equal(result.finish_reason, "cancelled");
+    assert.ok(result.tokens.length < 500, `${result.tokens.length} tokens`);
+    assert.ok(!first.done && result.text.startsWith(first.value.text));
+    assert.equal(await stream.cancel(), result, "a second cancel sends nothing and gives the same result");
+    await worker.load({ backend: "echo" });
+  });
+
+  test("aborting a call other than generate rejects at once with the signal's reason", async () => {
+    await worker.load({ backend: "echo", token_delay_ms: 5 });
+    // A load waits for the generate sent before it: it is still queued when aborted.
+    const running = worker.generate({ prompt: "q".repeat(400), max_tokens: 401 });
+    const controller = new AbortController();
+    const load = worker.load({ backend: "echo" }, { signal: controller.signal });
+    controller.abort();
+    await assert.rejects(load, (error: unknown) => error instanceof DOMException && error.name === "AbortError");
+    let finished = false;
+    void running.result.then(() => (finished = true));
+    await assert.rejects(
+      worker.render({ messages: [{ role: "user", content: "x" }] }, { signal: AbortSignal.abort(new Error("my reason")) }),
+      /my reason/,
+    );
+    await assert.rejects(worker.load({ backend: "echo" }, { signal: AbortSignal.timeout(50) }), { name: "TimeoutError" });
+    assert.equal(finished, false, "the rejections came before the generate ended, not with the worker's answers");
+    assert.equal((await running.result).finish_reason, "stop");
+    assert.equal((await worker.tokenize({ text: "ok" }, { signal: new AbortController().signal })).count, 3);
     await worker.load({ backend: "echo" });
   });
 
@@ -199,14 +250,20 @@ describe("lifecycle", () => {
     const worker = await start();
     await worker.load({ backend: "echo", token_delay_ms: 5 });
     const stream = worker.generate({ prompt: "c".repeat(5000), max_tokens: 5001 });
-    for await (const chunk of stream) {
-      void chunk;
-      break; // stop reading; the request goes on
-    }
+    await stream[Symbol.asyncIterator]().next(); // one chunk read, the loop not left: the request goes on
     const exit = await worker.close();
     assert.deepEqual(exit, { exitCode: 0, signal: null });
     assert.equal((await stream.result).finish_reason, "cancelled");
     assert.ok(isGone(worker.pid!));
+  });
+
+  test("an aborted start rejects with the signal's reason and leaves no process behind", async () => {
+    const controller = new AbortController();
+    const starting = start({ signal: controller.signal });
+    controller.abort(); // the process is spawned; it has not answered capabilities yet
+    await assert.rejects(starting, { name: "AbortError" });
+    const children = execFileSync("ps", ["-o", "args=", "--ppid", String(process.pid)], { encoding: "utf8" });
+    assert.doesNotMatch(children, /-m worker/);
   });
 
   test("a worker that cannot start is a start error with its stderr", async () => {

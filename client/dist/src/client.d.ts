@@ -24,7 +24,11 @@ export interface WorkerOptions {
     onStderr?: (text: string) => void;
 }
 export interface CallOptions {
-    /** Aborting sends `$/cancelRequest`; the call then ends as the worker answers it (docs §9). */
+    /**
+     * Aborting sends `$/cancelRequest` (docs §9). A `generate` then ends as the worker answers,
+     * with its partial result; any other call rejects at once with the signal's reason (an
+     * `AbortError`, or a `TimeoutError` for `AbortSignal.timeout`), as `fetch` does.
+     */
     signal?: AbortSignal;
 }
 export interface WorkerExit {
@@ -49,29 +53,30 @@ export declare class LmWorker {
     private stderrTail;
     private exit;
     private constructor();
-    /** Spawn a worker and wait until it answers `capabilities`. */
-    static start(options?: WorkerOptions): Promise<LmWorker>;
+    /** Spawn a worker and wait until it answers `capabilities`; aborting `signal` kills it. */
+    static start(options?: WorkerOptions & CallOptions): Promise<LmWorker>;
     get pid(): number | undefined;
     /** Requests sent and not answered yet. */
     get pendingRequests(): number;
     /** Call a method by name; params and result are typed from the protocol's schemas. */
     call<M extends MethodName>(method: M, ...args: OptionalParams<M>): Promise<Result<M>>;
-    load(params: Params<"load">): Promise<Result<"load">>;
-    unload(): Promise<Result<"unload">>;
-    tokenize(params: Params<"tokenize">): Promise<Result<"tokenize">>;
-    detokenize(params: Params<"detokenize">): Promise<Result<"detokenize">>;
-    render(params: Params<"render">): Promise<Result<"render">>;
-    cacheList(): Promise<Result<"cache/list">>;
-    cacheInfo(params: Params<"cache/info">): Promise<Result<"cache/info">>;
-    cacheDelete(params: Params<"cache/delete">): Promise<Result<"cache/delete">>;
+    load(params: Params<"load">, options?: CallOptions): Promise<Result<"load">>;
+    unload(options?: CallOptions): Promise<Result<"unload">>;
+    tokenize(params: Params<"tokenize">, options?: CallOptions): Promise<Result<"tokenize">>;
+    detokenize(params: Params<"detokenize">, options?: CallOptions): Promise<Result<"detokenize">>;
+    render(params: Params<"render">, options?: CallOptions): Promise<Result<"render">>;
+    cacheList(options?: CallOptions): Promise<Result<"cache/list">>;
+    cacheInfo(params: Params<"cache/info">, options?: CallOptions): Promise<Result<"cache/info">>;
+    cacheDelete(params: Params<"cache/delete">, options?: CallOptions): Promise<Result<"cache/delete">>;
     /** Compute and store a prompt's KV cache; `onProgress` sees each chunk of a long one. */
     prefill(params: PrefillParams, options?: CallOptions & {
         onProgress?: (progress: PrefillProgress) => void;
     }): Promise<PrefillResult>;
     /**
      * Start a generation: iterate the returned stream for chunks, in order, and await its
-     * `result` for the final answer. Aborting `signal` cancels it: the result is then the
-     * partial one, with `finish_reason: "cancelled"`.
+     * `result` for the final answer. Aborting `signal`, `stream.cancel()` or leaving a
+     * `for await` loop over the stream early (`break`, `return`, a throw) cancels it: the
+     * result is then the partial one, with `finish_reason: "cancelled"`.
      *
      * At most `highWaterMark` chunks (default 64) wait here for the consumer: the request's
      * `stream_window` is set to it (unless given) and the stream acknowledges the chunks the
@@ -106,7 +111,8 @@ type OptionalParams<M extends MethodName> = Record<string, never> extends Params
  * The worker sends at most `window` chunks past the last one the consumer has taken (the
  * request's `stream_window`; the stream acknowledges taken chunks with `generate/ack`), so
  * at most that many wait here; a consumer that falls behind gets the rest of the text
- * merged into fewer chunks. Chunks not iterated are kept until the end.
+ * merged into fewer chunks. Chunks not iterated are kept until the end. Leaving a loop over
+ * the stream before its end cancels the generation, as the consumer wants no more of it.
  */
 export declare class GenerateStream implements AsyncIterable<GenerateChunk> {
     /** The request id: what `generate/chunk` notifications and `cancel` refer to. */
@@ -115,20 +121,27 @@ export declare class GenerateStream implements AsyncIterable<GenerateChunk> {
     readonly result: Promise<GenerateResult>;
     private readonly window;
     private readonly ack;
+    private readonly stop;
     private readonly queue;
     private waiting;
     private done;
     private failure;
     private acked;
+    private cancelled;
     constructor(
     /** The request id: what `generate/chunk` notifications and `cancel` refer to. */
     id: number, 
     /** The final result; rejects with RpcError or WorkerExitedError. */
-    result: Promise<GenerateResult>, window: number, ack: (index: number) => void);
+    result: Promise<GenerateResult>, window: number, ack: (index: number) => void, stop: () => void);
     /** Chunks received and not yet taken by the consumer. */
     get buffered(): number;
     /** Called by the client for each chunk of this request. */
     push(chunk: GenerateChunk): void;
+    /**
+     * Cancel the generation (`$/cancelRequest`), unless it has ended; its `result`, the
+     * partial one (`finish_reason: "cancelled"`), is what this returns.
+     */
+    cancel(): Promise<GenerateResult>;
     [Symbol.asyncIterator](): AsyncIterator<GenerateChunk>;
     private end;
     private wake;

@@ -56,7 +56,7 @@ export class LmWorker {
             });
         });
     }
-    /** Spawn a worker and wait until it answers `capabilities`. */
+    /** Spawn a worker and wait until it answers `capabilities`; aborting `signal` kills it. */
     static async start(options = {}) {
         const worker = new LmWorker(options);
         const timeoutMs = options.startTimeoutMs ?? 60_000;
@@ -65,7 +65,7 @@ export class LmWorker {
             timer = setTimeout(() => reject(new WorkerStartError(`the worker did not answer capabilities within ${timeoutMs} ms`)), timeoutMs);
         });
         try {
-            worker.capabilities = await Promise.race([worker.call("capabilities"), timeout]);
+            worker.capabilities = await Promise.race([worker.call("capabilities", undefined, { signal: options.signal }), timeout]);
             return worker;
         }
         catch (error) {
@@ -91,29 +91,29 @@ export class LmWorker {
         const [params, options] = args;
         return this.request(method, params, options?.signal).promise;
     }
-    load(params) {
-        return this.call("load", params);
+    load(params, options) {
+        return this.call("load", params, options);
     }
-    unload() {
-        return this.call("unload");
+    unload(options) {
+        return this.call("unload", undefined, options);
     }
-    tokenize(params) {
-        return this.call("tokenize", params);
+    tokenize(params, options) {
+        return this.call("tokenize", params, options);
     }
-    detokenize(params) {
-        return this.call("detokenize", params);
+    detokenize(params, options) {
+        return this.call("detokenize", params, options);
     }
-    render(params) {
-        return this.call("render", params);
+    render(params, options) {
+        return this.call("render", params, options);
     }
-    cacheList() {
-        return this.call("cache/list");
+    cacheList(options) {
+        return this.call("cache/list", undefined, options);
     }
-    cacheInfo(params) {
-        return this.call("cache/info", params);
+    cacheInfo(params, options) {
+        return this.call("cache/info", params, options);
     }
-    cacheDelete(params) {
-        return this.call("cache/delete", params);
+    cacheDelete(params, options) {
+        return this.call("cache/delete", params, options);
     }
     /** Compute and store a prompt's KV cache; `onProgress` sees each chunk of a long one. */
     prefill(params, options = {}) {
@@ -127,8 +127,9 @@ export class LmWorker {
     }
     /**
      * Start a generation: iterate the returned stream for chunks, in order, and await its
-     * `result` for the final answer. Aborting `signal` cancels it: the result is then the
-     * partial one, with `finish_reason: "cancelled"`.
+     * `result` for the final answer. Aborting `signal`, `stream.cancel()` or leaving a
+     * `for await` loop over the stream early (`break`, `return`, a throw) cancels it: the
+     * result is then the partial one, with `finish_reason: "cancelled"`.
      *
      * At most `highWaterMark` chunks (default 64) wait here for the consumer: the request's
      * `stream_window` is set to it (unless given) and the stream acknowledges the chunks the
@@ -138,7 +139,7 @@ export class LmWorker {
     generate(params, options = {}) {
         const window = params.stream_window ?? options.highWaterMark ?? 64;
         const { id, promise } = this.request("generate", { ...params, stream_window: window }, options.signal);
-        const stream = new GenerateStream(id, promise, window, (index) => this.notify("generate/ack", { id, index }));
+        const stream = new GenerateStream(id, promise, window, (index) => this.notify("generate/ack", { id, index }), () => this.notify("$/cancelRequest", { id }));
         this.streams.set(id, stream);
         const forget = () => this.streams.delete(id);
         promise.then(forget, forget);
@@ -180,18 +181,33 @@ export class LmWorker {
     // --- the wire ----------------------------------------------------------------------------
     request(method, params, signal) {
         const id = this.nextId++;
+        // A generate ends with the worker's answer to a cancel (its partial result); any other
+        // call ends at the abort itself, with the signal's reason, as fetch does. The worker's
+        // later answer to it finds the promise settled (it still counts in pendingRequests until then).
+        const endsAtAbort = method !== "generate";
+        let rejectAtAbort = () => { };
         const promise = new Promise((resolve, reject) => {
             if (this.exit !== null) {
                 reject(new WorkerExitedError(this.exit.exitCode, this.exit.signal, this.stderrTail.trim(), "the worker has exited"));
                 return;
             }
+            if (endsAtAbort && signal?.aborted) {
+                reject(signal.reason); // nothing sent
+                return;
+            }
+            rejectAtAbort = reject;
             this.pending.set(id, { method, resolve, reject });
             this.send({ jsonrpc: "2.0", id, method, ...(params === undefined ? {} : { params }) });
         });
         if (signal) {
-            const abort = () => this.notify("$/cancelRequest", { id });
+            const abort = () => {
+                this.notify("$/cancelRequest", { id });
+                if (endsAtAbort)
+                    rejectAtAbort(signal.reason);
+            };
             if (signal.aborted) {
-                abort();
+                if (!endsAtAbort)
+                    abort();
             }
             else {
                 signal.addEventListener("abort", abort, { once: true });
@@ -271,27 +287,31 @@ export class LmWorker {
  * The worker sends at most `window` chunks past the last one the consumer has taken (the
  * request's `stream_window`; the stream acknowledges taken chunks with `generate/ack`), so
  * at most that many wait here; a consumer that falls behind gets the rest of the text
- * merged into fewer chunks. Chunks not iterated are kept until the end.
+ * merged into fewer chunks. Chunks not iterated are kept until the end. Leaving a loop over
+ * the stream before its end cancels the generation, as the consumer wants no more of it.
  */
 export class GenerateStream {
     id;
     result;
     window;
     ack;
+    stop;
     queue = [];
     waiting = null;
     done = false;
     failure = null;
     acked = -1;
+    cancelled = false;
     constructor(
     /** The request id: what `generate/chunk` notifications and `cancel` refer to. */
     id, 
     /** The final result; rejects with RpcError or WorkerExitedError. */
-    result, window, ack) {
+    result, window, ack, stop) {
         this.id = id;
         this.result = result;
         this.window = window;
         this.ack = ack;
+        this.stop = stop;
         result.then(() => this.end(null), (error) => this.end(error));
     }
     /** Chunks received and not yet taken by the consumer. */
@@ -303,27 +323,45 @@ export class GenerateStream {
         this.queue.push(chunk);
         this.wake();
     }
+    /**
+     * Cancel the generation (`$/cancelRequest`), unless it has ended; its `result`, the
+     * partial one (`finish_reason: "cancelled"`), is what this returns.
+     */
+    cancel() {
+        if (!this.done && !this.cancelled) {
+            this.cancelled = true;
+            this.stop();
+        }
+        return this.result;
+    }
     async *[Symbol.asyncIterator]() {
-        for (;;) {
-            const chunk = this.queue.shift();
-            if (chunk !== undefined) {
-                // Acknowledge every half window: the worker never has to hold a consumer that keeps up.
-                if (!this.done && chunk.index - this.acked >= Math.max(1, Math.floor(this.window / 2))) {
-                    this.acked = chunk.index;
-                    this.ack(chunk.index);
+        try {
+            for (;;) {
+                const chunk = this.queue.shift();
+                if (chunk !== undefined) {
+                    // Acknowledge every half window: the worker never has to hold a consumer that keeps up.
+                    if (!this.done && chunk.index - this.acked >= Math.max(1, Math.floor(this.window / 2))) {
+                        this.acked = chunk.index;
+                        this.ack(chunk.index);
+                    }
+                    yield chunk;
+                    continue;
                 }
-                yield chunk;
-                continue;
+                if (this.failure !== null) {
+                    throw this.failure;
+                }
+                if (this.done) {
+                    return;
+                }
+                await new Promise((resolve) => {
+                    this.waiting = resolve;
+                });
             }
-            if (this.failure !== null) {
-                throw this.failure;
-            }
-            if (this.done) {
-                return;
-            }
-            await new Promise((resolve) => {
-                this.waiting = resolve;
-            });
+        }
+        finally {
+            // Here before the end: the loop over the stream was left (its return()), so nobody reads on.
+            if (!this.done)
+                void this.cancel();
         }
     }
     end(error) {
