@@ -71,6 +71,8 @@ export interface LmWorkerProvider extends ProviderV4 {
   worker(): Promise<LmWorker>;
   /** Close the worker the provider started (a `worker` passed in is left running). */
   close(): Promise<void>;
+  /** `await using lm = createLmWorker(…)`: `close()` as the scope ends. */
+  [Symbol.asyncDispose](): Promise<void>;
 }
 
 export function createLmWorker(settings: LmWorkerProviderSettings = {}): LmWorkerProvider {
@@ -98,6 +100,9 @@ export function createLmWorker(settings: LmWorkerProviderSettings = {}): LmWorke
       const running = started;
       started = undefined;
       await (await running?.catch(() => undefined))?.close();
+    },
+    [Symbol.asyncDispose](): Promise<void> {
+      return provider.close();
     },
     embeddingModel(modelId: string): never {
       throw new NoSuchModelError(modelId, "embeddingModel");

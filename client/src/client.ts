@@ -8,6 +8,7 @@
  */
 
 import { spawn, type ChildProcessWithoutNullStreams } from "node:child_process";
+import type { Socket } from "node:net";
 
 import { RpcError, WorkerExitedError, WorkerStartError, type RpcErrorData } from "./errors.js";
 import { encode, FrameDecoder, type Framing } from "./framing.js";
@@ -39,6 +40,12 @@ export interface WorkerOptions {
   startTimeoutMs?: number;
   /** Each piece of the worker's stderr (its log) as it arrives; it is also kept for error messages. */
   onStderr?: (text: string) => void;
+  /**
+   * true: the worker keeps the Node process alive only while a request is in flight, so a
+   * program that is done exits without `close()` (the worker then sees its input end and
+   * exits too). Default false: a running worker keeps Node alive until it is closed.
+   */
+  unref?: boolean;
 }
 
 export interface CallOptions {
@@ -74,6 +81,7 @@ export class LmWorker {
 
   private readonly process: ChildProcessWithoutNullStreams;
   private readonly framing: Framing;
+  private readonly unrefWhenIdle: boolean;
   private readonly decoder: FrameDecoder;
   private readonly pending = new Map<number, Pending>();
   private readonly streams = new Map<number, GenerateStream>();
@@ -85,6 +93,7 @@ export class LmWorker {
 
   private constructor(options: WorkerOptions) {
     this.framing = options.framing ?? "ndjson";
+    this.unrefWhenIdle = options.unref ?? false;
     this.decoder = new FrameDecoder(this.framing);
     // -P: the host's working directory is not on sys.path, so a worker.py or protocol/ of the
     // host's own cannot stand in for the installed package.
@@ -112,6 +121,7 @@ export class LmWorker {
         resolve(this.exit);
       });
     });
+    this.holdNodeWhileBusy();
   }
 
   /** Spawn a worker and wait until it answers `capabilities`; aborting `signal` kills it. */
@@ -255,6 +265,11 @@ export class LmWorker {
     return this.exited;
   }
 
+  /** `await using worker = await LmWorker.start()`: the worker is closed as the scope ends. */
+  async [Symbol.asyncDispose](): Promise<void> {
+    await this.close();
+  }
+
   /** Stop the worker at once (SIGKILL) and wait for it. */
   async kill(): Promise<WorkerExit> {
     if (this.exit === null) {
@@ -283,6 +298,7 @@ export class LmWorker {
       }
       rejectAtAbort = reject;
       this.pending.set(id, { method, resolve, reject });
+      this.holdNodeWhileBusy();
       this.send({ jsonrpc: "2.0", id, method, ...(params === undefined ? {} : { params }) });
     });
     if (signal) {
@@ -332,6 +348,7 @@ export class LmWorker {
       return; // an answer to nothing we sent (an error about an unreadable message has id null)
     }
     this.pending.delete(message.id as number);
+    this.holdNodeWhileBusy();
     if (message.error !== undefined) {
       const { code, message: text, data } = message.error;
       pending.reject(new RpcError(code, text, data));
@@ -358,6 +375,17 @@ export class LmWorker {
       pending.reject(error);
     }
     this.pending.clear();
+  }
+
+  /** With `unref`: the process and its pipes keep Node's event loop alive only while a request is pending. */
+  private holdNodeWhileBusy(): void {
+    if (!this.unrefWhenIdle) return;
+    const busy = this.pending.size > 0;
+    const { stdin, stdout, stderr } = this.process;
+    for (const handle of [this.process, ...[stdin, stdout, stderr].map((pipe) => pipe as unknown as Socket)]) {
+      if (busy) handle.ref();
+      else handle.unref();
+    }
   }
 
   private async exitsWithin(ms: number): Promise<boolean> {

@@ -180,6 +180,16 @@ describe("the AI SDK provider and the model a worker runs", () => {
     assert.equal((await worker.tokenize({ text: "f" })).count, 2);
   });
 
+  test("await using a provider closes the worker it started as the scope ends", async () => {
+    let exited: Promise<unknown>;
+    {
+      await using lm = createLmWorker({ workerOptions: workerOptions(), load: { backend: "echo" } });
+      assert.equal((await generateText({ model: lm("default"), prompt: "scoped" })).finishReason, "stop");
+      exited = (await lm.worker()).exited;
+    }
+    assert.deepEqual(await exited, { exitCode: 0, signal: null });
+  });
+
   test("the provider has language models only", () => {
     const lm = createLmWorker({ worker });
     assert.throws(() => lm.embeddingModel("default"), (error: unknown) => NoSuchModelError.isInstance(error));

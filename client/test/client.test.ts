@@ -2,7 +2,7 @@
 // tiny transformers model. No mocks: every test spawns `python -m worker`.
 
 import assert from "node:assert/strict";
-import { execFileSync } from "node:child_process";
+import { execFileSync, spawnSync } from "node:child_process";
 import { getEventListeners } from "node:events";
 import { after, before, describe, test } from "node:test";
 import { mkdirSync, rmSync, writeFileSync } from "node:fs";
@@ -264,6 +264,44 @@ describe("lifecycle", () => {
     await assert.rejects(starting, { name: "AbortError" });
     const children = execFileSync("ps", ["-o", "args=", "--ppid", String(process.pid)], { encoding: "utf8" });
     assert.doesNotMatch(children, /-m worker/);
+  });
+
+  test("await using closes the worker as its scope ends", async () => {
+    let pid: number;
+    let exited: Promise<unknown>;
+    {
+      await using worker = await start();
+      await worker.load({ backend: "echo" });
+      assert.equal((await worker.tokenize({ text: "scope" })).count, 6);
+      pid = worker.pid!;
+      exited = worker.exited;
+    }
+    assert.deepEqual(await exited, { exitCode: 0, signal: null }); // shutdown and exit, not a kill
+    assert.ok(isGone(pid));
+  });
+
+  test("with unref, a program that forgets close() exits once nothing is in flight, and so does its worker", async () => {
+    // A generate in flight holds the program until its answer: the line printed shows it.
+    const program = `
+      import { LmWorker } from ${JSON.stringify(new URL("../src/index.js", import.meta.url).href)};
+      const worker = await LmWorker.start({ python: process.argv[1], unref: true });
+      await worker.load({ backend: "echo", token_delay_ms: 50 });
+      worker.generate({ prompt: "late", max_tokens: 4 }).result.then((result) => {
+        console.log(JSON.stringify({ pid: worker.pid, text: result.text }));
+      });
+    `;
+    const started = Date.now();
+    const ran = spawnSync(process.execPath, ["--input-type=module", "-e", program, python()], {
+      env: workerEnv(), encoding: "utf8", timeout: 60_000,
+    });
+    assert.equal(ran.status, 0, ran.stderr);
+    assert.ok(Date.now() - started < 30_000);
+    const { pid, text } = JSON.parse(ran.stdout);
+    assert.equal(text, "late");
+    for (let waited = 0; !isGone(pid); waited += 50) {
+      assert.ok(waited < 10_000, "the worker outlived its program");
+      await sleep(50);
+    }
   });
 
   test("a worker that cannot start is a start error with its stderr", async () => {

@@ -39,5 +39,7 @@ export interface LmWorkerProvider extends ProviderV4 {
     worker(): Promise<LmWorker>;
     /** Close the worker the provider started (a `worker` passed in is left running). */
     close(): Promise<void>;
+    /** `await using lm = createLmWorker(…)`: `close()` as the scope ends. */
+    [Symbol.asyncDispose](): Promise<void>;
 }
 export declare function createLmWorker(settings?: LmWorkerProviderSettings): LmWorkerProvider;

@@ -36,6 +36,9 @@ export function createLmWorker(settings = {}) {
             started = undefined;
             await (await running?.catch(() => undefined))?.close();
         },
+        [Symbol.asyncDispose]() {
+            return provider.close();
+        },
         embeddingModel(modelId) {
             throw new NoSuchModelError(modelId, "embeddingModel");
         },

@@ -22,6 +22,12 @@ export interface WorkerOptions {
     startTimeoutMs?: number;
     /** Each piece of the worker's stderr (its log) as it arrives; it is also kept for error messages. */
     onStderr?: (text: string) => void;
+    /**
+     * true: the worker keeps the Node process alive only while a request is in flight, so a
+     * program that is done exits without `close()` (the worker then sees its input end and
+     * exits too). Default false: a running worker keeps Node alive until it is closed.
+     */
+    unref?: boolean;
 }
 export interface CallOptions {
     /**
@@ -44,6 +50,7 @@ export declare class LmWorker {
     readonly exited: Promise<WorkerExit>;
     private readonly process;
     private readonly framing;
+    private readonly unrefWhenIdle;
     private readonly decoder;
     private readonly pending;
     private readonly streams;
@@ -93,6 +100,8 @@ export declare class LmWorker {
      * If it has not exited after `timeoutMs`, SIGTERM; after as long again, SIGKILL.
      */
     close(timeoutMs?: number): Promise<WorkerExit>;
+    /** `await using worker = await LmWorker.start()`: the worker is closed as the scope ends. */
+    [Symbol.asyncDispose](): Promise<void>;
     /** Stop the worker at once (SIGKILL) and wait for it. */
     kill(): Promise<WorkerExit>;
     private request;
@@ -102,6 +111,8 @@ export declare class LmWorker {
     private dispatch;
     private onNotification;
     private failAll;
+    /** With `unref`: the process and its pipes keep Node's event loop alive only while a request is pending. */
+    private holdNodeWhileBusy;
     private exitsWithin;
 }
 /** `call`'s arguments: params may be left out where the method needs none. */

@@ -18,6 +18,7 @@ export class LmWorker {
     exited;
     process;
     framing;
+    unrefWhenIdle;
     decoder;
     pending = new Map();
     streams = new Map();
@@ -28,6 +29,7 @@ export class LmWorker {
     exit = null;
     constructor(options) {
         this.framing = options.framing ?? "ndjson";
+        this.unrefWhenIdle = options.unref ?? false;
         this.decoder = new FrameDecoder(this.framing);
         // -P: the host's working directory is not on sys.path, so a worker.py or protocol/ of the
         // host's own cannot stand in for the installed package.
@@ -55,6 +57,7 @@ export class LmWorker {
                 resolve(this.exit);
             });
         });
+        this.holdNodeWhileBusy();
     }
     /** Spawn a worker and wait until it answers `capabilities`; aborting `signal` kills it. */
     static async start(options = {}) {
@@ -171,6 +174,10 @@ export class LmWorker {
         }
         return this.exited;
     }
+    /** `await using worker = await LmWorker.start()`: the worker is closed as the scope ends. */
+    async [Symbol.asyncDispose]() {
+        await this.close();
+    }
     /** Stop the worker at once (SIGKILL) and wait for it. */
     async kill() {
         if (this.exit === null) {
@@ -197,6 +204,7 @@ export class LmWorker {
             }
             rejectAtAbort = reject;
             this.pending.set(id, { method, resolve, reject });
+            this.holdNodeWhileBusy();
             this.send({ jsonrpc: "2.0", id, method, ...(params === undefined ? {} : { params }) });
         });
         if (signal) {
@@ -245,6 +253,7 @@ export class LmWorker {
             return; // an answer to nothing we sent (an error about an unreadable message has id null)
         }
         this.pending.delete(message.id);
+        this.holdNodeWhileBusy();
         if (message.error !== undefined) {
             const { code, message: text, data } = message.error;
             pending.reject(new RpcError(code, text, data));
@@ -271,6 +280,19 @@ export class LmWorker {
             pending.reject(error);
         }
         this.pending.clear();
+    }
+    /** With `unref`: the process and its pipes keep Node's event loop alive only while a request is pending. */
+    holdNodeWhileBusy() {
+        if (!this.unrefWhenIdle)
+            return;
+        const busy = this.pending.size > 0;
+        const { stdin, stdout, stderr } = this.process;
+        for (const handle of [this.process, ...[stdin, stdout, stderr].map((pipe) => pipe)]) {
+            if (busy)
+                handle.ref();
+            else
+                handle.unref();
+        }
     }
     async exitsWithin(ms) {
         let timer;
