@@ -43,7 +43,11 @@ const PROVIDER = "lm-worker";
 export interface LmWorkerProviderSettings {
   /** A running worker to use; the provider neither starts nor closes it. */
   worker?: LmWorker;
-  /** How to start the provider's own worker (once, on first use) when `worker` is not given. */
+  /**
+   * How to start the provider's own worker (on first use) when `worker` is not given. It is
+   * restarted when it exits unasked (`restart: true` unless these options say otherwise): a
+   * long-running server keeps its provider through a crashed worker.
+   */
   workerOptions?: WorkerOptions;
   /** The rest of `load`'s params (`backend`, `dtype`, `quantization`, …); the model id is `model`. */
   load?: Omit<LoadParams, "model">;
@@ -82,7 +86,7 @@ export function createLmWorker(settings: LmWorkerProviderSettings = {}): LmWorke
       return Promise.resolve(settings.worker);
     }
     if (started === undefined) {
-      const starting = LmWorker.start(settings.workerOptions);
+      const starting = LmWorker.start({ restart: true, ...settings.workerOptions });
       started = starting;
       starting.catch(() => {
         if (started === starting) started = undefined; // a failed start is tried again on the next call

@@ -23,7 +23,7 @@ import {
 import { z } from "zod";
 
 import { createLmWorker, type LmWorkerProvider } from "../src/ai-sdk.js";
-import { LmWorker, type ChatMessage } from "../src/index.js";
+import { LmWorker, WorkerExitedError, type ChatMessage, type WorkerRestart } from "../src/index.js";
 import { python, tinyModel, workerEnv } from "./support.js";
 
 // The tests check warnings themselves; the AI SDK would also print them.
@@ -188,6 +188,33 @@ describe("the AI SDK provider and the model a worker runs", () => {
       exited = (await lm.worker()).exited;
     }
     assert.deepEqual(await exited, { exitCode: 0, signal: null });
+  });
+
+  test("the provider's own worker, killed mid-stream, is replaced on the next call with the model loaded again", async () => {
+    await using lm = createLmWorker({ workerOptions: workerOptions(), load: { backend: "echo", token_delay_ms: 5 } });
+    const worker = await lm.worker();
+    const restarts: WorkerRestart[] = [];
+    worker.on("restart", (event) => restarts.push(event));
+    // onError: the error part is checked here; the AI SDK would also print it.
+    const streamed = streamText({ model: lm("default"), prompt: "k".repeat(2000), onError: () => {} });
+    const errors: unknown[] = [];
+    let killed = false;
+    for await (const part of streamed.fullStream) {
+      if (part.type === "text-delta" && !killed) {
+        killed = true;
+        process.kill(worker.pid!, "SIGKILL");
+      }
+      if (part.type === "error") errors.push(part.error);
+    }
+    assert.equal(errors.length, 1);
+    assert.ok(errors[0] instanceof WorkerExitedError && errors[0].signal === "SIGKILL", String(errors[0]));
+
+    const { text: after } = await generateText({ model: lm("default"), prompt: "back" });
+    assert.equal(after, (await render(lm, [{ role: "user", content: "back" }])).text);
+    assert.equal(await lm.worker(), worker, "the same LmWorker, with a new process");
+    assert.deepEqual(restarts.map((event) => [event.previous.signal, event.model]), [
+      ["SIGKILL", { model: "default", backend: "echo", token_delay_ms: 5 }],
+    ]);
   });
 
   test("the provider has language models only", () => {

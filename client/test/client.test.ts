@@ -11,7 +11,14 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { setTimeout as sleep } from "node:timers/promises";
 
-import { LmWorker, RpcError, WorkerExitedError, WorkerStartError, type GenerateChunk } from "../src/index.js";
+import {
+  LmWorker,
+  RpcError,
+  WorkerExitedError,
+  WorkerStartError,
+  type GenerateChunk,
+  type WorkerRestart,
+} from "../src/index.js";
 import { python, tinyModel, workerEnv } from "./support.js";
 
 const start = (options: Parameters<typeof LmWorker.start>[0] = {}) =>
@@ -342,6 +349,74 @@ describe("lifecycle", () => {
       await worker.close();
     }
   });
+});
+
+describe("restarts", () => {
+  /** Read `stream` until `count` chunks have come, then kill its worker with SIGKILL. */
+  async function killAfter(worker: LmWorker, stream: AsyncIterable<GenerateChunk>, count: number): Promise<void> {
+    let seen = 0;
+    for await (const chunk of stream) {
+      void chunk;
+      if (++seen === count) process.kill(worker.pid!, "SIGKILL");
+    }
+  }
+
+  test("with restart, a worker killed mid-stream is replaced on the next call, with its model loaded again", async () => {
+    const worker = await start({ restart: true });
+    const restarts: WorkerRestart[] = [];
+    worker.on("restart", (event) => restarts.push(event));
+    try {
+      await worker.load({ backend: "echo", token_delay_ms: 5 });
+      const first = worker.pid!;
+      const stream = worker.generate({ prompt: "m".repeat(2000), max_tokens: 2001 });
+      await assert.rejects(killAfter(worker, stream, 2), WorkerExitedError);
+      await assert.rejects(stream.result, (error: unknown) => error instanceof WorkerExitedError && error.signal === "SIGKILL");
+
+      // The echo backend tokenizes only with a model loaded: the new process has it again.
+      assert.equal((await worker.tokenize({ text: "again" })).count, 6);
+      assert.notEqual(worker.pid, first);
+      assert.equal(worker.capabilities.pid, worker.pid);
+      assert.equal(restarts.length, 1);
+      const [event] = restarts;
+      assert.equal(event!.pid, worker.pid);
+      assert.deepEqual(event!.previous, { exitCode: null, signal: "SIGKILL" });
+      assert.ok(event!.error instanceof WorkerExitedError);
+      assert.deepEqual(event!.model, { backend: "echo", token_delay_ms: 5 });
+      assert.equal((await worker.generate({ prompt: "on", max_tokens: 3 }).result).text, "on");
+    } finally {
+      await worker.close();
+    }
+    // A worker the host closed is not restarted.
+    await assert.rejects(worker.tokenize({ text: "closed" }), /the worker has exited/);
+    assert.equal(restarts.length, 1);
+  });
+
+  test("kills between calls and mid-stream are each restarted, until too many come too soon", async () => {
+    const worker = await start({ restart: { maxRestarts: 2, withinMs: 60_000 } });
+    try {
+      await worker.load({ backend: "echo", token_delay_ms: 5 });
+      process.kill(worker.pid!, "SIGKILL"); // idle, between calls
+      await worker.exited;
+      assert.equal((await worker.generate({ prompt: "one", max_tokens: 4 }).result).text, "one");
+
+      const stream = worker.generate({ prompt: "m".repeat(2000), max_tokens: 2001 });
+      await assert.rejects(killAfter(worker, stream, 2), WorkerExitedError);
+      assert.equal((await worker.tokenize({ text: "two" })).count, 4);
+
+      process.kill(worker.pid!, "SIGKILL"); // the third exit within a minute: final
+      await worker.exited;
+      for (let i = 0; i < 2; i++) {
+        await assert.rejects(worker.tokenize({ text: "three" }), (error: unknown) => {
+          assert.ok(error instanceof WorkerExitedError);
+          assert.match(error.message, /exited again after 2 restarts within 60 s, so it is not restarted any more/);
+          return true;
+        });
+      }
+    } finally {
+      await worker.close();
+    }
+  });
+
 });
 
 describe("with the tiny transformers model", () => {

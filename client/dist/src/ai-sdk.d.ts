@@ -13,7 +13,11 @@ import type { GenerateParams, LoadParams } from "./protocol-types.js";
 export interface LmWorkerProviderSettings {
     /** A running worker to use; the provider neither starts nor closes it. */
     worker?: LmWorker;
-    /** How to start the provider's own worker (once, on first use) when `worker` is not given. */
+    /**
+     * How to start the provider's own worker (on first use) when `worker` is not given. It is
+     * restarted when it exits unasked (`restart: true` unless these options say otherwise): a
+     * long-running server keeps its provider through a crashed worker.
+     */
     workerOptions?: WorkerOptions;
     /** The rest of `load`'s params (`backend`, `dtype`, `quantization`, …); the model id is `model`. */
     load?: Omit<LoadParams, "model">;

@@ -17,7 +17,7 @@ export function createLmWorker(settings = {}) {
             return Promise.resolve(settings.worker);
         }
         if (started === undefined) {
-            const starting = LmWorker.start(settings.workerOptions);
+            const starting = LmWorker.start({ restart: true, ...settings.workerOptions });
             started = starting;
             starting.catch(() => {
                 if (started === starting)

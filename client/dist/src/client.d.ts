@@ -6,8 +6,9 @@
  * If the process exits, every pending call rejects with a WorkerExitedError carrying
  * the exit code or signal and the tail of the worker's stderr.
  */
+import { WorkerExitedError } from "./errors.js";
 import { type Framing } from "./framing.js";
-import type { CapabilitiesResult, GenerateChunk, GenerateParams, GenerateResult, MethodName, Methods, PrefillParams, PrefillProgress, PrefillResult, WorkerNotifications } from "./protocol-types.js";
+import type { CapabilitiesResult, GenerateChunk, GenerateParams, GenerateResult, LoadParams, MethodName, Methods, PrefillParams, PrefillProgress, PrefillResult, WorkerNotifications } from "./protocol-types.js";
 export interface WorkerOptions {
     /** The Python to run; else $LM_WORKER_PYTHON, this package's .venv, or the one `lm-worker setup` made. */
     python?: string;
@@ -28,6 +29,34 @@ export interface WorkerOptions {
      * exits too). Default false: a running worker keeps Node alive until it is closed.
      */
     unref?: boolean;
+    /**
+     * Replace a worker that exits without being asked to (killed, crashed): the next call
+     * starts a new process, loads the model the last `load` loaded (unless unloaded since),
+     * emits `restart`, then runs. The calls in flight at the exit still reject with its
+     * `WorkerExitedError`. After `maxRestarts` restarts (default 3) within `withinMs`
+     * (default 60 s), the next exit is final: calls reject with a `WorkerExitedError` that
+     * says so. Default false: an exited worker stays exited.
+     */
+    restart?: boolean | {
+        maxRestarts?: number;
+        withinMs?: number;
+    };
+}
+/** The `restart` event: a new worker process took the place of one that exited. */
+export interface WorkerRestart {
+    /** The new process. */
+    pid: number;
+    /** How the previous one exited, and the error its calls in flight rejected with. */
+    previous: WorkerExit;
+    error: WorkerExitedError;
+    /** The model loaded again in the new process; null when none was loaded. */
+    model: LoadParams | null;
+    /** Restarts within the `withinMs` window, this one included. */
+    restarts: number;
+}
+/** What `on` listens to: the worker's notifications and the client's own `restart`. */
+export interface WorkerEvents extends WorkerNotifications {
+    restart: WorkerRestart;
 }
 export interface CallOptions {
     /**
@@ -44,25 +73,36 @@ export interface WorkerExit {
 type Params<M extends MethodName> = Methods[M]["params"];
 type Result<M extends MethodName> = Methods[M]["result"];
 export declare class LmWorker {
-    /** What the worker answered to `capabilities` when it started. */
+    /** What the worker answered to `capabilities` when it (or, after a restart, its replacement) started. */
     capabilities: CapabilitiesResult;
-    /** Settles when the process has exited and its pipes are closed; never rejects. */
-    readonly exited: Promise<WorkerExit>;
-    private readonly process;
+    private readonly options;
     private readonly framing;
     private readonly unrefWhenIdle;
-    private readonly decoder;
+    private readonly restartLimit;
     private readonly pending;
     private readonly streams;
     private readonly progress;
     private readonly listeners;
     private nextId;
+    private process;
+    private decoder;
+    private exitPromise;
     private stderrTail;
     private exit;
+    private exitError;
+    private model;
+    private restartTimes;
+    private restarting;
+    private gaveUp;
+    private ended;
+    /** Requests cancelled before they could be sent (they wait for a restart): cancelled once sent. */
+    private readonly cancelledUnsent;
     private constructor();
     /** Spawn a worker and wait until it answers `capabilities`; aborting `signal` kills it. */
     static start(options?: WorkerOptions & CallOptions): Promise<LmWorker>;
     get pid(): number | undefined;
+    /** Settles when the current process has exited and its pipes are closed; never rejects. */
+    get exited(): Promise<WorkerExit>;
     /** Requests sent and not answered yet. */
     get pendingRequests(): number;
     /** Call a method by name; params and result are typed from the protocol's schemas. */
@@ -93,8 +133,11 @@ export declare class LmWorker {
     generate(params: GenerateParams, options?: CallOptions & {
         highWaterMark?: number;
     }): GenerateStream;
-    /** Listen to a notification from the worker; returns a function that stops listening. */
-    on<N extends keyof WorkerNotifications>(method: N, listener: (params: WorkerNotifications[N]) => void): () => void;
+    /**
+     * Listen to a notification from the worker, or to the client's own `restart`; returns a
+     * function that stops listening.
+     */
+    on<N extends keyof WorkerEvents>(method: N, listener: (params: WorkerEvents[N]) => void): () => void;
     /**
      * Ask the worker to finish: `shutdown` (it answers after every earlier request), then `exit`.
      * If it has not exited after `timeoutMs`, SIGTERM; after as long again, SIGKILL.
@@ -102,9 +145,20 @@ export declare class LmWorker {
     close(timeoutMs?: number): Promise<WorkerExit>;
     /** `await using worker = await LmWorker.start()`: the worker is closed as the scope ends. */
     [Symbol.asyncDispose](): Promise<void>;
-    /** Stop the worker at once (SIGKILL) and wait for it. */
+    /** Stop the worker at once (SIGKILL) and wait for it; it is not restarted. */
     kill(): Promise<WorkerExit>;
+    private spawn;
+    /** Wait for the new process's `capabilities`, within `startTimeoutMs`. */
+    private handshake;
+    /** The process has exited: may a new one take its place (else: the error that says why not)? */
+    private replaceable;
+    /** Start a new process in place of the exited one, load its model again, and say so. */
+    private replace;
+    /** A request, sent now, or once a restart has replaced an exited process. */
     private request;
+    private sendRequest;
+    /** `$/cancelRequest`, at once if the request was sent, else as soon as it is. */
+    private cancelRequest;
     private notify;
     private send;
     private receive;

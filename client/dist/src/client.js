@@ -12,78 +12,58 @@ import { encode, FrameDecoder } from "./framing.js";
 import { findPython } from "./python.js";
 const STDERR_TAIL_BYTES = 8192;
 export class LmWorker {
-    /** What the worker answered to `capabilities` when it started. */
+    /** What the worker answered to `capabilities` when it (or, after a restart, its replacement) started. */
     capabilities;
-    /** Settles when the process has exited and its pipes are closed; never rejects. */
-    exited;
-    process;
+    options;
     framing;
     unrefWhenIdle;
-    decoder;
+    restartLimit;
     pending = new Map();
     streams = new Map();
     progress = new Map();
     listeners = new Map();
     nextId = 1;
+    // The process now, and what belongs to it alone.
+    process;
+    decoder;
+    exitPromise;
     stderrTail = "";
     exit = null;
+    exitError = null;
+    // Restarts: what to load again, when the last ones were, whether the host ended the worker.
+    model = null;
+    restartTimes = [];
+    restarting = null;
+    gaveUp = null;
+    ended = false;
+    /** Requests cancelled before they could be sent (they wait for a restart): cancelled once sent. */
+    cancelledUnsent = new Set();
     constructor(options) {
+        this.options = options;
         this.framing = options.framing ?? "ndjson";
         this.unrefWhenIdle = options.unref ?? false;
-        this.decoder = new FrameDecoder(this.framing);
-        // -P: the host's working directory is not on sys.path, so a worker.py or protocol/ of the
-        // host's own cannot stand in for the installed package.
-        const args = ["-P", "-m", "worker", "--framing", this.framing, ...(options.args ?? [])];
-        this.process = spawn(findPython(options.python), args, {
-            cwd: options.cwd,
-            env: { ...process.env, ...options.env },
-            stdio: ["pipe", "pipe", "pipe"],
-        });
-        this.process.stdout.on("data", (data) => this.receive(data));
-        this.process.stderr.on("data", (data) => {
-            const text = data.toString("utf8");
-            this.stderrTail = (this.stderrTail + text).slice(-STDERR_TAIL_BYTES);
-            options.onStderr?.(text);
-        });
-        this.process.stdin.on("error", () => { }); // a dead worker's stdin: the exit handler reports it
-        this.exited = new Promise((resolve) => {
-            this.process.on("error", (error) => {
-                this.stderrTail += `\n${error.message}`;
-            });
-            // "close" comes after "exit" and after the pipes are drained: no answer is lost.
-            this.process.on("close", (exitCode, signal) => {
-                this.exit = { exitCode, signal };
-                this.failAll(new WorkerExitedError(this.exit.exitCode, this.exit.signal, this.stderrTail.trim()));
-                resolve(this.exit);
-            });
-        });
-        this.holdNodeWhileBusy();
+        const restart = options.restart === true ? {} : options.restart || null;
+        this.restartLimit = restart && { maxRestarts: restart.maxRestarts ?? 3, withinMs: restart.withinMs ?? 60_000 };
+        this.spawn();
     }
     /** Spawn a worker and wait until it answers `capabilities`; aborting `signal` kills it. */
     static async start(options = {}) {
         const worker = new LmWorker(options);
-        const timeoutMs = options.startTimeoutMs ?? 60_000;
-        let timer;
-        const timeout = new Promise((_, reject) => {
-            timer = setTimeout(() => reject(new WorkerStartError(`the worker did not answer capabilities within ${timeoutMs} ms`)), timeoutMs);
-        });
         try {
-            worker.capabilities = await Promise.race([worker.call("capabilities", undefined, { signal: options.signal }), timeout]);
+            await worker.handshake(options.signal);
             return worker;
         }
         catch (error) {
             await worker.kill();
-            if (error instanceof WorkerExitedError) {
-                throw new WorkerStartError(`the worker could not start: ${error.message}`, { cause: error });
-            }
             throw error;
-        }
-        finally {
-            clearTimeout(timer);
         }
     }
     get pid() {
         return this.process.pid;
+    }
+    /** Settles when the current process has exited and its pipes are closed; never rejects. */
+    get exited() {
+        return this.exitPromise;
     }
     /** Requests sent and not answered yet. */
     get pendingRequests() {
@@ -142,13 +122,16 @@ export class LmWorker {
     generate(params, options = {}) {
         const window = params.stream_window ?? options.highWaterMark ?? 64;
         const { id, promise } = this.request("generate", { ...params, stream_window: window }, options.signal);
-        const stream = new GenerateStream(id, promise, window, (index) => this.notify("generate/ack", { id, index }), () => this.notify("$/cancelRequest", { id }));
+        const stream = new GenerateStream(id, promise, window, (index) => this.notify("generate/ack", { id, index }), () => this.cancelRequest(id));
         this.streams.set(id, stream);
         const forget = () => this.streams.delete(id);
         promise.then(forget, forget);
         return stream;
     }
-    /** Listen to a notification from the worker; returns a function that stops listening. */
+    /**
+     * Listen to a notification from the worker, or to the client's own `restart`; returns a
+     * function that stops listening.
+     */
     on(method, listener) {
         const set = this.listeners.get(method) ?? new Set();
         this.listeners.set(method, set);
@@ -161,6 +144,8 @@ export class LmWorker {
      * If it has not exited after `timeoutMs`, SIGTERM; after as long again, SIGKILL.
      */
     async close(timeoutMs = 5000) {
+        this.ended = true;
+        await this.restarting?.catch(() => { });
         if (this.exit === null) {
             this.call("shutdown")
                 .then(() => this.notify("exit"))
@@ -178,16 +163,129 @@ export class LmWorker {
     async [Symbol.asyncDispose]() {
         await this.close();
     }
-    /** Stop the worker at once (SIGKILL) and wait for it. */
+    /** Stop the worker at once (SIGKILL) and wait for it; it is not restarted. */
     async kill() {
+        this.ended = true;
+        await this.restarting?.catch(() => { });
         if (this.exit === null) {
             this.process.kill("SIGKILL");
         }
         return this.exited;
     }
+    // --- the process and its replacement ------------------------------------------------------
+    spawn() {
+        const options = this.options;
+        // -P: the host's working directory is not on sys.path, so a worker.py or protocol/ of the
+        // host's own cannot stand in for the installed package.
+        const args = ["-P", "-m", "worker", "--framing", this.framing, ...(options.args ?? [])];
+        const child = spawn(findPython(options.python), args, {
+            cwd: options.cwd,
+            env: { ...process.env, ...options.env },
+            stdio: ["pipe", "pipe", "pipe"],
+        });
+        this.process = child;
+        this.decoder = new FrameDecoder(this.framing);
+        this.exit = null;
+        this.exitError = null;
+        this.stderrTail = "";
+        child.stdout.on("data", (data) => this.receive(data));
+        child.stderr.on("data", (data) => {
+            const text = data.toString("utf8");
+            this.stderrTail = (this.stderrTail + text).slice(-STDERR_TAIL_BYTES);
+            options.onStderr?.(text);
+        });
+        child.stdin.on("error", () => { }); // a dead worker's stdin: the exit handler reports it
+        this.exitPromise = new Promise((resolve) => {
+            child.on("error", (error) => {
+                this.stderrTail += `\n${error.message}`;
+            });
+            // "close" comes after "exit" and after the pipes are drained: no answer is lost.
+            child.on("close", (exitCode, signal) => {
+                this.exit = { exitCode, signal };
+                this.exitError = new WorkerExitedError(exitCode, signal, this.stderrTail.trim());
+                this.failAll(this.exitError);
+                resolve(this.exit);
+            });
+        });
+        this.holdNodeWhileBusy();
+    }
+    /** Wait for the new process's `capabilities`, within `startTimeoutMs`. */
+    async handshake(signal) {
+        const timeoutMs = this.options.startTimeoutMs ?? 60_000;
+        let timer;
+        const timeout = new Promise((_, reject) => {
+            timer = setTimeout(() => reject(new WorkerStartError(`the worker did not answer capabilities within ${timeoutMs} ms`)), timeoutMs);
+        });
+        try {
+            this.capabilities = (await Promise.race([this.sendRequest("capabilities", undefined, signal).promise, timeout]));
+        }
+        catch (error) {
+            if (error instanceof WorkerExitedError) {
+                throw new WorkerStartError(`the worker could not start: ${error.message}`, { cause: error });
+            }
+            throw error;
+        }
+        finally {
+            clearTimeout(timer);
+        }
+    }
+    /** The process has exited: may a new one take its place (else: the error that says why not)? */
+    replaceable() {
+        const exit = this.exit;
+        const gone = (context) => new WorkerExitedError(exit.exitCode, exit.signal, this.stderrTail.trim(), context);
+        if (this.restartLimit === null || this.ended) {
+            return gone("the worker has exited");
+        }
+        const { maxRestarts, withinMs } = this.restartLimit;
+        const now = Date.now();
+        this.restartTimes = this.restartTimes.filter((time) => now - time < withinMs);
+        if (this.gaveUp === null && this.restartTimes.length >= maxRestarts) {
+            this.gaveUp = gone(`the worker exited again after ${maxRestarts} restarts within ${withinMs / 1000} s, so it is not restarted any more`);
+        }
+        return this.gaveUp;
+    }
+    /** Start a new process in place of the exited one, load its model again, and say so. */
+    replace() {
+        this.restarting ??= (async () => {
+            const previous = this.exit;
+            const error = this.exitError;
+            this.restartTimes.push(Date.now());
+            this.spawn();
+            try {
+                await this.handshake();
+                if (this.model !== null)
+                    await this.sendRequest("load", this.model).promise;
+            }
+            catch (failure) {
+                if (this.exit === null)
+                    this.process.kill("SIGKILL");
+                await this.exited;
+                throw failure;
+            }
+            const event = { pid: this.process.pid, previous, error, model: this.model, restarts: this.restartTimes.length };
+            for (const listener of this.listeners.get("restart") ?? []) {
+                listener(event);
+            }
+        })().finally(() => {
+            this.restarting = null;
+        });
+        return this.restarting;
+    }
     // --- the wire ----------------------------------------------------------------------------
+    /** A request, sent now, or once a restart has replaced an exited process. */
     request(method, params, signal) {
+        if (this.exit === null && this.restarting === null) {
+            return this.sendRequest(method, params, signal);
+        }
         const id = this.nextId++;
+        const whyNot = this.exit !== null && this.restarting === null ? this.replaceable() : null;
+        if (whyNot !== null) {
+            return { id, promise: Promise.reject(whyNot) };
+        }
+        const promise = this.replace().then(() => this.sendRequest(method, params, signal, id).promise);
+        return { id, promise };
+    }
+    sendRequest(method, params, signal, id = this.nextId++) {
         // A generate ends with the worker's answer to a cancel (its partial result); any other
         // call ends at the abort itself, with the signal's reason, as fetch does. The worker's
         // later answer to it finds the promise settled (it still counts in pendingRequests until then).
@@ -202,14 +300,21 @@ export class LmWorker {
                 reject(signal.reason); // nothing sent
                 return;
             }
+            if (method === "shutdown") {
+                this.ended = true; // the host ends the worker: its exit is no crash
+            }
             rejectAtAbort = reject;
-            this.pending.set(id, { method, resolve, reject });
+            this.pending.set(id, { method, params, resolve, reject });
             this.holdNodeWhileBusy();
             this.send({ jsonrpc: "2.0", id, method, ...(params === undefined ? {} : { params }) });
+            if (this.cancelledUnsent.delete(id)) {
+                this.notify("$/cancelRequest", { id });
+            }
         });
+        promise.catch(() => this.cancelledUnsent.delete(id));
         if (signal) {
             const abort = () => {
-                this.notify("$/cancelRequest", { id });
+                this.cancelRequest(id);
                 if (endsAtAbort)
                     rejectAtAbort(signal.reason);
             };
@@ -224,6 +329,15 @@ export class LmWorker {
             }
         }
         return { id, promise };
+    }
+    /** `$/cancelRequest`, at once if the request was sent, else as soon as it is. */
+    cancelRequest(id) {
+        if (this.pending.has(id)) {
+            this.notify("$/cancelRequest", { id });
+        }
+        else {
+            this.cancelledUnsent.add(id);
+        }
     }
     notify(method, params) {
         if (this.exit === null) {
@@ -257,10 +371,14 @@ export class LmWorker {
         if (message.error !== undefined) {
             const { code, message: text, data } = message.error;
             pending.reject(new RpcError(code, text, data));
+            return;
         }
-        else {
-            pending.resolve(message.result);
-        }
+        // The model a replacement process loads again: the last one loaded, unless unloaded since.
+        if (pending.method === "load")
+            this.model = pending.params;
+        if (pending.method === "unload")
+            this.model = null;
+        pending.resolve(message.result);
     }
     onNotification(method, params) {
         if (method === "generate/chunk") {
