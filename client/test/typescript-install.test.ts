@@ -47,7 +47,9 @@ export function misuses(worker: LmWorker, error: RpcError): unknown[] {
   const pid: string = worker.capabilities.pid;
   // @ts-expect-error an RpcError's code is a number
   const code: string = error.code;
-  return [notAString, badOptions, badParams, pid, code];
+  // @ts-expect-error its kind is one of the protocol's ErrorKind union
+  const unknownKind = error.kind === "no_such_kind";
+  return [notAString, badOptions, badParams, pid, code, unknownKind];
 }
 
 try {
