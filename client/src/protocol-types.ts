@@ -476,6 +476,7 @@ export type ErrorKind =
   | "shutting_down" // -32000
   | "model_not_loaded" // -32001
   | "model_load_failed" // -32002
+  | "model_not_found" // -32002
   | "backend_not_found" // -32003
   | "backend_unavailable" // -32004
   | "context_overflow" // -32005
