@@ -27,7 +27,7 @@ const source = `
 import { generateText, Output, streamText, type LanguageModel } from "ai";
 import { z } from "zod";
 import { LmWorker, RpcError, type GenerateParams } from "lm-worker";
-import { createLmWorker, type LmWorkerCallOptions } from "lm-worker/ai-sdk";
+import { createLmWorker, lmWorker, type LmWorkerCallOptions } from "lm-worker/ai-sdk";
 import packageJson from "lm-worker/package.json" with { type: "json" };
 
 const lm = createLmWorker({ workerOptions: { args: ["--log-level", "warning"] } });
@@ -37,6 +37,8 @@ const model: LanguageModel = lm(process.env.LM_WORKER_MODEL!);
 export function misuses(worker: LmWorker, error: RpcError): unknown[] {
   // @ts-expect-error the provider's model is the AI SDK's LanguageModelV4, not a string
   const notAString: string = lm("default");
+  // @ts-expect-error and so is the ready provider's
+  const notANumber: number = lmWorker("default");
   // @ts-expect-error and it has no such method
   lm("default").noSuchMethod();
   // @ts-expect-error the provider's options are typed: cache is a string
@@ -49,7 +51,7 @@ export function misuses(worker: LmWorker, error: RpcError): unknown[] {
   const code: string = error.code;
   // @ts-expect-error its kind is one of the protocol's ErrorKind union
   const unknownKind = error.kind === "no_such_kind";
-  return [notAString, badOptions, badParams, pid, code, unknownKind];
+  return [notAString, notANumber, badOptions, badParams, pid, code, unknownKind];
 }
 
 try {
@@ -100,7 +102,7 @@ test("a TypeScript project that installs the checkout as a folder gets real type
     // @types/json-schema: the AI SDK's own types need it (@ai-sdk/provider has it as a devDependency only).
     const { devDependencies } = JSON.parse(readFileSync(join(repoRoot, "package.json"), "utf8"));
     const packages = [
-      `ai@${devDependencies.ai}`, `zod@${devDependencies.zod}`,
+      `ai@${devDependencies.ai}`, `zod@${installed("zod")}`,
       `@types/node@${installed("@types/node")}`, `@types/json-schema@${installed("@types/json-schema")}`,
     ];
     await run("npm", ["install", "--prefer-offline", "--no-audit", "--no-fund", ...packages, checkout], {

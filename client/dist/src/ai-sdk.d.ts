@@ -2,10 +2,10 @@
  * An AI SDK provider (`import { createLmWorker } from "lm-worker/ai-sdk"`): `generateText`,
  * `streamText`, tools and structured output of the `ai` package, run by an lm-worker.
  *
- * It implements the AI SDK's LanguageModelV4 specification, whose types come from
- * `@ai-sdk/provider` (a dependency, so that they resolve wherever the package is installed);
- * the errors it throws carry the AI SDK's markers, so `NoSuchModelError.isInstance` and the
- * like recognize them.
+ * It implements the AI SDK's LanguageModelV4 specification, whose types and error classes
+ * come from `@ai-sdk/provider` (a dependency, so that they resolve wherever the package is
+ * installed): the worker's errors reach the AI SDK as its own (NoSuchModelError,
+ * LoadSettingError, APICallError), so its retries and `isInstance` checks work.
  */
 import type { LanguageModelV4, ProviderV4 } from "@ai-sdk/provider";
 import { LmWorker, type WorkerOptions } from "./client.js";
@@ -22,7 +22,7 @@ export interface LmWorkerProviderSettings {
     /** The rest of `load`'s params (`backend`, `dtype`, `quantization`, …); the model id is `model`. */
     load?: Omit<LoadParams, "model">;
 }
-/** `providerOptions["lm-worker"]` of a call. */
+/** `providerOptions.lmWorker` of a call. */
 export interface LmWorkerCallOptions {
     /** `"auto"` (find the longest stored prefix, store this turn) or a cache ref (PROTOCOL §18). */
     cache?: string;
@@ -47,3 +47,9 @@ export interface LmWorkerProvider extends ProviderV4 {
     [Symbol.asyncDispose](): Promise<void>;
 }
 export declare function createLmWorker(settings?: LmWorkerProviderSettings): LmWorkerProvider;
+/**
+ * A ready provider, as other providers ship one: `lmWorker("default")`. Its worker (the
+ * default options, restarted if it crashes) starts on the first call; `lmWorker.close()`
+ * stops it.
+ */
+export declare const lmWorker: LmWorkerProvider;
