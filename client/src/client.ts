@@ -410,7 +410,13 @@ export class LmWorker {
     if (whyNot !== null) {
       return { id, promise: Promise.reject(whyNot) };
     }
-    const promise = this.replace().then(() => this.sendRequest(method, params, signal, id).promise);
+    const promise = this.replace().then(
+      () => this.sendRequest(method, params, signal, id).promise,
+      (error: unknown) => {
+        this.cancelledUnsent.delete(id); // never sent: nothing to cancel
+        throw error;
+      },
+    );
     return { id, promise };
   }
 

@@ -5,10 +5,10 @@ import assert from "node:assert/strict";
 import { execFileSync, spawnSync } from "node:child_process";
 import { getEventListeners } from "node:events";
 import { after, before, describe, test } from "node:test";
-import { mkdirSync, rmSync, writeFileSync } from "node:fs";
+import { cpSync, mkdirSync, rmSync, writeFileSync } from "node:fs";
 import { mkdtemp } from "node:fs/promises";
 import { tmpdir } from "node:os";
-import { join } from "node:path";
+import { dirname, join } from "node:path";
 import { setTimeout as sleep } from "node:timers/promises";
 
 import {
@@ -417,6 +417,28 @@ describe("restarts", () => {
     }
   });
 
+});
+
+test("a restart whose model cannot be loaded again fails the call waiting for it; the next call tries again", async () => {
+  const model = join(await mkdtemp(join(tmpdir(), "lm-worker-moved-")), "model");
+  cpSync(await tinyModel(), model, { recursive: true });
+  const worker = await start({ restart: true });
+  try {
+    await worker.load({ model });
+    process.kill(worker.pid!, "SIGKILL");
+    await worker.exited;
+    rmSync(model, { recursive: true });
+    const cancelled = new AbortController();
+    const waiting = worker.generate({ prompt: "x", max_tokens: 2 }, { signal: cancelled.signal });
+    cancelled.abort(); // while it waits for the restart: nothing is left to cancel once it fails
+    await assert.rejects(waiting.result, (error: unknown) => error instanceof RpcError && error.kind === "model_not_found");
+    await worker.exited; // the new process that could not load it is stopped
+    cpSync(await tinyModel(), model, { recursive: true });
+    assert.equal((await worker.tokenize({ text: "back", add_special_tokens: false })).tokens.length > 0, true);
+  } finally {
+    await worker.close();
+    rmSync(dirname(model), { recursive: true, force: true });
+  }
 });
 
 describe("with the tiny transformers model", () => {

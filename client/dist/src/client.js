@@ -282,7 +282,10 @@ export class LmWorker {
         if (whyNot !== null) {
             return { id, promise: Promise.reject(whyNot) };
         }
-        const promise = this.replace().then(() => this.sendRequest(method, params, signal, id).promise);
+        const promise = this.replace().then(() => this.sendRequest(method, params, signal, id).promise, (error) => {
+            this.cancelledUnsent.delete(id); // never sent: nothing to cancel
+            throw error;
+        });
         return { id, promise };
     }
     sendRequest(method, params, signal, id = this.nextId++) {
