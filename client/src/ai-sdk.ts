@@ -367,6 +367,7 @@ const callOptionsSchema = z.object({
       ngram_min: z.number().int().min(1).max(16).optional(),
     })
     .strict()
+    .nullable()
     .optional(),
 }) satisfies z.ZodType<LmWorkerCallOptions>;
 

@@ -1,10 +1,11 @@
 /**
  * LmWorker: spawn `python -m worker`, call its methods with types, stream `generate`.
  *
- * One process per LmWorker. Requests are written as they are made; the worker answers
- * model requests one at a time, in order, and the rest at once (docs/PROTOCOL.md §5).
+ * One process at a time per LmWorker. Requests are written as they are made; the worker
+ * answers model requests one at a time, in order, and the rest at once (docs/PROTOCOL.md §5).
  * If the process exits, every pending call rejects with a WorkerExitedError carrying
- * the exit code or signal and the tail of the worker's stderr.
+ * the exit code or signal and the tail of the worker's stderr; with the `restart` option,
+ * the next call starts a new process in its place.
  */
 
 import { spawn, type ChildProcessWithoutNullStreams } from "node:child_process";

@@ -461,6 +461,9 @@ describe("the AI SDK's conventions", () => {
     assert.equal(both.body.min_p, 0.1);
     assert.match((both.warnings![0] as { message: string }).message, /is ignored/);
 
+    const noDraft = await requestBody({ lmWorker: { draft: null } }); // as LmWorkerCallOptions types it
+    assert.equal(noDraft.body.draft, null);
+
     const unknown = await requestBody({ lmWorker: { topA: 3 } });
     assert.deepEqual(unknown.warnings, [{ type: "unsupported", feature: "providerOptions.lmWorker.topA" }]);
   });
