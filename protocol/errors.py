@@ -26,6 +26,8 @@ class ErrorKind(enum.StrEnum):
     SHUTTING_DOWN = "shutting_down"
     MODEL_NOT_LOADED = "model_not_loaded"
     MODEL_LOAD_FAILED = "model_load_failed"
+    # The model path names nothing: a host tells "no such model" from a broken one by kind alone.
+    MODEL_NOT_FOUND = "model_not_found"
     BACKEND_NOT_FOUND = "backend_not_found"
     BACKEND_UNAVAILABLE = "backend_unavailable"
     CONTEXT_OVERFLOW = "context_overflow"
@@ -58,6 +60,7 @@ CODES: dict[ErrorKind, int] = {
     ErrorKind.SHUTTING_DOWN: -32000,
     ErrorKind.MODEL_NOT_LOADED: -32001,
     ErrorKind.MODEL_LOAD_FAILED: -32002,
+    ErrorKind.MODEL_NOT_FOUND: -32002,
     ErrorKind.BACKEND_NOT_FOUND: -32003,
     ErrorKind.BACKEND_UNAVAILABLE: -32004,
     ErrorKind.CONTEXT_OVERFLOW: -32005,

@@ -4,7 +4,8 @@
     python -m protocol.schema schemas --check  # exit 1 if the files are stale
 
 One file per method's params and result and per notification's params, each
-self-contained, plus ``index.json`` that maps the wire names to the files.
+self-contained, plus ``index.json`` that maps the wire names to the files and
+every error kind to its code.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from protocol.errors import CODES, ErrorKind
 from protocol.methods import HOST_NOTIFICATIONS, METHODS, PROTOCOL_VERSION, WORKER_NOTIFICATIONS
 
 
@@ -46,6 +48,8 @@ def build() -> dict[str, dict[str, Any]]:
             stem = _file_stem(name)
             files[f"{stem}.notification.json"] = _schema(params, f"{name} notification params")
             index["notifications"][name] = {"direction": direction, "params": f"{stem}.notification.json"}
+    # Every error kind (`error.data.kind`) with its code, so that hosts can type and branch on them.
+    index["errors"] = {kind.value: CODES[kind] for kind in ErrorKind}
     files["index.json"] = index
     return files
 

@@ -9,6 +9,7 @@ import jsonschema
 import pytest
 
 from protocol import schema
+from protocol.errors import CODES, ErrorKind
 from worker import transcript
 
 SCHEMAS = Path(__file__).parent.parent / "schemas"
@@ -37,6 +38,10 @@ def test_every_method_and_notification_has_its_files():
     for entry in index["methods"].values():
         assert (SCHEMAS / entry["params"]).is_file() and (SCHEMAS / entry["result"]).is_file()
     assert set(index["notifications"]) == {"generate/chunk", "prefill/progress", "$/cancelRequest", "generate/ack", "exit"}
+
+
+def test_the_index_names_every_error_kind_with_its_code():
+    assert load("index.json")["errors"] == {kind.value: CODES[kind] for kind in ErrorKind}
 
 
 def test_params_schemas_refuse_unknown_fields_like_the_worker():

@@ -414,7 +414,10 @@ def bad_load_cases(tmp: Path, tiny: Path) -> dict[str, tuple[dict, tuple]]:
     tiny_with = lambda **p: {"model": str(tiny), **p}  # noqa: E731
     failed = (-32002, "model_load_failed", "params.model")
     return {
-        "unknown-path": ({"model": str(tmp / "nowhere")}, (*failed, "no such file or directory")),
+        "unknown-path": (
+            {"model": str(tmp / "nowhere")},
+            (-32002, "model_not_found", "params.model", "no such file or directory"),
+        ),
         "directory-that-is-not-a-model": ({"model": str(tmp / "empty-dir")}, (*failed, "no config.json")),
         "corrupt-gguf": ({"model": str(tmp / "random.gguf")}, (*failed, "random.gguf", "GGUF")),
         "truncated-gguf": ({"model": str(tmp / "truncated.gguf")}, (*failed, "truncated.gguf")),

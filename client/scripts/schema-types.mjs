@@ -8,7 +8,8 @@
 // Reads schemas/index.json and every file it names (written by `python -m protocol.schema
 // schemas`, from msgspec), and emits one TypeScript declaration per struct in the files'
 // $defs (deduplicated by title: a title defined twice must have the same schema), then
-// the Methods / WorkerNotifications / HostNotifications maps and PROTOCOL_VERSION.
+// the Methods / WorkerNotifications / HostNotifications maps, PROTOCOL_VERSION and the
+// ErrorKind union (index.json's errors: kind → code).
 // Only the part of JSON Schema that msgspec emits is understood; anything else fails
 // loudly rather than being typed wrongly. No dependencies; output is deterministic.
 
@@ -21,7 +22,7 @@ const DEFAULT_SCHEMAS = join(ROOT, "schemas");
 const DEFAULT_OUT = join(ROOT, "client", "src", "protocol-types.ts");
 
 /** Names the generator itself exports; a struct may not take one. */
-const RESERVED = new Set(["Methods", "MethodName", "WorkerNotifications", "HostNotifications", "PROTOCOL_VERSION"]);
+const RESERVED = new Set(["Methods", "MethodName", "WorkerNotifications", "HostNotifications", "PROTOCOL_VERSION", "ErrorKind"]);
 
 /** Keywords understood when turning a schema into a type (annotations and constraints included). */
 const KNOWN = new Set([
@@ -354,6 +355,10 @@ export function generate(schemasDir) {
   if (typeof version !== "string" || version === "") fail(`${indexPath}: protocol_version is not a string`);
   if (!isObject(index.methods)) fail(`${indexPath}: methods is not an object`);
   if (!isObject(index.notifications)) fail(`${indexPath}: notifications is not an object`);
+  if (!isObject(index.errors)) fail(`${indexPath}: errors is not an object`);
+  for (const [kind, code] of Object.entries(index.errors)) {
+    if (!Number.isInteger(code)) fail(`${indexPath}: errors.${kind} is not an integer code`);
+  }
 
   const cache = new Map();
   const load = (name, where) => {
@@ -412,6 +417,13 @@ export function generate(schemasDir) {
   };
   notificationMap("WorkerNotifications", "Notifications the worker sends to the host: method → params.", notifications.worker_to_host);
   notificationMap("HostNotifications", "Notifications the host sends to the worker: method → params.", notifications.host_to_worker);
+
+  out.push(
+    "/** An error's `data.kind`: the protocol's stable name for it, here with its JSON-RPC code (docs/PROTOCOL.md §12). */",
+    "export type ErrorKind =",
+    ...Object.entries(index.errors).map(([kind, code], i, all) => `  | ${JSON.stringify(kind)}${i === all.length - 1 ? ";" : ""} // ${code}`),
+    "",
+  );
 
   return `${out.join("\n").trimEnd()}\n`;
 }

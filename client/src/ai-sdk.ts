@@ -2,12 +2,19 @@
  * An AI SDK provider (`import { createLmWorker } from "lm-worker/ai-sdk"`): `generateText`,
  * `streamText`, tools and structured output of the `ai` package, run by an lm-worker.
  *
- * It implements the AI SDK's LanguageModelV4 specification. Only its types come from
- * `@ai-sdk/provider` (an optional peer dependency), so this module adds nothing at run time;
- * the errors it throws carry the AI SDK's markers, so `NoSuchModelError.isInstance` and the
- * like recognize them.
+ * It implements the AI SDK's LanguageModelV4 specification, whose types and error classes
+ * come from `@ai-sdk/provider` (a dependency, so that they resolve wherever the package is
+ * installed): the worker's errors reach the AI SDK as its own (NoSuchModelError,
+ * LoadSettingError, APICallError), so its retries and `isInstance` checks work.
  */
 
+import {
+  APICallError,
+  InvalidArgumentError,
+  LoadSettingError,
+  NoSuchModelError,
+  UnsupportedFunctionalityError,
+} from "@ai-sdk/provider";
 import type {
   JSONObject,
   LanguageModelV4,
@@ -26,9 +33,13 @@ import type {
   SharedV4Warning,
 } from "@ai-sdk/provider";
 
+import { z } from "zod";
+
 import { LmWorker, type GenerateStream, type WorkerOptions } from "./client.js";
+import { RpcError } from "./errors.js";
 import type {
   ChatMessage,
+  ErrorKind,
   GenerateParams,
   GenerateResult,
   LoadParams,
@@ -37,19 +48,27 @@ import type {
   ToolCall,
 } from "./protocol-types.js";
 
-/** The key of `providerOptions` (and of `providerMetadata`) for this provider. */
+/** The provider's name, as its models report it. */
 const PROVIDER = "lm-worker";
+/** The key of `providerOptions` and `providerMetadata` for this provider (camelCase, as the AI SDK's). */
+const KEY = "lmWorker";
+/** The key `providerOptions` had before; still read, with a deprecation warning. */
+const OLD_KEY = "lm-worker";
 
 export interface LmWorkerProviderSettings {
   /** A running worker to use; the provider neither starts nor closes it. */
   worker?: LmWorker;
-  /** How to start the provider's own worker (once, on first use) when `worker` is not given. */
+  /**
+   * How to start the provider's own worker (on first use) when `worker` is not given. It is
+   * restarted when it exits unasked (`restart: true` unless these options say otherwise): a
+   * long-running server keeps its provider through a crashed worker.
+   */
   workerOptions?: WorkerOptions;
   /** The rest of `load`'s params (`backend`, `dtype`, `quantization`, …); the model id is `model`. */
   load?: Omit<LoadParams, "model">;
 }
 
-/** `providerOptions["lm-worker"]` of a call. */
+/** `providerOptions.lmWorker` of a call. */
 export interface LmWorkerCallOptions {
   /** `"auto"` (find the longest stored prefix, store this turn) or a cache ref (PROTOCOL §18). */
   cache?: string;
@@ -71,6 +90,8 @@ export interface LmWorkerProvider extends ProviderV4 {
   worker(): Promise<LmWorker>;
   /** Close the worker the provider started (a `worker` passed in is left running). */
   close(): Promise<void>;
+  /** `await using lm = createLmWorker(…)`: `close()` as the scope ends. */
+  [Symbol.asyncDispose](): Promise<void>;
 }
 
 export function createLmWorker(settings: LmWorkerProviderSettings = {}): LmWorkerProvider {
@@ -80,7 +101,7 @@ export function createLmWorker(settings: LmWorkerProviderSettings = {}): LmWorke
       return Promise.resolve(settings.worker);
     }
     if (started === undefined) {
-      const starting = LmWorker.start(settings.workerOptions);
+      const starting = LmWorker.start({ restart: true, ...settings.workerOptions });
       started = starting;
       starting.catch(() => {
         if (started === starting) started = undefined; // a failed start is tried again on the next call
@@ -99,15 +120,25 @@ export function createLmWorker(settings: LmWorkerProviderSettings = {}): LmWorke
       started = undefined;
       await (await running?.catch(() => undefined))?.close();
     },
+    [Symbol.asyncDispose](): Promise<void> {
+      return provider.close();
+    },
     embeddingModel(modelId: string): never {
-      throw new NoSuchModelError(modelId, "embeddingModel");
+      throw new NoSuchModelError({ modelId, modelType: "embeddingModel", message: `lm-worker has language models only: ${modelId}` });
     },
     imageModel(modelId: string): never {
-      throw new NoSuchModelError(modelId, "imageModel");
+      throw new NoSuchModelError({ modelId, modelType: "imageModel", message: `lm-worker has language models only: ${modelId}` });
     },
   });
   return provider;
 }
+
+/**
+ * A ready provider, as other providers ship one: `lmWorker("default")`. Its worker (the
+ * default options, restarted if it crashes) starts on the first call; `lmWorker.close()`
+ * stops it.
+ */
+export const lmWorker: LmWorkerProvider = createLmWorker();
 
 // --- the model -----------------------------------------------------------------------------
 
@@ -127,7 +158,9 @@ class LmWorkerLanguageModel implements LanguageModelV4 {
     const signal = options.abortSignal;
     const { stream, timestamp } = await this.start({ ...params, stream: false }, signal);
     // Reject at the abort itself, as fetch does; the worker's cancelled answer comes later.
-    const result = await untilAborted(stream.result, signal);
+    const result = await untilAborted(stream.result, signal).catch((error: unknown) => {
+      throw callError(error, "generate", params);
+    });
     return {
       content: toContent(result),
       finishReason: toFinishReason(result.finish_reason),
@@ -145,7 +178,7 @@ class LmWorkerLanguageModel implements LanguageModelV4 {
     const cancel = new AbortController();
     const signal = options.abortSignal ? AbortSignal.any([options.abortSignal, cancel.signal]) : cancel.signal;
     const { stream, timestamp } = await this.start(params, signal);
-    const parts = streamParts(stream, signal, options.includeRawChunks === true);
+    const parts = streamParts(stream, params, signal, options.includeRawChunks === true);
     const head: LanguageModelV4StreamPart[] = [
       { type: "stream-start", warnings },
       { type: "response-metadata", id: responseId(stream), modelId: this.modelId, timestamp },
@@ -174,7 +207,11 @@ class LmWorkerLanguageModel implements LanguageModelV4 {
     signal: AbortSignal | undefined,
   ): Promise<{ stream: GenerateStream; timestamp: Date }> {
     const worker = await untilAborted(this.worker(), signal);
-    const stream = await ModelSlot.of(worker).send(this.load, signal, () => worker.generate(params, { signal }));
+    const stream = await ModelSlot.of(worker)
+      .send(this.load, signal, () => worker.generate(params, { signal }))
+      .catch((error: unknown) => {
+        throw loadError(error, this.modelId, this.load);
+      });
     return { stream, timestamp: new Date() };
   }
 }
@@ -261,7 +298,7 @@ function toGenerateParams(options: LanguageModelV4CallOptions): { params: Genera
     stop: options.stopSequences,
     ...toTools(options, warnings),
     response_format: toResponseFormat(options.responseFormat),
-    ...toWorkerOptions(options.providerOptions?.[PROVIDER], warnings),
+    ...toWorkerOptions(options.providerOptions, warnings),
   };
   // Leave out what the call did not set: the worker's defaults apply, and the request stays readable.
   const defined = Object.entries(params).filter(([, value]) => value !== undefined);
@@ -311,12 +348,56 @@ function toResponseFormat(format: LanguageModelV4CallOptions["responseFormat"]):
   };
 }
 
-function toWorkerOptions(options: JSONObject | undefined, warnings: SharedV4Warning[]): Partial<GenerateParams> {
-  const { cache, cacheTrimTokens, minP, repetitionPenalty, parallelToolCalls, draft, ...rest } = (options ?? {}) as LmWorkerCallOptions;
-  for (const name of Object.keys(rest)) {
-    warnings.push({ type: "unsupported", feature: `providerOptions["${PROVIDER}"].${name}` });
+/**
+ * `providerOptions.lmWorker`, checked before anything is sent: the protocol's types and
+ * bounds (schemas/generate.params.json), so a wrong value fails at once, naming its option.
+ * Options it does not know are left out, with a warning.
+ */
+const callOptionsSchema = z.object({
+  cache: z.string().optional(),
+  cacheTrimTokens: z.number().int().min(0).optional(),
+  minP: z.number().min(0).max(1).optional(),
+  repetitionPenalty: z.number().positive().optional(),
+  parallelToolCalls: z.boolean().optional(),
+  draft: z
+    .object({
+      method: z.literal("prompt_lookup"),
+      draft_tokens: z.number().int().min(1).max(64).optional(),
+      ngram_max: z.number().int().min(1).max(16).optional(),
+      ngram_min: z.number().int().min(1).max(16).optional(),
+    })
+    .strict()
+    .nullable()
+    .optional(),
+}) satisfies z.ZodType<LmWorkerCallOptions>;
+
+function toWorkerOptions(
+  providerOptions: LanguageModelV4CallOptions["providerOptions"],
+  warnings: SharedV4Warning[],
+): Partial<GenerateParams> {
+  let key: string = KEY;
+  if (providerOptions?.[OLD_KEY] !== undefined) {
+    const ignored = providerOptions[KEY] !== undefined;
+    warnings.push({
+      type: "deprecated",
+      setting: `providerOptions["${OLD_KEY}"]`,
+      message: `use providerOptions.${KEY}${ignored ? ` (given too: providerOptions["${OLD_KEY}"] is ignored)` : ""}`,
+    });
+    if (!ignored) key = OLD_KEY;
   }
-  // The worker checks the values, and its error names the field.
+  const given = providerOptions?.[key] ?? {};
+  const parsed = callOptionsSchema.safeParse(given);
+  if (!parsed.success) {
+    throw new InvalidArgumentError({
+      argument: `providerOptions.${key}`,
+      message: `invalid lm-worker provider options:\n${z.prettifyError(parsed.error)}`,
+      cause: parsed.error,
+    });
+  }
+  for (const name of Object.keys(given).filter((name) => !(name in callOptionsSchema.shape))) {
+    warnings.push({ type: "unsupported", feature: `providerOptions.${key}.${name}` });
+  }
+  const { cache, cacheTrimTokens, minP, repetitionPenalty, parallelToolCalls, draft } = parsed.data;
   return {
     cache,
     cache_trim_tokens: cacheTrimTokens,
@@ -395,7 +476,7 @@ function outputText(output: LanguageModelV4ToolResultOutput): string {
 }
 
 function unsupportedFile(): never {
-  throw new UnsupportedFunctionalityError("file parts", "lm-worker runs text models: send text, not files.");
+  throw new UnsupportedFunctionalityError({ functionality: "file parts", message: "lm-worker runs text models: send text, not files." });
 }
 
 // --- the answer ----------------------------------------------------------------------------
@@ -431,7 +512,7 @@ function toUsage(result: GenerateResult | undefined): LanguageModelV4Usage {
       total: usage?.prompt_tokens,
       noCache: usage && usage.prompt_tokens - usage.cache_read_tokens,
       cacheRead: usage?.cache_read_tokens,
-      cacheWrite: usage?.cache_write_tokens,
+      cacheWrite: result && inputTokensWritten(result),
     },
     // The worker does not tell reasoning tokens apart: all of them count as text.
     outputTokens: { total: usage?.completion_tokens, text: usage?.completion_tokens, reasoning: undefined },
@@ -439,10 +520,26 @@ function toUsage(result: GenerateResult | undefined): LanguageModelV4Usage {
   };
 }
 
+/**
+ * The prompt tokens written to a cache: a ref's prefill wrote prompt tokens alone; `"auto"`
+ * stores the generated tokens too, which are no input (PROTOCOL §18.3: its count is the
+ * stored tokens after the reused ones, so the input among them is at most the prompt's rest).
+ */
+function inputTokensWritten({ usage, cache }: GenerateResult): number {
+  if (cache?.mode !== "auto") return usage.cache_write_tokens;
+  return Math.min(usage.cache_write_tokens, usage.prompt_tokens - usage.cache_read_tokens);
+}
+
 function toProviderMetadata(result: GenerateResult): SharedV4ProviderMetadata {
   // The protocol's types are plain JSON, declared as interfaces (which JSONObject's index signature does not take).
-  const metadata = { cache: result.cache, timings: result.timings, stopReason: result.stop_reason };
-  return { [PROVIDER]: metadata as unknown as JSONObject };
+  const metadata = {
+    cache: result.cache,
+    // All the tokens this call wrote to a cache, the generated ones of an "auto" store included.
+    cacheWriteTokens: result.usage.cache_write_tokens,
+    timings: result.timings,
+    stopReason: result.stop_reason,
+  };
+  return { [KEY]: metadata as unknown as JSONObject };
 }
 
 function responseId(stream: GenerateStream): string {
@@ -456,6 +553,7 @@ function responseId(stream: GenerateStream): string {
  */
 async function* streamParts(
   stream: GenerateStream,
+  params: GenerateParams,
   signal: AbortSignal,
   includeRaw: boolean,
 ): AsyncGenerator<LanguageModelV4StreamPart, undefined> {
@@ -485,7 +583,7 @@ async function* streamParts(
     result = await untilAborted(stream.result, signal);
   } catch (error) {
     if (signal.aborted) throw error;
-    yield { type: "error", error };
+    yield { type: "error", error: callError(error, "generate", params) };
   }
   if (textOpen) yield { type: "text-end", id: textId };
   yield {
@@ -522,33 +620,36 @@ function untilAborted<T>(promise: Promise<T>, signal: AbortSignal | undefined): 
   });
 }
 
-// --- errors the AI SDK recognizes ----------------------------------------------------------
+// --- errors ----------------------------------------------------------------------------------
 
-/** Mark an error as the AI SDK's errors are marked, so that its `isInstance` checks accept it. */
-function mark(error: Error, name: string): void {
-  for (const marker of ["vercel.ai.error", `vercel.ai.error.${name}`]) {
-    Object.defineProperty(error, Symbol.for(marker), { value: true });
+/** Faults of a model server that may well pass: the AI SDK retries a call that failed with one. */
+const RETRYABLE = new Set<ErrorKind | undefined>(["engine_unreachable", "engine_overloaded", "engine_stalled", "engine_error"]);
+
+/** The worker's answer to a load as the AI SDK's error (the RpcError its cause); any other error as it is. */
+function loadError(error: unknown, modelId: string, load: LoadParams): unknown {
+  if (!(error instanceof RpcError)) return error;
+  if (error.kind === "model_not_found" || error.kind === "model_not_served") {
+    return withCause(new NoSuchModelError({ modelId, modelType: "languageModel", message: error.message }), error);
   }
+  if (RETRYABLE.has(error.kind)) return callError(error, "load", load);
+  return withCause(new LoadSettingError({ message: error.message }), error);
 }
 
-class NoSuchModelError extends Error {
-  override readonly name = "AI_NoSuchModelError";
-  constructor(
-    readonly modelId: string,
-    readonly modelType: "embeddingModel" | "imageModel",
-  ) {
-    super(`lm-worker has language models only, no ${modelType}: ${modelId}`);
-    mark(this, this.name);
-  }
+/** The worker's error answer to a call as the AI SDK's APICallError; any other error as it is. */
+function callError(error: unknown, method: string, params: unknown): unknown {
+  if (!(error instanceof RpcError)) return error;
+  return new APICallError({
+    message: error.message,
+    url: `lm-worker:${method}`, // the worker is no HTTP server: the method stands for the endpoint
+    requestBodyValues: params,
+    isRetryable: RETRYABLE.has(error.kind),
+    data: error.data,
+    cause: error,
+  });
 }
 
-class UnsupportedFunctionalityError extends Error {
-  override readonly name = "AI_UnsupportedFunctionalityError";
-  constructor(
-    readonly functionality: string,
-    message: string,
-  ) {
-    super(message);
-    mark(this, this.name);
-  }
+/** NoSuchModelError and LoadSettingError take no cause: set it, so that the RpcError stays reachable. */
+function withCause<E extends Error>(error: E, cause: RpcError): E {
+  Object.defineProperty(error, "cause", { value: cause, configurable: true, writable: true });
+  return error;
 }

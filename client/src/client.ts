@@ -1,13 +1,15 @@
 /**
  * LmWorker: spawn `python -m worker`, call its methods with types, stream `generate`.
  *
- * One process per LmWorker. Requests are written as they are made; the worker answers
- * model requests one at a time, in order, and the rest at once (docs/PROTOCOL.md §5).
+ * One process at a time per LmWorker. Requests are written as they are made; the worker
+ * answers model requests one at a time, in order, and the rest at once (docs/PROTOCOL.md §5).
  * If the process exits, every pending call rejects with a WorkerExitedError carrying
- * the exit code or signal and the tail of the worker's stderr.
+ * the exit code or signal and the tail of the worker's stderr; with the `restart` option,
+ * the next call starts a new process in its place.
  */
 
 import { spawn, type ChildProcessWithoutNullStreams } from "node:child_process";
+import type { Socket } from "node:net";
 
 import { RpcError, WorkerExitedError, WorkerStartError, type RpcErrorData } from "./errors.js";
 import { encode, FrameDecoder, type Framing } from "./framing.js";
@@ -16,6 +18,7 @@ import type {
   GenerateChunk,
   GenerateParams,
   GenerateResult,
+  LoadParams,
   MethodName,
   Methods,
   PrefillParams,
@@ -39,10 +42,47 @@ export interface WorkerOptions {
   startTimeoutMs?: number;
   /** Each piece of the worker's stderr (its log) as it arrives; it is also kept for error messages. */
   onStderr?: (text: string) => void;
+  /**
+   * true: the worker keeps the Node process alive only while a request is in flight, so a
+   * program that is done exits without `close()` (the worker then sees its input end and
+   * exits too). Default false: a running worker keeps Node alive until it is closed.
+   */
+  unref?: boolean;
+  /**
+   * Replace a worker that exits without being asked to (killed, crashed): the next call
+   * starts a new process, loads the model the last `load` loaded (unless unloaded since),
+   * emits `restart`, then runs. The calls in flight at the exit still reject with its
+   * `WorkerExitedError`. After `maxRestarts` restarts (default 3) within `withinMs`
+   * (default 60 s), the next exit is final: calls reject with a `WorkerExitedError` that
+   * says so. Default false: an exited worker stays exited.
+   */
+  restart?: boolean | { maxRestarts?: number; withinMs?: number };
+}
+
+/** The `restart` event: a new worker process took the place of one that exited. */
+export interface WorkerRestart {
+  /** The new process. */
+  pid: number;
+  /** How the previous one exited, and the error its calls in flight rejected with. */
+  previous: WorkerExit;
+  error: WorkerExitedError;
+  /** The model loaded again in the new process; null when none was loaded. */
+  model: LoadParams | null;
+  /** Restarts within the `withinMs` window, this one included. */
+  restarts: number;
+}
+
+/** What `on` listens to: the worker's notifications and the client's own `restart`. */
+export interface WorkerEvents extends WorkerNotifications {
+  restart: WorkerRestart;
 }
 
 export interface CallOptions {
-  /** Aborting sends `$/cancelRequest`; the call then ends as the worker answers it (docs §9). */
+  /**
+   * Aborting sends `$/cancelRequest` (docs §9). A `generate` then ends as the worker answers,
+   * with its partial result; any other call rejects at once with the signal's reason (an
+   * `AbortError`, or a `TimeoutError` for `AbortSignal.timeout`), as `fetch` does.
+   */
   signal?: AbortSignal;
 }
 
@@ -56,6 +96,7 @@ type Result<M extends MethodName> = Methods[M]["result"];
 
 interface Pending {
   method: string;
+  params: unknown;
   resolve: (result: unknown) => void;
   reject: (error: Error) => void;
 }
@@ -63,80 +104,62 @@ interface Pending {
 const STDERR_TAIL_BYTES = 8192;
 
 export class LmWorker {
-  /** What the worker answered to `capabilities` when it started. */
+  /** What the worker answered to `capabilities` when it (or, after a restart, its replacement) started. */
   capabilities!: CapabilitiesResult;
-  /** Settles when the process has exited and its pipes are closed; never rejects. */
-  readonly exited: Promise<WorkerExit>;
 
-  private readonly process: ChildProcessWithoutNullStreams;
+  private readonly options: WorkerOptions;
   private readonly framing: Framing;
-  private readonly decoder: FrameDecoder;
+  private readonly unrefWhenIdle: boolean;
+  private readonly restartLimit: { maxRestarts: number; withinMs: number } | null;
   private readonly pending = new Map<number, Pending>();
   private readonly streams = new Map<number, GenerateStream>();
   private readonly progress = new Map<number, (progress: PrefillProgress) => void>();
   private readonly listeners = new Map<string, Set<(params: unknown) => void>>();
   private nextId = 1;
+  // The process now, and what belongs to it alone.
+  private process!: ChildProcessWithoutNullStreams;
+  private decoder!: FrameDecoder;
+  private exitPromise!: Promise<WorkerExit>;
   private stderrTail = "";
   private exit: WorkerExit | null = null;
+  private exitError: WorkerExitedError | null = null;
+  // Restarts: what to load again, when the last ones were, whether the host ended the worker.
+  private model: LoadParams | null = null;
+  private restartTimes: number[] = [];
+  private restarting: Promise<void> | null = null;
+  private gaveUp: WorkerExitedError | null = null;
+  private ended = false;
+  /** Requests cancelled before they could be sent (they wait for a restart): cancelled once sent. */
+  private readonly cancelledUnsent = new Set<number>();
 
   private constructor(options: WorkerOptions) {
+    this.options = options;
     this.framing = options.framing ?? "ndjson";
-    this.decoder = new FrameDecoder(this.framing);
-    // -P: the host's working directory is not on sys.path, so a worker.py or protocol/ of the
-    // host's own cannot stand in for the installed package.
-    const args = ["-P", "-m", "worker", "--framing", this.framing, ...(options.args ?? [])];
-    this.process = spawn(findPython(options.python), args, {
-      cwd: options.cwd,
-      env: { ...process.env, ...options.env },
-      stdio: ["pipe", "pipe", "pipe"],
-    });
-    this.process.stdout.on("data", (data: Buffer) => this.receive(data));
-    this.process.stderr.on("data", (data: Buffer) => {
-      const text = data.toString("utf8");
-      this.stderrTail = (this.stderrTail + text).slice(-STDERR_TAIL_BYTES);
-      options.onStderr?.(text);
-    });
-    this.process.stdin.on("error", () => {}); // a dead worker's stdin: the exit handler reports it
-    this.exited = new Promise((resolve) => {
-      this.process.on("error", (error) => {
-        this.stderrTail += `\n${error.message}`;
-      });
-      // "close" comes after "exit" and after the pipes are drained: no answer is lost.
-      this.process.on("close", (exitCode, signal) => {
-        this.exit = { exitCode, signal };
-        this.failAll(new WorkerExitedError(this.exit.exitCode, this.exit.signal, this.stderrTail.trim()));
-        resolve(this.exit);
-      });
-    });
+    this.unrefWhenIdle = options.unref ?? false;
+    const restart = options.restart === true ? {} : options.restart || null;
+    this.restartLimit = restart && { maxRestarts: restart.maxRestarts ?? 3, withinMs: restart.withinMs ?? 60_000 };
+    this.spawn();
   }
 
-  /** Spawn a worker and wait until it answers `capabilities`. */
-  static async start(options: WorkerOptions = {}): Promise<LmWorker> {
+  /** Spawn a worker and wait until it answers `capabilities`; aborting `signal` kills it. */
+  static async start(options: WorkerOptions & CallOptions = {}): Promise<LmWorker> {
     const worker = new LmWorker(options);
-    const timeoutMs = options.startTimeoutMs ?? 60_000;
-    let timer: NodeJS.Timeout | undefined;
-    const timeout = new Promise<never>((_, reject) => {
-      timer = setTimeout(
-        () => reject(new WorkerStartError(`the worker did not answer capabilities within ${timeoutMs} ms`)),
-        timeoutMs,
-      );
-    });
     try {
-      worker.capabilities = await Promise.race([worker.call("capabilities"), timeout]);
+      await worker.handshake(options.signal);
       return worker;
     } catch (error) {
       await worker.kill();
-      if (error instanceof WorkerExitedError) {
-        throw new WorkerStartError(`the worker could not start: ${error.message}`, { cause: error });
-      }
       throw error;
-    } finally {
-      clearTimeout(timer);
     }
   }
 
   get pid(): number | undefined {
     return this.process.pid;
+  }
+
+  /** Settles when the current process has exited and its pipes are closed; never rejects. */
+  get exited(): Promise<WorkerExit> {
+    return this.exitPromise;
   }
 
   /** Requests sent and not answered yet. */
@@ -150,36 +173,36 @@ export class LmWorker {
     return this.request(method, params, options?.signal).promise as Promise<Result<M>>;
   }
 
-  load(params: Params<"load">): Promise<Result<"load">> {
-    return this.call("load", params);
+  load(params: Params<"load">, options?: CallOptions): Promise<Result<"load">> {
+    return this.call("load", params, options);
   }
 
-  unload(): Promise<Result<"unload">> {
-    return this.call("unload");
+  unload(options?: CallOptions): Promise<Result<"unload">> {
+    return this.call("unload", undefined, options);
   }
 
-  tokenize(params: Params<"tokenize">): Promise<Result<"tokenize">> {
-    return this.call("tokenize", params);
+  tokenize(params: Params<"tokenize">, options?: CallOptions): Promise<Result<"tokenize">> {
+    return this.call("tokenize", params, options);
   }
 
-  detokenize(params: Params<"detokenize">): Promise<Result<"detokenize">> {
-    return this.call("detokenize", params);
+  detokenize(params: Params<"detokenize">, options?: CallOptions): Promise<Result<"detokenize">> {
+    return this.call("detokenize", params, options);
   }
 
-  render(params: Params<"render">): Promise<Result<"render">> {
-    return this.call("render", params);
+  render(params: Params<"render">, options?: CallOptions): Promise<Result<"render">> {
+    return this.call("render", params, options);
   }
 
-  cacheList(): Promise<Result<"cache/list">> {
-    return this.call("cache/list");
+  cacheList(options?: CallOptions): Promise<Result<"cache/list">> {
+    return this.call("cache/list", undefined, options);
   }
 
-  cacheInfo(params: Params<"cache/info">): Promise<Result<"cache/info">> {
-    return this.call("cache/info", params);
+  cacheInfo(params: Params<"cache/info">, options?: CallOptions): Promise<Result<"cache/info">> {
+    return this.call("cache/info", params, options);
   }
 
-  cacheDelete(params: Params<"cache/delete">): Promise<Result<"cache/delete">> {
-    return this.call("cache/delete", params);
+  cacheDelete(params: Params<"cache/delete">, options?: CallOptions): Promise<Result<"cache/delete">> {
+    return this.call("cache/delete", params, options);
   }
 
   /** Compute and store a prompt's KV cache; `onProgress` sees each chunk of a long one. */
@@ -198,8 +221,9 @@ export class LmWorker {
 
   /**
    * Start a generation: iterate the returned stream for chunks, in order, and await its
-   * `result` for the final answer. Aborting `signal` cancels it: the result is then the
-   * partial one, with `finish_reason: "cancelled"`.
+   * `result` for the final answer. Aborting `signal`, `stream.cancel()` or leaving a
+   * `for await` loop over the stream early (`break`, `return`, a throw) cancels it: the
+   * result is then the partial one, with `finish_reason: "cancelled"`.
    *
    * At most `highWaterMark` chunks (default 64) wait here for the consumer: the request's
    * `stream_window` is set to it (unless given) and the stream acknowledges the chunks the
@@ -209,8 +233,12 @@ export class LmWorker {
   generate(params: GenerateParams, options: CallOptions & { highWaterMark?: number } = {}): GenerateStream {
     const window = params.stream_window ?? options.highWaterMark ?? 64;
     const { id, promise } = this.request("generate", { ...params, stream_window: window }, options.signal);
-    const stream = new GenerateStream(id, promise as Promise<GenerateResult>, window, (index) =>
-      this.notify("generate/ack", { id, index }),
+    const stream = new GenerateStream(
+      id,
+      promise as Promise<GenerateResult>,
+      window,
+      (index) => this.notify("generate/ack", { id, index }),
+      () => this.cancelRequest(id),
     );
     this.streams.set(id, stream);
     const forget = () => this.streams.delete(id);
@@ -218,8 +246,11 @@ export class LmWorker {
     return stream;
   }
 
-  /** Listen to a notification from the worker; returns a function that stops listening. */
-  on<N extends keyof WorkerNotifications>(method: N, listener: (params: WorkerNotifications[N]) => void): () => void {
+  /**
+   * Listen to a notification from the worker, or to the client's own `restart`; returns a
+   * function that stops listening.
+   */
+  on<N extends keyof WorkerEvents>(method: N, listener: (params: WorkerEvents[N]) => void): () => void {
     const set = this.listeners.get(method) ?? new Set();
     this.listeners.set(method, set);
     const untyped = listener as (params: unknown) => void;
@@ -232,6 +263,8 @@ export class LmWorker {
    * If it has not exited after `timeoutMs`, SIGTERM; after as long again, SIGKILL.
    */
   async close(timeoutMs = 5000): Promise<WorkerExit> {
+    this.ended = true;
+    await this.restarting?.catch(() => {});
     if (this.exit === null) {
       this.call("shutdown")
         .then(() => this.notify("exit"))
@@ -246,30 +279,187 @@ export class LmWorker {
     return this.exited;
   }
 
-  /** Stop the worker at once (SIGKILL) and wait for it. */
+  /** `await using worker = await LmWorker.start()`: the worker is closed as the scope ends. */
+  async [Symbol.asyncDispose](): Promise<void> {
+    await this.close();
+  }
+
+  /** Stop the worker at once (SIGKILL) and wait for it; it is not restarted. */
   async kill(): Promise<WorkerExit> {
+    this.ended = true;
+    await this.restarting?.catch(() => {});
     if (this.exit === null) {
       this.process.kill("SIGKILL");
     }
     return this.exited;
   }
 
+  // --- the process and its replacement ------------------------------------------------------
+
+  private spawn(): void {
+    const options = this.options;
+    // -P: the host's working directory is not on sys.path, so a worker.py or protocol/ of the
+    // host's own cannot stand in for the installed package.
+    const args = ["-P", "-m", "worker", "--framing", this.framing, ...(options.args ?? [])];
+    const child = spawn(findPython(options.python), args, {
+      cwd: options.cwd,
+      env: { ...process.env, ...options.env },
+      stdio: ["pipe", "pipe", "pipe"],
+    });
+    this.process = child;
+    this.decoder = new FrameDecoder(this.framing);
+    this.exit = null;
+    this.exitError = null;
+    this.stderrTail = "";
+    child.stdout.on("data", (data: Buffer) => this.receive(data));
+    child.stderr.on("data", (data: Buffer) => {
+      const text = data.toString("utf8");
+      this.stderrTail = (this.stderrTail + text).slice(-STDERR_TAIL_BYTES);
+      options.onStderr?.(text);
+    });
+    child.stdin.on("error", () => {}); // a dead worker's stdin: the exit handler reports it
+    this.exitPromise = new Promise((resolve) => {
+      child.on("error", (error) => {
+        this.stderrTail += `\n${error.message}`;
+      });
+      // "close" comes after "exit" and after the pipes are drained: no answer is lost.
+      child.on("close", (exitCode, signal) => {
+        this.exit = { exitCode, signal };
+        this.exitError = new WorkerExitedError(exitCode, signal, this.stderrTail.trim());
+        this.failAll(this.exitError);
+        resolve(this.exit);
+      });
+    });
+    this.holdNodeWhileBusy();
+  }
+
+  /** Wait for the new process's `capabilities`, within `startTimeoutMs`. */
+  private async handshake(signal?: AbortSignal): Promise<void> {
+    const timeoutMs = this.options.startTimeoutMs ?? 60_000;
+    let timer: NodeJS.Timeout | undefined;
+    const timeout = new Promise<never>((_, reject) => {
+      timer = setTimeout(
+        () => reject(new WorkerStartError(`the worker did not answer capabilities within ${timeoutMs} ms`)),
+        timeoutMs,
+      );
+    });
+    try {
+      this.capabilities = (await Promise.race([this.sendRequest("capabilities", undefined, signal).promise, timeout])) as CapabilitiesResult;
+    } catch (error) {
+      if (error instanceof WorkerExitedError) {
+        throw new WorkerStartError(`the worker could not start: ${error.message}`, { cause: error });
+      }
+      throw error;
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+
+  /** The process has exited: may a new one take its place (else: the error that says why not)? */
+  private replaceable(): WorkerExitedError | null {
+    const exit = this.exit!;
+    const gone = (context: string) =>
+      new WorkerExitedError(exit.exitCode, exit.signal, this.stderrTail.trim(), context);
+    if (this.restartLimit === null || this.ended) {
+      return gone("the worker has exited");
+    }
+    const { maxRestarts, withinMs } = this.restartLimit;
+    const now = Date.now();
+    this.restartTimes = this.restartTimes.filter((time) => now - time < withinMs);
+    if (this.gaveUp === null && this.restartTimes.length >= maxRestarts) {
+      this.gaveUp = gone(
+        `the worker exited again after ${maxRestarts} restarts within ${withinMs / 1000} s, so it is not restarted any more`,
+      );
+    }
+    return this.gaveUp;
+  }
+
+  /** Start a new process in place of the exited one, load its model again, and say so. */
+  private replace(): Promise<void> {
+    this.restarting ??= (async () => {
+      const previous = this.exit!;
+      const error = this.exitError!;
+      this.restartTimes.push(Date.now());
+      this.spawn();
+      try {
+        await this.handshake();
+        if (this.model !== null) await this.sendRequest("load", this.model).promise;
+      } catch (failure) {
+        if (this.exit === null) this.process.kill("SIGKILL");
+        await this.exited;
+        throw failure;
+      }
+      const event: WorkerRestart = { pid: this.process.pid!, previous, error, model: this.model, restarts: this.restartTimes.length };
+      for (const listener of this.listeners.get("restart") ?? []) {
+        listener(event);
+      }
+    })().finally(() => {
+      this.restarting = null;
+    });
+    return this.restarting;
+  }
+
   // --- the wire ----------------------------------------------------------------------------
 
+  /** A request, sent now, or once a restart has replaced an exited process. */
   private request(method: string, params: unknown, signal?: AbortSignal): { id: number; promise: Promise<unknown> } {
+    if (this.exit === null && this.restarting === null) {
+      return this.sendRequest(method, params, signal);
+    }
     const id = this.nextId++;
+    const whyNot = this.exit !== null && this.restarting === null ? this.replaceable() : null;
+    if (whyNot !== null) {
+      return { id, promise: Promise.reject(whyNot) };
+    }
+    const promise = this.replace().then(
+      () => this.sendRequest(method, params, signal, id).promise,
+      (error: unknown) => {
+        this.cancelledUnsent.delete(id); // never sent: nothing to cancel
+        throw error;
+      },
+    );
+    return { id, promise };
+  }
+
+  private sendRequest(
+    method: string,
+    params: unknown,
+    signal?: AbortSignal,
+    id = this.nextId++,
+  ): { id: number; promise: Promise<unknown> } {
+    // A generate ends with the worker's answer to a cancel (its partial result); any other
+    // call ends at the abort itself, with the signal's reason, as fetch does. The worker's
+    // later answer to it finds the promise settled (it still counts in pendingRequests until then).
+    const endsAtAbort = method !== "generate";
+    let rejectAtAbort: (reason: unknown) => void = () => {};
     const promise = new Promise<unknown>((resolve, reject) => {
       if (this.exit !== null) {
         reject(new WorkerExitedError(this.exit.exitCode, this.exit.signal, this.stderrTail.trim(), "the worker has exited"));
         return;
       }
-      this.pending.set(id, { method, resolve, reject });
+      if (endsAtAbort && signal?.aborted) {
+        reject(signal.reason); // nothing sent
+        return;
+      }
+      if (method === "shutdown") {
+        this.ended = true; // the host ends the worker: its exit is no crash
+      }
+      rejectAtAbort = reject;
+      this.pending.set(id, { method, params, resolve, reject });
+      this.holdNodeWhileBusy();
       this.send({ jsonrpc: "2.0", id, method, ...(params === undefined ? {} : { params }) });
+      if (this.cancelledUnsent.delete(id)) {
+        this.notify("$/cancelRequest", { id });
+      }
     });
+    promise.catch(() => this.cancelledUnsent.delete(id));
     if (signal) {
-      const abort = () => this.notify("$/cancelRequest", { id });
+      const abort = () => {
+        this.cancelRequest(id);
+        if (endsAtAbort) rejectAtAbort(signal.reason);
+      };
       if (signal.aborted) {
-        abort();
+        if (!endsAtAbort) abort();
       } else {
         signal.addEventListener("abort", abort, { once: true });
         const forget = () => signal.removeEventListener("abort", abort);
@@ -277,6 +467,15 @@ export class LmWorker {
       }
     }
     return { id, promise };
+  }
+
+  /** `$/cancelRequest`, at once if the request was sent, else as soon as it is. */
+  private cancelRequest(id: number): void {
+    if (this.pending.has(id)) {
+      this.notify("$/cancelRequest", { id });
+    } else {
+      this.cancelledUnsent.add(id);
+    }
   }
 
   private notify(method: string, params?: unknown): void {
@@ -310,12 +509,16 @@ export class LmWorker {
       return; // an answer to nothing we sent (an error about an unreadable message has id null)
     }
     this.pending.delete(message.id as number);
+    this.holdNodeWhileBusy();
     if (message.error !== undefined) {
       const { code, message: text, data } = message.error;
       pending.reject(new RpcError(code, text, data));
-    } else {
-      pending.resolve(message.result);
+      return;
     }
+    // The model a replacement process loads again: the last one loaded, unless unloaded since.
+    if (pending.method === "load") this.model = pending.params as LoadParams;
+    if (pending.method === "unload") this.model = null;
+    pending.resolve(message.result);
   }
 
   private onNotification(method: string, params: unknown): void {
@@ -336,6 +539,17 @@ export class LmWorker {
       pending.reject(error);
     }
     this.pending.clear();
+  }
+
+  /** With `unref`: the process and its pipes keep Node's event loop alive only while a request is pending. */
+  private holdNodeWhileBusy(): void {
+    if (!this.unrefWhenIdle) return;
+    const busy = this.pending.size > 0;
+    const { stdin, stdout, stderr } = this.process;
+    for (const handle of [this.process, ...[stdin, stdout, stderr].map((pipe) => pipe as unknown as Socket)]) {
+      if (busy) handle.ref();
+      else handle.unref();
+    }
   }
 
   private async exitsWithin(ms: number): Promise<boolean> {
@@ -367,7 +581,8 @@ interface Incoming {
  * The worker sends at most `window` chunks past the last one the consumer has taken (the
  * request's `stream_window`; the stream acknowledges taken chunks with `generate/ack`), so
  * at most that many wait here; a consumer that falls behind gets the rest of the text
- * merged into fewer chunks. Chunks not iterated are kept until the end.
+ * merged into fewer chunks. Chunks not iterated are kept until the end. Leaving a loop over
+ * the stream before its end cancels the generation, as the consumer wants no more of it.
  */
 export class GenerateStream implements AsyncIterable<GenerateChunk> {
   private readonly queue: GenerateChunk[] = [];
@@ -375,6 +590,7 @@ export class GenerateStream implements AsyncIterable<GenerateChunk> {
   private done = false;
   private failure: Error | null = null;
   private acked = -1;
+  private cancelled = false;
 
   constructor(
     /** The request id: what `generate/chunk` notifications and `cancel` refer to. */
@@ -383,6 +599,7 @@ export class GenerateStream implements AsyncIterable<GenerateChunk> {
     readonly result: Promise<GenerateResult>,
     private readonly window: number,
     private readonly ack: (index: number) => void,
+    private readonly stop: () => void,
   ) {
     result.then(
       () => this.end(null),
@@ -401,27 +618,44 @@ export class GenerateStream implements AsyncIterable<GenerateChunk> {
     this.wake();
   }
 
+  /**
+   * Cancel the generation (`$/cancelRequest`), unless it has ended; its `result`, the
+   * partial one (`finish_reason: "cancelled"`), is what this returns.
+   */
+  cancel(): Promise<GenerateResult> {
+    if (!this.done && !this.cancelled) {
+      this.cancelled = true;
+      this.stop();
+    }
+    return this.result;
+  }
+
   async *[Symbol.asyncIterator](): AsyncIterator<GenerateChunk> {
-    for (;;) {
-      const chunk = this.queue.shift();
-      if (chunk !== undefined) {
-        // Acknowledge every half window: the worker never has to hold a consumer that keeps up.
-        if (!this.done && chunk.index - this.acked >= Math.max(1, Math.floor(this.window / 2))) {
-          this.acked = chunk.index;
-          this.ack(chunk.index);
+    try {
+      for (;;) {
+        const chunk = this.queue.shift();
+        if (chunk !== undefined) {
+          // Acknowledge every half window: the worker never has to hold a consumer that keeps up.
+          if (!this.done && chunk.index - this.acked >= Math.max(1, Math.floor(this.window / 2))) {
+            this.acked = chunk.index;
+            this.ack(chunk.index);
+          }
+          yield chunk;
+          continue;
         }
-        yield chunk;
-        continue;
+        if (this.failure !== null) {
+          throw this.failure;
+        }
+        if (this.done) {
+          return;
+        }
+        await new Promise<void>((resolve) => {
+          this.waiting = resolve;
+        });
       }
-      if (this.failure !== null) {
-        throw this.failure;
-      }
-      if (this.done) {
-        return;
-      }
-      await new Promise<void>((resolve) => {
-        this.waiting = resolve;
-      });
+    } finally {
+      // Here before the end: the loop over the stream was left (its return()), so nobody reads on.
+      if (!this.done) void this.cancel();
     }
   }
 

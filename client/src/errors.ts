@@ -1,5 +1,7 @@
 /** The errors a caller of the client can meet, each with what a program needs to act on it. */
 
+import type { ErrorKind } from "./protocol-types.js";
+
 /** The worker answered a request with a JSON-RPC error. */
 export class RpcError extends Error {
   override readonly name = "RpcError";
@@ -14,13 +16,13 @@ export class RpcError extends Error {
   }
 
   /** A stable name for the error (`invalid_params`, `cache_not_found`, …), when the worker gave one. */
-  get kind(): string | undefined {
+  get kind(): ErrorKind | undefined {
     return this.data?.kind;
   }
 }
 
 export interface RpcErrorData {
-  kind?: string;
+  kind?: ErrorKind;
   field?: string | null;
   method?: string | null;
   limit?: number | null;

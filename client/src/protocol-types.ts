@@ -461,3 +461,35 @@ export interface HostNotifications {
   "generate/ack": AckParams;
   "exit": NoParams;
 }
+
+/** An error's `data.kind`: the protocol's stable name for it, here with its JSON-RPC code (docs/PROTOCOL.md §12). */
+export type ErrorKind =
+  | "parse_error" // -32700
+  | "message_too_large" // -32700
+  | "invalid_request" // -32600
+  | "batch_not_supported" // -32600
+  | "duplicate_id" // -32600
+  | "method_not_found" // -32601
+  | "invalid_params" // -32602
+  | "internal_error" // -32603
+  | "request_cancelled" // -32800
+  | "shutting_down" // -32000
+  | "model_not_loaded" // -32001
+  | "model_load_failed" // -32002
+  | "model_not_found" // -32002
+  | "backend_not_found" // -32003
+  | "backend_unavailable" // -32004
+  | "context_overflow" // -32005
+  | "unsupported" // -32006
+  | "cache_not_found" // -32007
+  | "cache_identity_mismatch" // -32008
+  | "cache_corrupt" // -32009
+  | "cache_prefix_mismatch" // -32010
+  | "cache_too_large" // -32011
+  | "cache_storage_failed" // -32012
+  | "engine_unreachable" // -32013
+  | "engine_auth_failed" // -32014
+  | "model_not_served" // -32015
+  | "engine_overloaded" // -32016
+  | "engine_error" // -32017
+  | "engine_stalled"; // -32018

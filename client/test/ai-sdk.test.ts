@@ -4,11 +4,14 @@
 
 import assert from "node:assert/strict";
 import { mkdtemp, rm } from "node:fs/promises";
+import { createServer } from "node:http";
+import type { AddressInfo } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { setTimeout as sleep } from "node:timers/promises";
 import { after, before, describe, test } from "node:test";
 
+import { APICallError, InvalidArgumentError, LoadSettingError, type JSONValue } from "@ai-sdk/provider";
 import {
   generateObject,
   generateText,
@@ -22,8 +25,8 @@ import {
 } from "ai";
 import { z } from "zod";
 
-import { createLmWorker, type LmWorkerProvider } from "../src/ai-sdk.js";
-import { LmWorker, type ChatMessage } from "../src/index.js";
+import { createLmWorker, lmWorker, type LmWorkerProvider } from "../src/ai-sdk.js";
+import { LmWorker, RpcError, WorkerExitedError, type ChatMessage, type WorkerRestart } from "../src/index.js";
 import { python, tinyModel, workerEnv } from "./support.js";
 
 // The tests check warnings themselves; the AI SDK would also print them.
@@ -180,6 +183,43 @@ describe("the AI SDK provider and the model a worker runs", () => {
     assert.equal((await worker.tokenize({ text: "f" })).count, 2);
   });
 
+  test("await using a provider closes the worker it started as the scope ends", async () => {
+    let exited: Promise<unknown>;
+    {
+      await using lm = createLmWorker({ workerOptions: workerOptions(), load: { backend: "echo" } });
+      assert.equal((await generateText({ model: lm("default"), prompt: "scoped" })).finishReason, "stop");
+      exited = (await lm.worker()).exited;
+    }
+    assert.deepEqual(await exited, { exitCode: 0, signal: null });
+  });
+
+  test("the provider's own worker, killed mid-stream, is replaced on the next call with the model loaded again", async () => {
+    await using lm = createLmWorker({ workerOptions: workerOptions(), load: { backend: "echo", token_delay_ms: 5 } });
+    const worker = await lm.worker();
+    const restarts: WorkerRestart[] = [];
+    worker.on("restart", (event) => restarts.push(event));
+    // onError: the error part is checked here; the AI SDK would also print it.
+    const streamed = streamText({ model: lm("default"), prompt: "k".repeat(2000), onError: () => {} });
+    const errors: unknown[] = [];
+    let killed = false;
+    for await (const part of streamed.fullStream) {
+      if (part.type === "text-delta" && !killed) {
+        killed = true;
+        process.kill(worker.pid!, "SIGKILL");
+      }
+      if (part.type === "error") errors.push(part.error);
+    }
+    assert.equal(errors.length, 1);
+    assert.ok(errors[0] instanceof WorkerExitedError && errors[0].signal === "SIGKILL", String(errors[0]));
+
+    const { text: after } = await generateText({ model: lm("default"), prompt: "back" });
+    assert.equal(after, (await render(lm, [{ role: "user", content: "back" }])).text);
+    assert.equal(await lm.worker(), worker, "the same LmWorker, with a new process");
+    assert.deepEqual(restarts.map((event) => [event.previous.signal, event.model]), [
+      ["SIGKILL", { model: "default", backend: "echo", token_delay_ms: 5 }],
+    ]);
+  });
+
   test("the provider has language models only", () => {
     const lm = createLmWorker({ worker });
     assert.throws(() => lm.embeddingModel("default"), (error: unknown) => NoSuchModelError.isInstance(error));
@@ -208,7 +248,7 @@ describe("the AI SDK provider with the tiny model", () => {
       toolChoice: "required",
       maxOutputTokens: 200,
       // One call: a random model would go on writing calls until maxOutputTokens.
-      providerOptions: { "lm-worker": { parallelToolCalls: false } },
+      providerOptions: { lmWorker: { parallelToolCalls: false } },
     });
     assert.equal(result.finishReason, "tool-calls");
     assert.ok(result.toolCalls.length >= 1, JSON.stringify(result.content));
@@ -226,7 +266,7 @@ describe("the AI SDK provider with the tiny model", () => {
       tools: { weather },
       toolChoice: { type: "tool", toolName: "weather" },
       maxOutputTokens: 200,
-      providerOptions: { "lm-worker": { parallelToolCalls: false } },
+      providerOptions: { lmWorker: { parallelToolCalls: false } },
     });
     const types: string[] = [];
     for await (const part of result.fullStream) {
@@ -341,26 +381,161 @@ describe("the AI SDK provider with the tiny model", () => {
     const drafted = await generateText({
       model: lm(modelDir), prompt, maxOutputTokens: 40,
       // Tails of one token: a random model's output soon repeats a token seen before.
-      providerOptions: { "lm-worker": { draft: { method: "prompt_lookup", ngram_min: 1 } } },
+      providerOptions: { lmWorker: { draft: { method: "prompt_lookup", ngram_min: 1 } } },
     });
     assert.equal(drafted.text, plain.text);
-    const timings = drafted.providerMetadata?.["lm-worker"]?.timings as { draft_tokens: number } | undefined;
+    const timings = drafted.providerMetadata?.lmWorker?.timings as { draft_tokens: number } | undefined;
     assert.ok(timings !== undefined && timings.draft_tokens > 0, JSON.stringify(drafted.providerMetadata));
   });
 
-  test('a second turn with cache "auto" reads the first turn\'s tokens from the cache', async () => {
-    const providerOptions = { "lm-worker": { cache: "auto" } };
+  test('a second turn with cache "auto" reads the first turn\'s tokens from the cache; cacheWrite counts input tokens only', async () => {
+    const providerOptions = { lmWorker: { cache: "auto" } };
     const messages: ModelMessage[] = [{ role: "user", content: "Tell me a story about a cat." }];
     const first = await generateText({ model: lm(modelDir), messages, maxOutputTokens: 8, providerOptions });
     assert.equal(first.usage.inputTokenDetails.cacheReadTokens, 0);
-    assert.ok(first.usage.inputTokenDetails.cacheWriteTokens! > 0);
-    const stored = (first.providerMetadata?.["lm-worker"]?.cache as { stored: string | null } | null)?.stored;
-    assert.match(stored ?? "", /^auto-[0-9a-f]{24}$/);
+    // Nothing was read: every input token was written, and the stored generated tokens are no input.
+    assert.equal(first.usage.inputTokenDetails.cacheWriteTokens, first.usage.inputTokens);
+    const metadata = first.providerMetadata?.lmWorker as { cache: { stored: string; stored_tokens: number }; cacheWriteTokens: number };
+    assert.match(metadata.cache.stored, /^auto-[0-9a-f]{24}$/);
+    assert.equal(metadata.cacheWriteTokens, metadata.cache.stored_tokens);
+    assert.ok(metadata.cacheWriteTokens > first.usage.inputTokens!, JSON.stringify(metadata));
 
     messages.push(...first.response.messages, { role: "user", content: "And about a dog?" });
     const second = await generateText({ model: lm(modelDir), messages, maxOutputTokens: 8, providerOptions });
     const read = second.usage.inputTokenDetails.cacheReadTokens!;
     assert.ok(read > 0, JSON.stringify(second.usage));
     assert.equal(second.usage.inputTokenDetails.noCacheTokens, second.usage.inputTokens! - read);
+    assert.equal(second.usage.inputTokenDetails.cacheWriteTokens, second.usage.inputTokens! - read);
+  });
+
+  test("the ready lmWorker provider starts its own worker on first use", async () => {
+    const { text, finishReason } = await generateText({ model: lmWorker(modelDir), prompt: "Hi", maxOutputTokens: 3 });
+    assert.match(finishReason, /^(stop|length)$/);
+    assert.equal(typeof text, "string");
+    assert.equal(lmWorker(modelDir).provider, "lm-worker");
+    await lmWorker.close();
+  });
+
+  // Last: these leave the worker without a model; the next call would load it again.
+  test("an unknown model is a NoSuchModelError and a model that fails to load a LoadSettingError, the RpcError their cause", async () => {
+    await assert.rejects(generateText({ model: lm(join(cacheDir, "no-such-model")), prompt: "x" }), (error: unknown) => {
+      assert.ok(NoSuchModelError.isInstance(error), String(error));
+      assert.equal(error.modelId, join(cacheDir, "no-such-model"));
+      assert.ok(error.cause instanceof RpcError && error.cause.kind === "model_not_found");
+      return true;
+    });
+    await assert.rejects(generateText({ model: lm(cacheDir), prompt: "x" }), (error: unknown) => {
+      assert.ok(LoadSettingError.isInstance(error), String(error));
+      assert.ok(error.cause instanceof RpcError && error.cause.kind === "model_load_failed");
+      assert.match(error.message, /no config\.json/);
+      return true;
+    });
+  });
+});
+
+describe("the AI SDK's conventions", () => {
+  let lm: LmWorkerProvider;
+  before(() => {
+    lm = createLmWorker({ workerOptions: workerOptions(), load: { backend: "echo" } });
+  });
+  after(async () => {
+    await lm.close();
+  });
+
+  const requestBody = async (providerOptions: Record<string, Record<string, JSONValue>>) => {
+    const result = await generateText({ model: lm("default"), prompt: "p", providerOptions, include: { requestBody: true } });
+    return { body: result.request.body as Record<string, unknown>, warnings: result.warnings };
+  };
+
+  test("providerOptions.lmWorker reaches the request; the old \"lm-worker\" key too, with a deprecation warning", async () => {
+    const current = await requestBody({ lmWorker: { minP: 0.25, repetitionPenalty: 1.1 } });
+    assert.equal(current.body.min_p, 0.25);
+    assert.equal(current.body.repetition_penalty, 1.1);
+    assert.deepEqual(current.warnings, []);
+
+    const old = await requestBody({ "lm-worker": { minP: 0.5 } });
+    assert.equal(old.body.min_p, 0.5);
+    assert.deepEqual(old.warnings, [{ type: "deprecated", setting: 'providerOptions["lm-worker"]', message: "use providerOptions.lmWorker" }]);
+
+    const both = await requestBody({ lmWorker: { minP: 0.1 }, "lm-worker": { minP: 0.9 } });
+    assert.equal(both.body.min_p, 0.1);
+    assert.match((both.warnings![0] as { message: string }).message, /is ignored/);
+
+    const noDraft = await requestBody({ lmWorker: { draft: null } }); // as LmWorkerCallOptions types it
+    assert.equal(noDraft.body.draft, null);
+
+    const unknown = await requestBody({ lmWorker: { topA: 3 } });
+    assert.deepEqual(unknown.warnings, [{ type: "unsupported", feature: "providerOptions.lmWorker.topA" }]);
+  });
+
+  test("provider options are checked before anything is sent: a wrong one is an InvalidArgumentError naming it", async () => {
+    // A provider whose worker could not even start: the check comes first.
+    const unstartable = createLmWorker({ workerOptions: { python: join(tmpdir(), "no-such-python") } });
+    for (const [options, named] of [
+      [{ minP: "high" }, /minP/],
+      [{ cacheTrimTokens: -1 }, /cacheTrimTokens/],
+      [{ draft: { method: "prompt_lookup", ngram_min: 99 } }, /draft\.ngram_min/],
+    ] as const) {
+      await assert.rejects(
+        generateText({ model: unstartable("default"), prompt: "x", providerOptions: { lmWorker: options } }),
+        (error: unknown) => {
+          assert.ok(InvalidArgumentError.isInstance(error), String(error));
+          assert.equal(error.argument, "providerOptions.lmWorker");
+          assert.match(error.message, named);
+          return true;
+        },
+      );
+    }
+  });
+
+  test("a worker error of a call is an APICallError, not retryable for a bad request, with the RpcError as its cause", async () => {
+    const tooMany = Array.from({ length: 33 }, (_, i) => `stop${i}`);
+    await assert.rejects(generateText({ model: lm("default"), prompt: "x", stopSequences: tooMany, maxRetries: 0 }), (error: unknown) => {
+      assert.ok(APICallError.isInstance(error), String(error));
+      assert.equal(error.isRetryable, false);
+      assert.ok(error.cause instanceof RpcError && error.cause.kind === "invalid_params");
+      assert.equal(error.url, "lm-worker:generate");
+      return true;
+    });
+  });
+
+  test("a model server's faults: a model it does not serve is a NoSuchModelError, an overloaded server a retryable APICallError", async () => {
+    // A real OpenAI-compatible server for the openai backend: it serves one model and is overloaded for the rest.
+    let overloaded = false;
+    const server = createServer((request, response) => {
+      if (request.url === "/v1/models" && !overloaded) {
+        response.setHeader("content-type", "application/json");
+        response.end(JSON.stringify({ object: "list", data: [{ id: "served", object: "model" }] }));
+      } else {
+        response.statusCode = 503;
+        response.end("busy");
+      }
+    });
+    await new Promise<void>((listening) => server.listen(0, "127.0.0.1", listening));
+    const base_url = `http://127.0.0.1:${(server.address() as AddressInfo).port}/v1`;
+    const remote = createLmWorker({ worker: await lm.worker(), load: { backend: "openai", base_url } });
+    try {
+      await assert.rejects(generateText({ model: remote("other"), prompt: "x", maxRetries: 0 }), (error: unknown) => {
+        assert.ok(NoSuchModelError.isInstance(error), String(error));
+        assert.ok(error.cause instanceof RpcError && error.cause.kind === "model_not_served");
+        return true;
+      });
+      // Loaded, then the server is overloaded: the generate fails, and the AI SDK may retry it.
+      await assert.rejects(generateText({ model: remote("served"), prompt: "x", maxRetries: 0 }), (error: unknown) => {
+        assert.ok(APICallError.isInstance(error), String(error));
+        assert.equal(error.isRetryable, true);
+        assert.ok(error.cause instanceof RpcError && error.cause.kind === "engine_overloaded");
+        return true;
+      });
+      // The same at load: overloaded is retryable there too.
+      overloaded = true;
+      await assert.rejects(generateText({ model: remote("served-again"), prompt: "x", maxRetries: 0 }), (error: unknown) => {
+        assert.ok(APICallError.isInstance(error) && error.isRetryable, String(error));
+        assert.equal(error.url, "lm-worker:load");
+        return true;
+      });
+    } finally {
+      server.close();
+    }
   });
 });

@@ -2,15 +2,23 @@
 // tiny transformers model. No mocks: every test spawns `python -m worker`.
 
 import assert from "node:assert/strict";
+import { execFileSync, spawnSync } from "node:child_process";
 import { getEventListeners } from "node:events";
 import { after, before, describe, test } from "node:test";
-import { mkdirSync, rmSync, writeFileSync } from "node:fs";
+import { cpSync, mkdirSync, rmSync, writeFileSync } from "node:fs";
 import { mkdtemp } from "node:fs/promises";
 import { tmpdir } from "node:os";
-import { join } from "node:path";
+import { dirname, join } from "node:path";
 import { setTimeout as sleep } from "node:timers/promises";
 
-import { LmWorker, RpcError, WorkerExitedError, WorkerStartError, type GenerateChunk } from "../src/index.js";
+import {
+  LmWorker,
+  RpcError,
+  WorkerExitedError,
+  WorkerStartError,
+  type GenerateChunk,
+  type WorkerRestart,
+} from "../src/index.js";
 import { python, tinyModel, workerEnv } from "./support.js";
 
 const start = (options: Parameters<typeof LmWorker.start>[0] = {}) =>
@@ -89,6 +97,56 @@ describe("with the echo backend", () => {
     assert.equal(result.finish_reason, "cancelled");
     assert.ok(result.tokens.length < 2000, `${result.tokens.length} tokens after the cancel`);
     assert.equal(seen.map((c) => c.text).join(""), result.text);
+    await worker.load({ backend: "echo" });
+  });
+
+  test("breaking out of a for-await loop over a generate cancels it", async () => {
+    await worker.load({ backend: "echo", token_delay_ms: 5 });
+    const stream = worker.generate({ prompt: "b".repeat(2000), max_tokens: 2001 });
+    const seen: GenerateChunk[] = [];
+    for await (const chunk of stream) {
+      seen.push(chunk);
+      if (seen.length === 3) break;
+    }
+    const started = Date.now();
+    const result = await stream.result;
+    assert.equal(result.finish_reason, "cancelled");
+    assert.ok(result.tokens.length < 500, `${result.tokens.length} tokens generated after the loop was left`);
+    assert.ok(Date.now() - started < 2000, "the generation stopped soon after the break");
+    await worker.load({ backend: "echo" });
+  });
+
+  test("stream.cancel() cancels a generate and gives its partial result", async () => {
+    await worker.load({ backend: "echo", token_delay_ms: 5 });
+    const stream = worker.generate({ prompt: "s".repeat(2000), max_tokens: 2001 });
+    const chunks = stream[Symbol.asyncIterator]();
+    const first = await chunks.next();
+    const result = await stream.cancel();
+    assert.equal(result.finish_reason, "cancelled");
+    assert.ok(result.tokens.length < 500, `${result.tokens.length} tokens`);
+    assert.ok(!first.done && result.text.startsWith(first.value.text));
+    assert.equal(await stream.cancel(), result, "a second cancel sends nothing and gives the same result");
+    await worker.load({ backend: "echo" });
+  });
+
+  test("aborting a call other than generate rejects at once with the signal's reason", async () => {
+    await worker.load({ backend: "echo", token_delay_ms: 5 });
+    // A load waits for the generate sent before it: it is still queued when aborted.
+    const running = worker.generate({ prompt: "q".repeat(400), max_tokens: 401 });
+    const controller = new AbortController();
+    const load = worker.load({ backend: "echo" }, { signal: controller.signal });
+    controller.abort();
+    await assert.rejects(load, (error: unknown) => error instanceof DOMException && error.name === "AbortError");
+    let finished = false;
+    void running.result.then(() => (finished = true));
+    await assert.rejects(
+      worker.render({ messages: [{ role: "user", content: "x" }] }, { signal: AbortSignal.abort(new Error("my reason")) }),
+      /my reason/,
+    );
+    await assert.rejects(worker.load({ backend: "echo" }, { signal: AbortSignal.timeout(50) }), { name: "TimeoutError" });
+    assert.equal(finished, false, "the rejections came before the generate ended, not with the worker's answers");
+    assert.equal((await running.result).finish_reason, "stop");
+    assert.equal((await worker.tokenize({ text: "ok" }, { signal: new AbortController().signal })).count, 3);
     await worker.load({ backend: "echo" });
   });
 
@@ -199,14 +257,58 @@ describe("lifecycle", () => {
     const worker = await start();
     await worker.load({ backend: "echo", token_delay_ms: 5 });
     const stream = worker.generate({ prompt: "c".repeat(5000), max_tokens: 5001 });
-    for await (const chunk of stream) {
-      void chunk;
-      break; // stop reading; the request goes on
-    }
+    await stream[Symbol.asyncIterator]().next(); // one chunk read, the loop not left: the request goes on
     const exit = await worker.close();
     assert.deepEqual(exit, { exitCode: 0, signal: null });
     assert.equal((await stream.result).finish_reason, "cancelled");
     assert.ok(isGone(worker.pid!));
+  });
+
+  test("an aborted start rejects with the signal's reason and leaves no process behind", async () => {
+    const controller = new AbortController();
+    const starting = start({ signal: controller.signal });
+    controller.abort(); // the process is spawned; it has not answered capabilities yet
+    await assert.rejects(starting, { name: "AbortError" });
+    const children = execFileSync("ps", ["-o", "args=", "--ppid", String(process.pid)], { encoding: "utf8" });
+    assert.doesNotMatch(children, /-m worker/);
+  });
+
+  test("await using closes the worker as its scope ends", async () => {
+    let pid: number;
+    let exited: Promise<unknown>;
+    {
+      await using worker = await start();
+      await worker.load({ backend: "echo" });
+      assert.equal((await worker.tokenize({ text: "scope" })).count, 6);
+      pid = worker.pid!;
+      exited = worker.exited;
+    }
+    assert.deepEqual(await exited, { exitCode: 0, signal: null }); // shutdown and exit, not a kill
+    assert.ok(isGone(pid));
+  });
+
+  test("with unref, a program that forgets close() exits once nothing is in flight, and so does its worker", async () => {
+    // A generate in flight holds the program until its answer: the line printed shows it.
+    const program = `
+      import { LmWorker } from ${JSON.stringify(new URL("../src/index.js", import.meta.url).href)};
+      const worker = await LmWorker.start({ python: process.argv[1], unref: true });
+      await worker.load({ backend: "echo", token_delay_ms: 50 });
+      worker.generate({ prompt: "late", max_tokens: 4 }).result.then((result) => {
+        console.log(JSON.stringify({ pid: worker.pid, text: result.text }));
+      });
+    `;
+    const started = Date.now();
+    const ran = spawnSync(process.execPath, ["--input-type=module", "-e", program, python()], {
+      env: workerEnv(), encoding: "utf8", timeout: 60_000,
+    });
+    assert.equal(ran.status, 0, ran.stderr);
+    assert.ok(Date.now() - started < 30_000);
+    const { pid, text } = JSON.parse(ran.stdout);
+    assert.equal(text, "late");
+    for (let waited = 0; !isGone(pid); waited += 50) {
+      assert.ok(waited < 10_000, "the worker outlived its program");
+      await sleep(50);
+    }
   });
 
   test("a worker that cannot start is a start error with its stderr", async () => {
@@ -247,6 +349,96 @@ describe("lifecycle", () => {
       await worker.close();
     }
   });
+});
+
+describe("restarts", () => {
+  /** Read `stream` until `count` chunks have come, then kill its worker with SIGKILL. */
+  async function killAfter(worker: LmWorker, stream: AsyncIterable<GenerateChunk>, count: number): Promise<void> {
+    let seen = 0;
+    for await (const chunk of stream) {
+      void chunk;
+      if (++seen === count) process.kill(worker.pid!, "SIGKILL");
+    }
+  }
+
+  test("with restart, a worker killed mid-stream is replaced on the next call, with its model loaded again", async () => {
+    const worker = await start({ restart: true });
+    const restarts: WorkerRestart[] = [];
+    worker.on("restart", (event) => restarts.push(event));
+    try {
+      await worker.load({ backend: "echo", token_delay_ms: 5 });
+      const first = worker.pid!;
+      const stream = worker.generate({ prompt: "m".repeat(2000), max_tokens: 2001 });
+      await assert.rejects(killAfter(worker, stream, 2), WorkerExitedError);
+      await assert.rejects(stream.result, (error: unknown) => error instanceof WorkerExitedError && error.signal === "SIGKILL");
+
+      // The echo backend tokenizes only with a model loaded: the new process has it again.
+      assert.equal((await worker.tokenize({ text: "again" })).count, 6);
+      assert.notEqual(worker.pid, first);
+      assert.equal(worker.capabilities.pid, worker.pid);
+      assert.equal(restarts.length, 1);
+      const [event] = restarts;
+      assert.equal(event!.pid, worker.pid);
+      assert.deepEqual(event!.previous, { exitCode: null, signal: "SIGKILL" });
+      assert.ok(event!.error instanceof WorkerExitedError);
+      assert.deepEqual(event!.model, { backend: "echo", token_delay_ms: 5 });
+      assert.equal((await worker.generate({ prompt: "on", max_tokens: 3 }).result).text, "on");
+    } finally {
+      await worker.close();
+    }
+    // A worker the host closed is not restarted.
+    await assert.rejects(worker.tokenize({ text: "closed" }), /the worker has exited/);
+    assert.equal(restarts.length, 1);
+  });
+
+  test("kills between calls and mid-stream are each restarted, until too many come too soon", async () => {
+    const worker = await start({ restart: { maxRestarts: 2, withinMs: 60_000 } });
+    try {
+      await worker.load({ backend: "echo", token_delay_ms: 5 });
+      process.kill(worker.pid!, "SIGKILL"); // idle, between calls
+      await worker.exited;
+      assert.equal((await worker.generate({ prompt: "one", max_tokens: 4 }).result).text, "one");
+
+      const stream = worker.generate({ prompt: "m".repeat(2000), max_tokens: 2001 });
+      await assert.rejects(killAfter(worker, stream, 2), WorkerExitedError);
+      assert.equal((await worker.tokenize({ text: "two" })).count, 4);
+
+      process.kill(worker.pid!, "SIGKILL"); // the third exit within a minute: final
+      await worker.exited;
+      for (let i = 0; i < 2; i++) {
+        await assert.rejects(worker.tokenize({ text: "three" }), (error: unknown) => {
+          assert.ok(error instanceof WorkerExitedError);
+          assert.match(error.message, /exited again after 2 restarts within 60 s, so it is not restarted any more/);
+          return true;
+        });
+      }
+    } finally {
+      await worker.close();
+    }
+  });
+
+});
+
+test("a restart whose model cannot be loaded again fails the call waiting for it; the next call tries again", async () => {
+  const model = join(await mkdtemp(join(tmpdir(), "lm-worker-moved-")), "model");
+  cpSync(await tinyModel(), model, { recursive: true });
+  const worker = await start({ restart: true });
+  try {
+    await worker.load({ model });
+    process.kill(worker.pid!, "SIGKILL");
+    await worker.exited;
+    rmSync(model, { recursive: true });
+    const cancelled = new AbortController();
+    const waiting = worker.generate({ prompt: "x", max_tokens: 2 }, { signal: cancelled.signal });
+    cancelled.abort(); // while it waits for the restart: nothing is left to cancel once it fails
+    await assert.rejects(waiting.result, (error: unknown) => error instanceof RpcError && error.kind === "model_not_found");
+    await worker.exited; // the new process that could not load it is stopped
+    cpSync(await tinyModel(), model, { recursive: true });
+    assert.equal((await worker.tokenize({ text: "back", add_special_tokens: false })).tokens.length > 0, true);
+  } finally {
+    await worker.close();
+    rmSync(dirname(model), { recursive: true, force: true });
+  }
 });
 
 describe("with the tiny transformers model", () => {

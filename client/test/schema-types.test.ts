@@ -10,7 +10,7 @@ import { after, test } from "node:test";
 import { fileURLToPath } from "node:url";
 import assert from "node:assert/strict";
 
-import { PROTOCOL_VERSION, type Methods } from "../src/protocol-types.js";
+import { PROTOCOL_VERSION, type ErrorKind, type Methods } from "../src/protocol-types.js";
 
 /** The repository root: this file runs as client/dist/test/schema-types.test.js → ../../.. */
 const root = resolve(dirname(fileURLToPath(import.meta.url)), "..", "..", "..");
@@ -94,4 +94,27 @@ test("Methods has every method of schemas/index.json, in index order", () => {
   // Compile-time: methods without fields or with only defaulted fields take {} (so params can be left out).
   const omitted: [Methods["capabilities"]["params"], Methods["generate"]["params"]] = [{}, {}];
   assert.deepEqual(omitted, [{}, {}]);
+});
+
+test("ErrorKind is the union of schemas/index.json's error kinds, in index order", () => {
+  const index = JSON.parse(readFileSync(join(schemas, "index.json"), "utf8"));
+  const block = /export type ErrorKind =\n([\s\S]*?;[^\n]*)\n/.exec(readFileSync(committed, "utf8"));
+  assert.ok(block, "ErrorKind is missing");
+  const kinds = [...block[1].matchAll(/^ {2}\| ("[^"]+");? \/\/ (-\d+)$/gm)].map((m) => [JSON.parse(m[1]!), Number(m[2])]);
+  assert.deepEqual(kinds, Object.entries(index.errors));
+  // Compile-time: a kind is one of the list, and nothing else.
+  const known: ErrorKind = "engine_overloaded";
+  // @ts-expect-error not an error kind of the protocol
+  const unknown: ErrorKind = "no_such_kind";
+  assert.notEqual(known, unknown);
+});
+
+test("an error kind added to index.json appears in ErrorKind", () => {
+  const dir = editedSchemas("kind", "index.json", (doc) => {
+    doc.errors.schema_types_probe = -32019;
+  });
+  const out = join(scratch, "kind.ts");
+  const run = generator("--schemas", dir, "--out", out);
+  assert.equal(run.status, 0, run.stderr);
+  assert.match(readFileSync(out, "utf8"), /\n {2}\| "schema_types_probe"; \/\/ -32019\n/);
 });

@@ -2,10 +2,10 @@
  * An AI SDK provider (`import { createLmWorker } from "lm-worker/ai-sdk"`): `generateText`,
  * `streamText`, tools and structured output of the `ai` package, run by an lm-worker.
  *
- * It implements the AI SDK's LanguageModelV4 specification. Only its types come from
- * `@ai-sdk/provider` (an optional peer dependency), so this module adds nothing at run time;
- * the errors it throws carry the AI SDK's markers, so `NoSuchModelError.isInstance` and the
- * like recognize them.
+ * It implements the AI SDK's LanguageModelV4 specification, whose types and error classes
+ * come from `@ai-sdk/provider` (a dependency, so that they resolve wherever the package is
+ * installed): the worker's errors reach the AI SDK as its own (NoSuchModelError,
+ * LoadSettingError, APICallError), so its retries and `isInstance` checks work.
  */
 import type { LanguageModelV4, ProviderV4 } from "@ai-sdk/provider";
 import { LmWorker, type WorkerOptions } from "./client.js";
@@ -13,12 +13,16 @@ import type { GenerateParams, LoadParams } from "./protocol-types.js";
 export interface LmWorkerProviderSettings {
     /** A running worker to use; the provider neither starts nor closes it. */
     worker?: LmWorker;
-    /** How to start the provider's own worker (once, on first use) when `worker` is not given. */
+    /**
+     * How to start the provider's own worker (on first use) when `worker` is not given. It is
+     * restarted when it exits unasked (`restart: true` unless these options say otherwise): a
+     * long-running server keeps its provider through a crashed worker.
+     */
     workerOptions?: WorkerOptions;
     /** The rest of `load`'s params (`backend`, `dtype`, `quantization`, …); the model id is `model`. */
     load?: Omit<LoadParams, "model">;
 }
-/** `providerOptions["lm-worker"]` of a call. */
+/** `providerOptions.lmWorker` of a call. */
 export interface LmWorkerCallOptions {
     /** `"auto"` (find the longest stored prefix, store this turn) or a cache ref (PROTOCOL §18). */
     cache?: string;
@@ -39,5 +43,13 @@ export interface LmWorkerProvider extends ProviderV4 {
     worker(): Promise<LmWorker>;
     /** Close the worker the provider started (a `worker` passed in is left running). */
     close(): Promise<void>;
+    /** `await using lm = createLmWorker(…)`: `close()` as the scope ends. */
+    [Symbol.asyncDispose](): Promise<void>;
 }
 export declare function createLmWorker(settings?: LmWorkerProviderSettings): LmWorkerProvider;
+/**
+ * A ready provider, as other providers ship one: `lmWorker("default")`. Its worker (the
+ * default options, restarted if it crashes) starts on the first call; `lmWorker.close()`
+ * stops it.
+ */
+export declare const lmWorker: LmWorkerProvider;

@@ -2,14 +2,21 @@
  * An AI SDK provider (`import { createLmWorker } from "lm-worker/ai-sdk"`): `generateText`,
  * `streamText`, tools and structured output of the `ai` package, run by an lm-worker.
  *
- * It implements the AI SDK's LanguageModelV4 specification. Only its types come from
- * `@ai-sdk/provider` (an optional peer dependency), so this module adds nothing at run time;
- * the errors it throws carry the AI SDK's markers, so `NoSuchModelError.isInstance` and the
- * like recognize them.
+ * It implements the AI SDK's LanguageModelV4 specification, whose types and error classes
+ * come from `@ai-sdk/provider` (a dependency, so that they resolve wherever the package is
+ * installed): the worker's errors reach the AI SDK as its own (NoSuchModelError,
+ * LoadSettingError, APICallError), so its retries and `isInstance` checks work.
  */
+import { APICallError, InvalidArgumentError, LoadSettingError, NoSuchModelError, UnsupportedFunctionalityError, } from "@ai-sdk/provider";
+import { z } from "zod";
 import { LmWorker } from "./client.js";
-/** The key of `providerOptions` (and of `providerMetadata`) for this provider. */
+import { RpcError } from "./errors.js";
+/** The provider's name, as its models report it. */
 const PROVIDER = "lm-worker";
+/** The key of `providerOptions` and `providerMetadata` for this provider (camelCase, as the AI SDK's). */
+const KEY = "lmWorker";
+/** The key `providerOptions` had before; still read, with a deprecation warning. */
+const OLD_KEY = "lm-worker";
 export function createLmWorker(settings = {}) {
     let started;
     const worker = () => {
@@ -17,7 +24,7 @@ export function createLmWorker(settings = {}) {
             return Promise.resolve(settings.worker);
         }
         if (started === undefined) {
-            const starting = LmWorker.start(settings.workerOptions);
+            const starting = LmWorker.start({ restart: true, ...settings.workerOptions });
             started = starting;
             starting.catch(() => {
                 if (started === starting)
@@ -36,15 +43,24 @@ export function createLmWorker(settings = {}) {
             started = undefined;
             await (await running?.catch(() => undefined))?.close();
         },
+        [Symbol.asyncDispose]() {
+            return provider.close();
+        },
         embeddingModel(modelId) {
-            throw new NoSuchModelError(modelId, "embeddingModel");
+            throw new NoSuchModelError({ modelId, modelType: "embeddingModel", message: `lm-worker has language models only: ${modelId}` });
         },
         imageModel(modelId) {
-            throw new NoSuchModelError(modelId, "imageModel");
+            throw new NoSuchModelError({ modelId, modelType: "imageModel", message: `lm-worker has language models only: ${modelId}` });
         },
     });
     return provider;
 }
+/**
+ * A ready provider, as other providers ship one: `lmWorker("default")`. Its worker (the
+ * default options, restarted if it crashes) starts on the first call; `lmWorker.close()`
+ * stops it.
+ */
+export const lmWorker = createLmWorker();
 // --- the model -----------------------------------------------------------------------------
 class LmWorkerLanguageModel {
     modelId;
@@ -63,7 +79,9 @@ class LmWorkerLanguageModel {
         const signal = options.abortSignal;
         const { stream, timestamp } = await this.start({ ...params, stream: false }, signal);
         // Reject at the abort itself, as fetch does; the worker's cancelled answer comes later.
-        const result = await untilAborted(stream.result, signal);
+        const result = await untilAborted(stream.result, signal).catch((error) => {
+            throw callError(error, "generate", params);
+        });
         return {
             content: toContent(result),
             finishReason: toFinishReason(result.finish_reason),
@@ -80,7 +98,7 @@ class LmWorkerLanguageModel {
         const cancel = new AbortController();
         const signal = options.abortSignal ? AbortSignal.any([options.abortSignal, cancel.signal]) : cancel.signal;
         const { stream, timestamp } = await this.start(params, signal);
-        const parts = streamParts(stream, signal, options.includeRawChunks === true);
+        const parts = streamParts(stream, params, signal, options.includeRawChunks === true);
         const head = [
             { type: "stream-start", warnings },
             { type: "response-metadata", id: responseId(stream), modelId: this.modelId, timestamp },
@@ -106,7 +124,11 @@ class LmWorkerLanguageModel {
     /** Send the generate once the worker runs this model. */
     async start(params, signal) {
         const worker = await untilAborted(this.worker(), signal);
-        const stream = await ModelSlot.of(worker).send(this.load, signal, () => worker.generate(params, { signal }));
+        const stream = await ModelSlot.of(worker)
+            .send(this.load, signal, () => worker.generate(params, { signal }))
+            .catch((error) => {
+            throw loadError(error, this.modelId, this.load);
+        });
         return { stream, timestamp: new Date() };
     }
 }
@@ -189,7 +211,7 @@ function toGenerateParams(options) {
         stop: options.stopSequences,
         ...toTools(options, warnings),
         response_format: toResponseFormat(options.responseFormat),
-        ...toWorkerOptions(options.providerOptions?.[PROVIDER], warnings),
+        ...toWorkerOptions(options.providerOptions, warnings),
     };
     // Leave out what the call did not set: the worker's defaults apply, and the request stays readable.
     const defined = Object.entries(params).filter(([, value]) => value !== undefined);
@@ -234,12 +256,53 @@ function toResponseFormat(format) {
         },
     };
 }
-function toWorkerOptions(options, warnings) {
-    const { cache, cacheTrimTokens, minP, repetitionPenalty, parallelToolCalls, draft, ...rest } = (options ?? {});
-    for (const name of Object.keys(rest)) {
-        warnings.push({ type: "unsupported", feature: `providerOptions["${PROVIDER}"].${name}` });
+/**
+ * `providerOptions.lmWorker`, checked before anything is sent: the protocol's types and
+ * bounds (schemas/generate.params.json), so a wrong value fails at once, naming its option.
+ * Options it does not know are left out, with a warning.
+ */
+const callOptionsSchema = z.object({
+    cache: z.string().optional(),
+    cacheTrimTokens: z.number().int().min(0).optional(),
+    minP: z.number().min(0).max(1).optional(),
+    repetitionPenalty: z.number().positive().optional(),
+    parallelToolCalls: z.boolean().optional(),
+    draft: z
+        .object({
+        method: z.literal("prompt_lookup"),
+        draft_tokens: z.number().int().min(1).max(64).optional(),
+        ngram_max: z.number().int().min(1).max(16).optional(),
+        ngram_min: z.number().int().min(1).max(16).optional(),
+    })
+        .strict()
+        .nullable()
+        .optional(),
+});
+function toWorkerOptions(providerOptions, warnings) {
+    let key = KEY;
+    if (providerOptions?.[OLD_KEY] !== undefined) {
+        const ignored = providerOptions[KEY] !== undefined;
+        warnings.push({
+            type: "deprecated",
+            setting: `providerOptions["${OLD_KEY}"]`,
+            message: `use providerOptions.${KEY}${ignored ? ` (given too: providerOptions["${OLD_KEY}"] is ignored)` : ""}`,
+        });
+        if (!ignored)
+            key = OLD_KEY;
     }
-    // The worker checks the values, and its error names the field.
+    const given = providerOptions?.[key] ?? {};
+    const parsed = callOptionsSchema.safeParse(given);
+    if (!parsed.success) {
+        throw new InvalidArgumentError({
+            argument: `providerOptions.${key}`,
+            message: `invalid lm-worker provider options:\n${z.prettifyError(parsed.error)}`,
+            cause: parsed.error,
+        });
+    }
+    for (const name of Object.keys(given).filter((name) => !(name in callOptionsSchema.shape))) {
+        warnings.push({ type: "unsupported", feature: `providerOptions.${key}.${name}` });
+    }
+    const { cache, cacheTrimTokens, minP, repetitionPenalty, parallelToolCalls, draft } = parsed.data;
     return {
         cache,
         cache_trim_tokens: cacheTrimTokens,
@@ -313,7 +376,7 @@ function outputText(output) {
     }
 }
 function unsupportedFile() {
-    throw new UnsupportedFunctionalityError("file parts", "lm-worker runs text models: send text, not files.");
+    throw new UnsupportedFunctionalityError({ functionality: "file parts", message: "lm-worker runs text models: send text, not files." });
 }
 // --- the answer ----------------------------------------------------------------------------
 function toContent(result) {
@@ -344,17 +407,33 @@ function toUsage(result) {
             total: usage?.prompt_tokens,
             noCache: usage && usage.prompt_tokens - usage.cache_read_tokens,
             cacheRead: usage?.cache_read_tokens,
-            cacheWrite: usage?.cache_write_tokens,
+            cacheWrite: result && inputTokensWritten(result),
         },
         // The worker does not tell reasoning tokens apart: all of them count as text.
         outputTokens: { total: usage?.completion_tokens, text: usage?.completion_tokens, reasoning: undefined },
         ...(usage && { raw: { ...usage } }),
     };
 }
+/**
+ * The prompt tokens written to a cache: a ref's prefill wrote prompt tokens alone; `"auto"`
+ * stores the generated tokens too, which are no input (PROTOCOL §18.3: its count is the
+ * stored tokens after the reused ones, so the input among them is at most the prompt's rest).
+ */
+function inputTokensWritten({ usage, cache }) {
+    if (cache?.mode !== "auto")
+        return usage.cache_write_tokens;
+    return Math.min(usage.cache_write_tokens, usage.prompt_tokens - usage.cache_read_tokens);
+}
 function toProviderMetadata(result) {
     // The protocol's types are plain JSON, declared as interfaces (which JSONObject's index signature does not take).
-    const metadata = { cache: result.cache, timings: result.timings, stopReason: result.stop_reason };
-    return { [PROVIDER]: metadata };
+    const metadata = {
+        cache: result.cache,
+        // All the tokens this call wrote to a cache, the generated ones of an "auto" store included.
+        cacheWriteTokens: result.usage.cache_write_tokens,
+        timings: result.timings,
+        stopReason: result.stop_reason,
+    };
+    return { [KEY]: metadata };
 }
 function responseId(stream) {
     return `generate-${stream.id}`;
@@ -364,7 +443,7 @@ function responseId(stream) {
  * once complete, then `finish`. A worker error becomes an `error` part and a `finish` with
  * finish reason "error"; an abort ends it with the abort's reason, as a fetch body does.
  */
-async function* streamParts(stream, signal, includeRaw) {
+async function* streamParts(stream, params, signal, includeRaw) {
     const textId = "text";
     let textOpen = false;
     let blank = ""; // whitespace before any text (the line breaks between calls): no text part unless text follows
@@ -397,7 +476,7 @@ async function* streamParts(stream, signal, includeRaw) {
     catch (error) {
         if (signal.aborted)
             throw error;
-        yield { type: "error", error };
+        yield { type: "error", error: callError(error, "generate", params) };
     }
     if (textOpen)
         yield { type: "text-end", id: textId };
@@ -432,31 +511,36 @@ function untilAborted(promise, signal) {
         promise.then(resolve, reject).finally(() => signal.removeEventListener("abort", abort));
     });
 }
-// --- errors the AI SDK recognizes ----------------------------------------------------------
-/** Mark an error as the AI SDK's errors are marked, so that its `isInstance` checks accept it. */
-function mark(error, name) {
-    for (const marker of ["vercel.ai.error", `vercel.ai.error.${name}`]) {
-        Object.defineProperty(error, Symbol.for(marker), { value: true });
+// --- errors ----------------------------------------------------------------------------------
+/** Faults of a model server that may well pass: the AI SDK retries a call that failed with one. */
+const RETRYABLE = new Set(["engine_unreachable", "engine_overloaded", "engine_stalled", "engine_error"]);
+/** The worker's answer to a load as the AI SDK's error (the RpcError its cause); any other error as it is. */
+function loadError(error, modelId, load) {
+    if (!(error instanceof RpcError))
+        return error;
+    if (error.kind === "model_not_found" || error.kind === "model_not_served") {
+        return withCause(new NoSuchModelError({ modelId, modelType: "languageModel", message: error.message }), error);
     }
+    if (RETRYABLE.has(error.kind))
+        return callError(error, "load", load);
+    return withCause(new LoadSettingError({ message: error.message }), error);
 }
-class NoSuchModelError extends Error {
-    modelId;
-    modelType;
-    name = "AI_NoSuchModelError";
-    constructor(modelId, modelType) {
-        super(`lm-worker has language models only, no ${modelType}: ${modelId}`);
-        this.modelId = modelId;
-        this.modelType = modelType;
-        mark(this, this.name);
-    }
+/** The worker's error answer to a call as the AI SDK's APICallError; any other error as it is. */
+function callError(error, method, params) {
+    if (!(error instanceof RpcError))
+        return error;
+    return new APICallError({
+        message: error.message,
+        url: `lm-worker:${method}`, // the worker is no HTTP server: the method stands for the endpoint
+        requestBodyValues: params,
+        isRetryable: RETRYABLE.has(error.kind),
+        data: error.data,
+        cause: error,
+    });
 }
-class UnsupportedFunctionalityError extends Error {
-    functionality;
-    name = "AI_UnsupportedFunctionalityError";
-    constructor(functionality, message) {
-        super(message);
-        this.functionality = functionality;
-        mark(this, this.name);
-    }
+/** NoSuchModelError and LoadSettingError take no cause: set it, so that the RpcError stays reachable. */
+function withCause(error, cause) {
+    Object.defineProperty(error, "cause", { value: cause, configurable: true, writable: true });
+    return error;
 }
 //# sourceMappingURL=ai-sdk.js.map

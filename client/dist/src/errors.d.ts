@@ -1,4 +1,5 @@
 /** The errors a caller of the client can meet, each with what a program needs to act on it. */
+import type { ErrorKind } from "./protocol-types.js";
 /** The worker answered a request with a JSON-RPC error. */
 export declare class RpcError extends Error {
     /** The JSON-RPC error code: -32602 invalid params, -32001 model not loaded, … (docs/PROTOCOL.md §12). */
@@ -12,10 +13,10 @@ export declare class RpcError extends Error {
     /** The worker's `data`: `kind` (a stable name for the code), `field`, `method`, `limit` when they apply. */
     data: RpcErrorData | undefined);
     /** A stable name for the error (`invalid_params`, `cache_not_found`, …), when the worker gave one. */
-    get kind(): string | undefined;
+    get kind(): ErrorKind | undefined;
 }
 export interface RpcErrorData {
-    kind?: string;
+    kind?: ErrorKind;
     field?: string | null;
     method?: string | null;
     limit?: number | null;

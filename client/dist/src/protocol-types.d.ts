@@ -446,3 +446,5 @@ export interface HostNotifications {
     "generate/ack": AckParams;
     "exit": NoParams;
 }
+/** An error's `data.kind`: the protocol's stable name for it, here with its JSON-RPC code (docs/PROTOCOL.md §12). */
+export type ErrorKind = "parse_error" | "message_too_large" | "invalid_request" | "batch_not_supported" | "duplicate_id" | "method_not_found" | "invalid_params" | "internal_error" | "request_cancelled" | "shutting_down" | "model_not_loaded" | "model_load_failed" | "model_not_found" | "backend_not_found" | "backend_unavailable" | "context_overflow" | "unsupported" | "cache_not_found" | "cache_identity_mismatch" | "cache_corrupt" | "cache_prefix_mismatch" | "cache_too_large" | "cache_storage_failed" | "engine_unreachable" | "engine_auth_failed" | "model_not_served" | "engine_overloaded" | "engine_error" | "engine_stalled";

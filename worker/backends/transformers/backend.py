@@ -531,7 +531,7 @@ def _local_model_path(model: str) -> Path:
     path = Path(model).expanduser()
     if not path.exists():
         raise RpcError(
-            ErrorKind.MODEL_LOAD_FAILED,
+            ErrorKind.MODEL_NOT_FOUND,
             f"No model at {model!r}: no such file or directory. Give a local model directory or .gguf file "
             "(model hubs are not used), or a shipped model: 'default' or 'gemma3-270m'.",
             field="params.model",
