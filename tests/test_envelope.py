@@ -375,9 +375,14 @@ def test_every_code_is_standard_or_a_worker_code_in_minus_32000_to_minus_32019(k
     assert not -32099 <= code <= -32096, "reserved for vscode-jsonrpc"
 
 
-def test_worker_codes_are_distinct_per_kind():
-    worker = [code for code in CODES.values() if code not in STANDARD_CODES]
+# A kind that narrows another keeps its code, so that a host reading codes sees no change.
+NARROWS = {ErrorKind.MODEL_NOT_FOUND: ErrorKind.MODEL_LOAD_FAILED}
+
+
+def test_worker_codes_are_distinct_per_kind_but_for_a_kind_that_narrows_another():
+    worker = [code for kind, code in CODES.items() if code not in STANDARD_CODES and kind not in NARROWS]
     assert len(worker) == len(set(worker))
+    assert all(CODES[narrow] == CODES[wide] for narrow, wide in NARROWS.items())
 
 
 def test_error_kind_values_are_stable_snake_case_names():
