@@ -42,7 +42,7 @@ PATHS = [
 def step(model, cache, how: str) -> None:
     """One decode step of token 42: the worker's own step, or transformers' forward."""
     if how == "step":
-        model._step([42], [cache])
+        model._decode_step([42], [cache])
     else:
         cache.feed(model._model, torch.tensor([[42]]))
 

@@ -26,14 +26,14 @@ def load(model_dir: Path, data_dir: Path, **params):
 @pytest.mark.parametrize("quantization", ["auto", "none", "int4"])
 def test_a_decode_step_gives_transformers_forward_logits_bit_for_bit(tiny_model_dir: Path, tmp_path: Path, quantization):
     model = load(tiny_model_dir, tmp_path, quantization=quantization)
-    assert model._step is not None
+    assert model._decode_step is not None
     ids = model.tokenize("the cat sat on the mat and the dog ran to the river", add_special_tokens=True)
     with torch.inference_mode():
         for cut in (1, 2, 5, len(ids) - 1):
             stepped = model.new_cache()
             model.extend_cache(ids[:cut], stepped)
             forwarded = stepped.copy()
-            ours = model._step([ids[cut]], [stepped])
+            ours = model._decode_step([ids[cut]], [stepped])
             theirs = forwarded.feed(model._model, torch.tensor([[ids[cut]]]))
             assert torch.equal(ours, theirs), f"step after {cut} tokens"
             assert stepped.length == forwarded.length == cut + 1
@@ -78,8 +78,8 @@ def test_a_batch_of_sequences_steps_as_each_would_alone(tiny_model_dir: Path, tm
             model.extend_cache(prompt[:-1], cache)
             alone.append(cache)
             together.append(cache.copy())
-        expected = [model._step([prompt[-1]], [cache]) for prompt, cache in zip(prompts, alone)]
-        batched = model._step([prompt[-1] for prompt in prompts], together)
+        expected = [model._decode_step([prompt[-1]], [cache]) for prompt, cache in zip(prompts, alone)]
+        batched = model._decode_step([prompt[-1] for prompt in prompts], together)
     for row, logits in enumerate(expected):
         assert torch.equal(batched[row : row + 1], logits)
 
@@ -98,9 +98,9 @@ def test_a_prompt_chunk_fed_in_a_step_beside_a_decoding_sequence_matches_transfo
         model.extend_cache(running[:-1], decoding)
         alone = decoding.copy()
         fed, forwarded = model.new_cache(), model.new_cache()
-        both = model._step.forward([running[-1:], joining[:7]], [decoding, fed])
+        both = model._decode_step.forward([running[-1:], joining[:7]], [decoding, fed])
         theirs = forwarded.feed(model._model, torch.tensor([joining[:7]]))
-        expected = model._step([running[-1]], [alone])
+        expected = model._decode_step([running[-1]], [alone])
     assert fed.length == forwarded.length == 7 and decoding.length == alone.length == len(running)
     torch.testing.assert_close(both[1:], theirs, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(both[:1], expected, rtol=1e-5, atol=1e-5)
@@ -121,7 +121,7 @@ def test_quantized_weights_give_a_position_the_same_logits_however_its_prompt_wa
     model = load(tiny_models(family), tmp_path, quantization=quantization)
     text = "the cat sat on the mat and the dog ran to the river, a red sun over the hills " * 6
     ids = model.tokenize(text, add_special_tokens=True)[:160]
-    step = model._step or (lambda tokens, caches: caches[0].feed(model._model, torch.tensor([tokens])))
+    step = model._decode_step or (lambda tokens, caches: caches[0].feed(model._model, torch.tensor([tokens])))
 
     def logits(cuts: list[int], steps_from: int) -> torch.Tensor:
         cache, rows, start = model.new_cache(), [], 0

@@ -37,7 +37,7 @@ AUTO_MIN_TOKENS = 4
 AUTO_MIN_SHARE = 64
 
 
-def caching(model: Model) -> CachingModel:
+def as_caching_model(model: Model) -> CachingModel:
     if not getattr(model, "supports_cache", False):
         raise RpcError(
             ErrorKind.UNSUPPORTED,
@@ -71,7 +71,7 @@ class Prefill:
         send_progress: Callable[[PrefillProgress], None],
     ) -> None:
         self._started = time.perf_counter()
-        model = caching(model)
+        model = as_caching_model(model)
         source = PromptSource(params.prompt, params.tokens, params.messages)
         tokens = resolve_prompt(
             model,
@@ -215,7 +215,7 @@ def finish_generate(store: CacheStore, model: Model, start: CacheStart | None, p
 def _start_from_ref(
     store: CacheStore, model: Model, ref: str, prompt: Sequence[int], trim: int | None, held: int
 ) -> CacheStart:
-    model = caching(model)
+    model = as_caching_model(model)
     cached, cache = store.load(ref, model.cache_identity(), model.load_cache, room=_room(model, held))
     usable = cached if trim is None else cached[:trim]
     matched = common_prefix(usable, prompt)
@@ -239,7 +239,7 @@ def _start_auto(store: CacheStore, model: Model, prompt: Sequence[int], held: in
     if not getattr(model, "supports_cache", False):
         reason = f"the {model.info.backend} backend keeps no KV cache"
         return CacheStart(cache=None, reused=0, use=_use(AUTO, reason=reason, store_reason=reason))
-    model = caching(model)
+    model = as_caching_model(model)
     identity = model.cache_identity()
     candidates, skipped = store.candidates(identity)
     ranked = sorted(candidates, key=lambda c: (-_reusable(c, prompt), len(c.tokens)))

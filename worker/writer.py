@@ -1,6 +1,6 @@
 """The one piece of code that writes to the protocol stream.
 
-Producers (the dispatcher, the model thread) hand encoded message bodies to
+Producers (the reader, the lanes, the cache I/O thread) hand encoded message bodies to
 :meth:`Writer.send`; a single thread frames them and writes them to the private
 stdout descriptor. The buffer between them is bounded: when the host stops
 reading, ``send`` blocks, so a generation waits instead of growing memory.

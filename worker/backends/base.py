@@ -34,8 +34,8 @@ if TYPE_CHECKING:  # the container is imported only where caches are used
 
 
 class Model(Protocol):
-    """A loaded model. Only the model thread calls ``generate``; ``tokenize``,
-    ``detokenize`` and ``render`` may be called from the dispatcher at the same
+    """A loaded model. Only the model thread calls ``step`` and feeds decodings; ``tokenize``,
+    ``detokenize`` and ``render`` may be called from the reader and text lanes at the same
     time and must be safe for that."""
 
     info: ModelInfo

@@ -129,12 +129,12 @@ class TransformersModel:
         from worker.backends.transformers import decode_step
 
         self._model = model
-        self._step = decode_step.DecodeStep(model) if decode_step.supports(model) else None
+        self._decode_step = decode_step.DecodeStep(model) if decode_step.supports(model) else None
         # A prompt chunk fed alone goes through the step too where that gives transformers'
         # forward's numbers bit for bit (quantized weights): fewer operations a layer (fused
         # projections, no mask), a tenth less time for a short chunk such as a question
         # after a restored cache.
-        self._chunk_step = self._step if quantization != "none" else None
+        self._chunk_decode_step = self._decode_step if quantization != "none" else None
         self._tokenizer = tokenizer
         self._device = device
         # Fast tokenizers may raise "Already borrowed" when shared between threads.
@@ -263,16 +263,16 @@ class TransformersModel:
         params: GenerateParams | None,
         cache: TorchCache | None = None,
         constraint: OutputConstraint | None = None,
-    ) -> Decoding:
-        return Decoding(self, prompt, params, cache if cache is not None else self.new_cache(), constraint)
+    ) -> TransformersDecoding:
+        return TransformersDecoding(self, prompt, params, cache if cache is not None else self.new_cache(), constraint)
 
     @property
     def chunks_in_step(self) -> bool:
         """Whether a step computes its sequences in one pass, a prompt chunk with them."""
-        return self._step is not None
+        return self._decode_step is not None
 
     def drafting(self) -> str | None:
-        if self._step is None:
+        if self._decode_step is None:
             return (
                 f"'draft' needs a model of the Llama architecture (this one is {self._model.config.model_type!r}): "
                 "its decode step checks a draft in one pass. Leave out 'draft'."
@@ -286,11 +286,11 @@ class TransformersModel:
             )
         return None
 
-    def step(self, decodings: Sequence[Decoding], chunk: tuple[Decoding, int] | None = None) -> None:
+    def step(self, decodings: Sequence[TransformersDecoding], chunk: tuple[TransformersDecoding, int] | None = None) -> None:
         import torch
 
         with torch.inference_mode():
-            if self._step is not None:
+            if self._decode_step is not None:
                 drafts = [d.propose() for d in decodings]
                 sequences = [d.tokens[-1:] + draft for d, draft in zip(decodings, drafts)]
                 outputs = [1 + len(draft) for draft in drafts]
@@ -299,7 +299,7 @@ class TransformersModel:
                     sequences.append(chunk[0].next_chunk(chunk[1]))
                     outputs.append(1)
                     fed.append(chunk[0])
-                logits = self._step.forward(sequences, [d.cache for d in fed], outputs)
+                logits = self._decode_step.forward(sequences, [d.cache for d in fed], outputs)
                 first = 0
                 for decoding, rows in zip(fed, outputs):
                     decoding.logits = logits[first : first + rows]
@@ -318,7 +318,7 @@ class TransformersModel:
 
 
 
-class Decoding:
+class TransformersDecoding:
     """A prompt fed into a TorchCache in chunks, then tokens chosen from the logits.
 
     With ``params.draft``, each step also feeds the tokens prompt lookup drafts after the
@@ -409,8 +409,8 @@ class Decoding:
         cuts = [end - 1, stop] if self.cache.has_states and start < end - 1 < stop else [stop]
         with torch.inference_mode():
             for cut in cuts:
-                if self._owner._chunk_step is not None:  # a Llama-architecture model: no states to keep
-                    self.logits = self._owner._chunk_step.forward([self.tokens[self.cache.length : cut]], [self.cache])
+                if self._owner._chunk_decode_step is not None:  # a Llama-architecture model: no states to keep
+                    self.logits = self._owner._chunk_decode_step.forward([self.tokens[self.cache.length : cut]], [self.cache])
                 else:
                     self.logits = self.cache.feed(self._owner._model, self._prompt[:, self.cache.length : cut])
                 if cut >= end - 1:
