@@ -48,6 +48,12 @@ def as_caching_model(model: Model) -> CachingModel:
     return model  # type: ignore[return-value]
 
 
+def at_most_all_but_last(shared: int, prompt: Sequence[int]) -> int:
+    """Of ``shared`` tokens a cache has in common with a generate's prompt, those it may give: never
+    the prompt's last token, which is always fed again (its logits choose the first new token)."""
+    return min(shared, len(prompt) - 1)
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -228,8 +234,8 @@ def _start_from_ref(
             "or use cache: \"auto\".",
             field="params.cache",
         )
-    # Always feed at least the last prompt token again; the cache says how far it can be cut back.
-    reused = model.reusable_tokens(cache, min(matched, len(prompt) - 1))
+    # The cache says how far it can be cut back.
+    reused = model.reusable_tokens(cache, at_most_all_but_last(matched, prompt))
     model.crop_cache(cache, reused)
     use = _use("ref", ref=ref, reused=reused)
     return CacheStart(cache=cache, reused=reused, use=use, written=store.take_pending_writes(ref))
@@ -252,7 +258,7 @@ def _start_auto(store: CacheStore, model: Model, prompt: Sequence[int], held: in
             skipped.append(SkippedCache(ref=candidate.ref, reason=exc.message))
             continue
         # From the file itself, not the listing:
-        reused = model.reusable_tokens(cache, min(common_prefix(cached, prompt), len(prompt) - 1))
+        reused = model.reusable_tokens(cache, at_most_all_but_last(common_prefix(cached, prompt), prompt))
         if not _worth_loading(reused, len(cached)):
             continue
         model.crop_cache(cache, reused)
@@ -269,7 +275,7 @@ def _room(model: CachingModel, held: int) -> Callable[[TensorEntry], int]:
 def _reusable(candidate: Candidate, prompt: Sequence[int]) -> int:
     """How much of ``prompt`` a stored cache can give: the prefix they share, but never the
     last prompt token (always fed), and only as far as the cache can be cut back."""
-    return cut_point(candidate.resume_points, min(common_prefix(candidate.tokens, prompt), len(prompt) - 1))
+    return cut_point(candidate.resume_points, at_most_all_but_last(common_prefix(candidate.tokens, prompt), prompt))
 
 
 def _can_resume(points: list[int] | None, lengths: Sequence[int]) -> bool:
