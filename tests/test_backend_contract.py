@@ -114,3 +114,27 @@ async def test_a_repeated_long_prefix_is_read_from_a_cache_on_the_second_request
     assert second["usage"]["cache_read_tokens"] > 1000
     assert second["cache"]["reused_tokens"] == second["usage"]["cache_read_tokens"] == chunks[-1]["cache_read_tokens"]
     assert first["usage"]["prompt_tokens"] == counts[0] and second["usage"]["prompt_tokens"] == counts[1]
+
+
+async def test_a_slow_readers_stream_is_held_to_its_window_and_comes_whole_at_the_end(loaded: Host):
+    msg_id, done = loaded.start("generate", {"prompt": "Count: 1, 2, 3, 4,", "max_tokens": 40, "stream_window": 2})
+    result = (await asyncio.wait_for(done, 600))["result"]
+    chunks = loaded.chunks[msg_id]
+    assert len(chunks) == 3, "two chunks, then the rest merged into one at the end"
+    assert "".join(c["text"] for c in chunks) == result["text"]
+    assert chunks[-1]["generated_tokens"] == result["usage"]["completion_tokens"] == 40
+
+
+async def test_render_and_detokenize_agree_with_tokenize(loaded: Host):
+    rendered = await loaded.call("render", {"messages": [{"role": "user", "content": "Hello there"}]})
+    assert rendered["count"] == len(rendered["tokens"]) and "Hello there" in rendered["text"]
+    tokens = (await loaded.call("tokenize", {"text": "Hello there", "add_special_tokens": False}))["tokens"]
+    assert (await loaded.call("detokenize", {"tokens": tokens}))["text"] == "Hello there"
+
+
+async def test_the_same_seed_samples_the_same_tokens(loaded: Host):
+    params = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0, "top_p": 0.95, "seed": 1234}
+    first, _ = await generate(loaded, params)
+    again, _ = await generate(loaded, params)
+    other, _ = await generate(loaded, {**params, "seed": 99})
+    assert first["tokens"] == again["tokens"] and first["tokens"] != other["tokens"]

@@ -302,3 +302,61 @@ async def test_json_schema_output_comes_from_the_engines_structured_output(engin
          "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}},
     )
     assert isinstance(json.loads(result["text"])["city"], str)
+
+
+class Relay:
+    """A TCP relay in front of the real server that can be cut and brought back: to the worker,
+    what a server that stops, or restarts, mid-stream looks like."""
+
+    def __init__(self, target_port: int) -> None:
+        self._target = target_port
+        self._server: asyncio.base_events.Server | None = None
+        self._links: list[asyncio.StreamWriter] = []
+        self.port = free_port()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._link, "127.0.0.1", self.port)
+
+    async def cut(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in self._links:
+            writer.transport.abort()
+        self._links.clear()
+        await self._server.wait_closed()
+
+    async def _link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._target)
+        self._links += [writer, up_writer]
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            try:
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                sink.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+@pytest.mark.slow
+async def test_a_server_gone_mid_stream_ends_that_request_and_the_next_works_once_it_is_back(
+    spawn_worker, vllm_url: str
+):
+    relay = Relay(int(vllm_url.rsplit(":", 1)[1].split("/")[0]))
+    await relay.start()
+    host = await spawn_worker()
+    await host.call("load", engine_load(f"http://127.0.0.1:{relay.port}/v1"))
+    msg_id, done = host.start("generate", {"prompt": "Once upon a time", "max_tokens": 500})
+    await host.wait_until(lambda: len(host.chunks[msg_id]) >= 3)
+    await relay.cut()
+    failed = await asyncio.wait_for(done, 60)
+    assert failed["error"]["data"]["kind"] == "engine_error" and "closed the event stream" in failed["error"]["message"]
+    gone = await error_of(host, "generate", {"prompt": "Hello", "max_tokens": 2})
+    assert gone["data"]["kind"] == "engine_unreachable"
+    await relay.start()
+    assert (await host.call("generate", {"prompt": "Hello", "max_tokens": 2}))["usage"]["completion_tokens"] == 2
+    await relay.cut()
