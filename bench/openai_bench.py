@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import http.client
 import json
+import os
 import sys
 import threading
 import time
@@ -36,7 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench_common import cpu_pressure_since, cpu_pressure_us, median, verdict, write_report  # noqa: E402
 from worker.host import Host  # noqa: E402
 
-PROMPTS = [f"Write a long story about a traveller who visits city number {n}." for n in range(8)]
+# Counting runs to max_tokens (a story may end early at the model's end of sequence, and a
+# stream that ends early measures its first token, not decoding).
+PROMPTS = [f"Count from {100 * n}: {100 * n}, {100 * n + 1}, {100 * n + 2}," for n in range(8)]
+
+
+KEY_ENV: str | None = None  # the environment variable holding the server's API key, if it needs one
 
 
 def direct(base_url: str, prompt: str, tokens: int) -> tuple[float, float, int]:
@@ -46,8 +52,10 @@ def direct(base_url: str, prompt: str, tokens: int) -> tuple[float, float, int]:
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}, "return_token_ids": True}
     connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
     started = time.perf_counter()
-    connection.request("POST", parts.path + "/completions", body=json.dumps(body),
-                       headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if KEY_ENV:
+        headers["Authorization"] = f"Bearer {os.environ[KEY_ENV]}"
+    connection.request("POST", parts.path + "/completions", body=json.dumps(body), headers=headers)
     response = connection.getresponse()
     first = last = None
     count = 0
@@ -85,7 +93,8 @@ async def through(host: Host, prompts: list[str], tokens: int) -> tuple[float, l
     firsts, decodes = [], []
     for result, msg_id, at in results:
         times = [t for m, t in zip(host.messages, host.arrival_times)
-                 if m.get("method") == "generate/chunk" and m["params"]["id"] == msg_id and m["params"]["text"]]
+                 if m.get("method") == "generate/chunk" and m["params"]["id"] == msg_id and m["params"]["tokens"]]
+        assert times, f"no chunk with tokens for request {msg_id}: {result}"
         firsts.append(times[0] - at)
         decodes.append(times[-1] - times[0])
     return wall, firsts, decodes, sum(r["usage"]["completion_tokens"] for r, _, _ in results)
@@ -94,23 +103,26 @@ async def through(host: Host, prompts: list[str], tokens: int) -> tuple[float, l
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url")
+    parser.add_argument("--api-key-env", help="the variable holding the server's API key, if it needs one")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json")
     args = parser.parse_args()
+    global KEY_ENV
     started_server = False
     if args.base_url is None:
         from tests import engine_server
 
-        base_url, started_server = engine_server.ready_url(), True
+        base_url, started_server, KEY_ENV = engine_server.ready_url(), True, engine_server.API_KEY_ENV
     else:
-        base_url = args.base_url
+        base_url, KEY_ENV = args.base_url, args.api_key_env
     pressure = cpu_pressure_us()
     host = await Host.spawn("--log-level", "warning")
-    await host.call("load", {"backend": "openai", "base_url": base_url, "model": "smollm2"})
+    await host.call("load", {"backend": "openai", "base_url": base_url, "model": "smollm2", "api_key_env": KEY_ENV})
     direct(base_url, PROMPTS[0], 8)  # both warm
     await through(host, PROMPTS[:1], 8)
 
+    generated: list[int] = []  # tokens of each 8-stream run, direct and through the worker
     one: dict[str, list[float]] = {"direct_tps": [], "worker_tps": [], "direct_ttft": [], "worker_ttft": []}
     many: dict[str, list[float]] = {"direct_tps": [], "worker_tps": [], "direct_ttft": [], "worker_ttft": []}
     for _ in range(args.rounds):
@@ -121,9 +133,11 @@ async def main() -> None:
         one["worker_tps"].append((count - 1) / decodes[0])
         one["worker_ttft"].append(firsts[0])
         wall, firsts, count = direct_many(base_url, PROMPTS, args.tokens)
+        generated.append(count)
         many["direct_tps"].append(count / wall)
         many["direct_ttft"].append(median(firsts))
         wall, firsts, _, count = await through(host, PROMPTS, args.tokens)
+        generated.append(count)
         many["worker_tps"].append(count / wall)
         many["worker_ttft"].append(median(firsts))
 
@@ -134,8 +148,10 @@ async def main() -> None:
     if started_server:
         engine_server.stop()
 
-    report: dict = {"tokens": args.tokens, "rounds": args.rounds, "cpu_wait_s": cpu_pressure_since(pressure)}
-    print(f"vLLM at {base_url}, {args.tokens} tokens a request, {args.rounds} interleaved rounds (medians)")
+    report: dict = {"tokens": args.tokens, "rounds": args.rounds, "cpu_wait_s": cpu_pressure_since(pressure),
+                    "generated": generated}
+    print(f"vLLM at {base_url}, {args.tokens} tokens a request, {args.rounds} interleaved rounds (medians); "
+          f"tokens of the 8-stream runs: {generated}")
     for name, figures in (("1 stream", one), ("8 streams", many)):
         tps = median(figures["worker_tps"]) / median(figures["direct_tps"])
         added_ms = (median(figures["worker_ttft"]) - median(figures["direct_ttft"])) * 1e3

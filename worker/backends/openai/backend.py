@@ -354,9 +354,9 @@ class EngineDecoding:
         self.end: StreamEnd | None = None
         self._last: EngineDelta | None = None
         self._finish: StreamEnd | None = None
-        self._stream: EventStream | None = None
+        self._stream: EventStream[_Event] | None = None
         self._closed = False
-        self._stream = engine.stream(path, body)  # raises a precise RpcError when the request is refused
+        self._stream = engine.stream(path, body, _Event)  # raises a precise RpcError when the request is refused
         threading.Thread(target=self._read, name="lm-worker-engine-stream", daemon=True).start()
 
     def feed(self, max_tokens: int) -> None:
@@ -380,17 +380,14 @@ class EngineDecoding:
     def _read(self) -> None:
         assert self._stream is not None
         try:
-            for raw in self._stream:
-                self._take(msgspec.convert(raw, _Event))
+            for event in self._stream:
+                self._take(event)
             if self._last is not None:  # the delta that ended the text, now with the final counts
                 self._push(self._last)
             if not self._closed:
                 self._ended(self._finish or StreamEnd(reason="stop"))
         except RpcError as exc:
             self._ended(StreamEnd(reason="error", error=exc))
-        except msgspec.ValidationError as exc:
-            error = RpcError(ErrorKind.ENGINE_ERROR, f"The server sent an event of an unexpected shape ({exc}).")
-            self._ended(StreamEnd(reason="error", error=error))
 
     def _take(self, event: _Event) -> None:
         if event.error is not None:
