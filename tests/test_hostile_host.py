@@ -4,13 +4,27 @@ no result, never hangs, and keeps serving."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import os
 import time
+from pathlib import Path
 
 import pytest
 
 from protocol.methods import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from tests.conftest import SpawnWorker
+from tests.conftest import TORCH_ENV, SpawnWorker
 from worker.host import Host, WorkerError
+
+DENSE = {"quantization": "none"}  # no attention kernel to build: for tests about something else
+
+
+async def tiny_worker(spawn_worker: SpawnWorker, model: Path, data_dir: Path, *args: str, load: dict | None = None,
+                      **kwargs) -> Host:
+    """A worker on ``data_dir`` with the tiny model loaded (quantized, the default on the CPU, unless ``load`` says)."""
+    host = await spawn_worker("--data-dir", str(data_dir), *args, env=TORCH_ENV, **kwargs)
+    await host.call("load", {"model": str(model), **(load or {})}, timeout=300)
+    return host
 
 
 # --- 1: stop strings ---------------------------------------------------------------------------
@@ -35,3 +49,64 @@ async def test_the_largest_stop_strings_allowed_cost_little_per_token(echo_worke
     elapsed = time.perf_counter() - started
     assert result["text"] == "a" * 2000 and result["stop_reason"]["kind"] == "eos"
     assert elapsed < 3.0, elapsed
+
+
+# --- 2: the weights-digest memo ------------------------------------------------------------------
+
+
+def memo_of(data_dir: Path, file: Path) -> Path:
+    """Where a worker remembers ``file``'s digest (worker.fingerprint)."""
+    info = file.stat()
+    name = f"{info.st_dev}-{info.st_ino}-{info.st_size}-{info.st_mtime_ns}-{info.st_ctime_ns}.sha256"
+    return data_dir / "digests" / name
+
+
+@pytest.mark.parametrize("plant", ["fifo", "link to /dev/zero", "sparse 8 GB file"])
+async def test_a_digest_memo_that_is_not_a_small_regular_file_is_passed_over_and_the_weights_hashed_again(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, tmp_path: Path, plant: str
+):
+    weights = tiny_model_dir / "model.safetensors"
+    memo = memo_of(tmp_path / "data", weights)
+    memo.parent.mkdir(parents=True)
+    if plant == "fifo":
+        os.mkfifo(memo)
+    elif plant == "link to /dev/zero":
+        memo.symlink_to("/dev/zero")
+    else:
+        with open(memo, "wb") as file:
+            file.truncate(8 << 30)
+    host = await tiny_worker(spawn_worker, tiny_model_dir, tmp_path / "data", load=DENSE)
+    assert (await host.call("generate", {"prompt": "the cat", "max_tokens": 4}))["usage"]["completion_tokens"] == 4
+    await host.close()
+    assert "hashed model.safetensors" in host.stderr.decode()
+    assert memo.read_text().strip() == hashlib.sha256(weights.read_bytes()).hexdigest()  # remembered anew
+
+
+# --- 3: the attention kernel's directory --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kernel_name(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The file name a worker on this machine gives the attention kernel it builds."""
+    from worker.backends import exact_attention
+
+    data_dir = tmp_path_factory.mktemp("kernel")
+    exact_attention.kernel(data_dir)
+    [library] = (data_dir / "kernels").glob("*.so")
+    return library.name
+
+
+async def test_a_fifo_under_the_kernels_name_is_built_over_and_the_worker_answers_meanwhile(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, tmp_path: Path, kernel_name: str
+):
+    """Loading a FIFO as a library blocks inside the loader, holding the GIL: nothing would answer."""
+    library = tmp_path / "data" / "kernels" / kernel_name
+    library.parent.mkdir(parents=True)
+    os.mkfifo(library)
+    host = await spawn_worker("--data-dir", str(tmp_path / "data"), env=TORCH_ENV)
+    _, load = host.start("load", {"model": str(tiny_model_dir)})
+    await host.call("capabilities", timeout=30)
+    assert "result" in await asyncio.wait_for(load, 300)
+    assert (await host.call("generate", {"prompt": "the cat", "max_tokens": 4}))["usage"]["completion_tokens"] == 4
+    await host.close()
+    assert library.is_file() and "float64" not in host.stderr.decode()

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from worker.files import is_regular
+
 SOURCE = Path(__file__).with_name("exact_attention.c")
 # -ffp-contract=off: every multiply and add rounds on its own, as the source's order says.
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
@@ -139,7 +141,7 @@ def _build(directory: Path, again: bool = False) -> Path:
         flags = [*options, *_FLAGS]
         digest = hashlib.sha256(repr((source, compiler, flags, machine)).encode()).hexdigest()[:16]
         library = directory / f"exact_attention-{digest}.so"
-        if library.exists() and not again:
+        if is_regular(library) and not again:  # a FIFO there would block the loader, holding the GIL
             return library
         directory.mkdir(parents=True, exist_ok=True)
         # Written beside and renamed into place: workers sharing a data directory never load half a file.

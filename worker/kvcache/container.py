@@ -30,7 +30,6 @@ import hashlib
 import math
 import mmap
 import os
-import stat
 import struct
 import threading
 import weakref
@@ -40,6 +39,8 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 import msgspec
+
+from worker.files import NotRegularFile, open_regular
 
 try:  # ISA-L's CRC-32 is zlib's, computed about five times as fast (carry-less multiplies)
     from isal.isal_zlib import crc32
@@ -317,12 +318,10 @@ def remove_stale_temporaries(directory: str | os.PathLike[str]) -> list[str]:
         if not entry.name.endswith(TEMPORARY_SUFFIX):
             continue
         try:
-            fd = os.open(entry.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:  # gone already, a symbolic link, not ours to read
+            fd = open_regular(entry.path, follow_symlinks=False)
+        except OSError:  # gone already, a symbolic link, not a regular file, not ours to read
             continue
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # taken: no writer holds it
             os.unlink(entry.path)
         except OSError:  # held by a live writer (or no locks here), or removed by another cleaner first
@@ -386,14 +385,14 @@ def _open_regular(path: str | os.PathLike[str]) -> Iterator[int]:
     never blocks (a FIFO named like a cache would wait for a writer forever) and anything
     that is not a regular file is refused as not a cache."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = open_regular(path)
     except FileNotFoundError as exc:
         raise CacheMissing(path, "cannot be read: no such file") from exc
+    except NotRegularFile as exc:
+        raise CacheFormatError(path, "not a regular file (a FIFO, device or directory named like a cache)") from exc
     except OSError as exc:  # a symbolic link loop, no permission, ...
         raise CacheFormatError(path, f"cannot be read: {exc.strerror or exc}") from exc
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CacheFormatError(path, "not a regular file (a FIFO, device or directory named like a cache)")
         yield fd
     finally:
         os.close(fd)
