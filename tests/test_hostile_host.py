@@ -14,6 +14,7 @@ import pytest
 
 from protocol.methods import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tests.conftest import TORCH_ENV, SpawnWorker
+from tests.test_cache_sharing import read_only_python
 from worker.host import Host, WorkerError
 
 DENSE = {"quantization": "none"}  # no attention kernel to build: for tests about something else
@@ -82,7 +83,7 @@ async def test_a_digest_memo_that_is_not_a_small_regular_file_is_passed_over_and
     assert memo.read_text().strip() == hashlib.sha256(weights.read_bytes()).hexdigest()  # remembered anew
 
 
-# --- 3: the attention kernel's directory --------------------------------------------------------
+# --- 3, 6: the attention kernel's directory --------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +111,22 @@ async def test_a_fifo_under_the_kernels_name_is_built_over_and_the_worker_answer
     assert (await host.call("generate", {"prompt": "the cat", "max_tokens": 4}))["usage"]["completion_tokens"] == 4
     await host.close()
     assert library.is_file() and "float64" not in host.stderr.decode()
+
+
+@pytest.mark.parametrize("obstacle", ["kernels is a file", "a directory under the kernel's name", "read-only"])
+async def test_a_kernels_directory_that_cannot_be_written_leaves_attention_in_float64_with_a_warning(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, tmp_path: Path, kernel_name: str, obstacle: str
+):
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    python = {}
+    if obstacle == "kernels is a file":
+        (data_dir / "kernels").write_text("not a directory")
+    elif obstacle == "a directory under the kernel's name":
+        (data_dir / "kernels" / kernel_name).mkdir(parents=True)
+    else:
+        python = {"python": read_only_python(tmp_path, data_dir)}
+    host = await tiny_worker(spawn_worker, tiny_model_dir, data_dir, **python)
+    assert (await host.call("generate", {"prompt": "the cat", "max_tokens": 4}))["usage"]["completion_tokens"] == 4
+    await host.close()
+    assert "attention in float64" in host.stderr.decode()
