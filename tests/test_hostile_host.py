@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import pytest
 from protocol.methods import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tests.conftest import TORCH_ENV, SpawnWorker
 from tests.test_cache_sharing import read_only_python
-from worker.host import Host, WorkerError
+from worker.host import REPO_ROOT, Host, WorkerError
 
 DENSE = {"quantization": "none"}  # no attention kernel to build: for tests about something else
 
@@ -130,3 +132,46 @@ async def test_a_kernels_directory_that_cannot_be_written_leaves_attention_in_fl
     assert (await host.call("generate", {"prompt": "the cat", "max_tokens": 4}))["usage"]["completion_tokens"] == 4
     await host.close()
     assert "attention in float64" in host.stderr.decode()
+
+
+# --- 4, 15: recording ------------------------------------------------------------------------------
+
+
+def limited_python(tmp_path: Path, blocks: int) -> str:
+    """A python whose files cannot grow past ``blocks`` of 512 bytes (as on a full disk)."""
+    wrapper = tmp_path / "python-limited"
+    wrapper.write_text(f"#!/bin/sh\nulimit -f {blocks}\nexec '{sys.executable}' \"$@\"\n")
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+async def test_a_transcript_that_cannot_grow_ends_recording_loudly_and_the_worker_serves_on(
+    spawn_worker: SpawnWorker, tmp_path: Path
+):
+    record = tmp_path / "t.jsonl"
+    host = await spawn_worker("--record", str(record), python=limited_python(tmp_path, 8))
+    await host.call("load", {"backend": "echo"})
+    result = await host.call("generate", {"prompt": "x" * 600, "max_tokens": 600}, timeout=30)
+    assert result["text"] == "x" * 600
+    assert (await host.call("tokenize", {"text": "still here"}))["count"] == 11
+    assert await host.close() == 0
+    assert "recording stopped: cannot write" in host.stderr.decode() and "File too large" in host.stderr.decode()
+    lines = record.read_bytes().split(b"\n")
+    assert lines[-1] == b"" and len(lines) > 3  # whole lines only, each one JSON
+    assert all(json.loads(line) for line in lines[:-1])
+
+
+@pytest.mark.parametrize("where", ["a missing directory", "a directory", "a FIFO nobody reads"])
+async def test_a_record_file_that_cannot_be_opened_is_a_usage_error_with_exit_code_2(tmp_path: Path, where: str):
+    path = {"a missing directory": tmp_path / "missing" / "t.jsonl", "a directory": tmp_path}.get(where)
+    if path is None:
+        path = tmp_path / "fifo"
+        os.mkfifo(path)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "worker", "--record", str(path), stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO_ROOT,
+    )
+    stdout, stderr = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 2 and stdout == b""
+    assert "Traceback" not in stderr.decode()
+    assert stderr.decode().splitlines()[-1].startswith(f"lm-worker: error: --record {path}: cannot write it: ")

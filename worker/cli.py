@@ -145,15 +145,19 @@ def _without_record(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    recorder = None
+    if args.record:
+        replay_args = _without_record(argv if argv is not None else sys.argv[1:])
+        try:
+            recorder = Recorder(args.record, worker_version=__version__, args=replay_args)
+        except OSError as exc:  # a bad command line: usage and one line of reason, exit 2
+            parser.error(f"--record {args.record}: cannot write it: {exc.strerror or exc}")
     logging.basicConfig(
         stream=sys.stderr, level=args.log_level.upper(), format="lm-worker %(levelname)s %(name)s: %(message)s"
     )
     out_fd = claim_stdout()
-    recorder = None
-    if args.record:
-        replay_args = _without_record(argv if argv is not None else sys.argv[1:])
-        recorder = Recorder(args.record, worker_version=__version__, args=replay_args)
     writer = Writer(
         out_fd,
         capacity=args.outbox,
