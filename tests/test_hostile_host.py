@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -175,3 +176,46 @@ async def test_a_record_file_that_cannot_be_opened_is_a_usage_error_with_exit_co
     assert process.returncode == 2 and stdout == b""
     assert "Traceback" not in stderr.decode()
     assert stderr.decode().splitlines()[-1].startswith(f"lm-worker: error: --record {path}: cannot write it: ")
+
+
+# --- 17: a host that never reads stderr ---------------------------------------------------------------
+
+
+async def test_a_host_that_never_reads_stderr_never_stalls_the_worker_and_learns_what_was_dropped():
+    """Each unknown notification is a warning on stderr; these fill the pipe and the buffer many times.
+    stderr is a pipe nobody reads until the reply came (asyncio's pipes would be read all along)."""
+    read_end, write_end = os.pipe()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "worker", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=write_end, cwd=REPO_ROOT,
+    )
+    os.close(write_end)
+    received = bytearray()
+
+    def read_stderr() -> None:
+        with os.fdopen(read_end, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(1 << 16):
+                received.extend(chunk)
+
+    try:
+        noise = json.dumps({"jsonrpc": "2.0", "method": "x" * 10_000}).encode() + b"\n"
+        process.stdin.write(noise * 400 + b'{"jsonrpc":"2.0","id":1,"method":"capabilities"}\n')
+        await asyncio.wait_for(process.stdin.drain(), 30)  # a worker stalled on stderr stops reading
+        reply = await asyncio.wait_for(process.stdout.readline(), 30)
+        assert json.loads(reply)["id"] == 1
+        reading = asyncio.ensure_future(asyncio.to_thread(read_stderr))  # the host reads at last
+        for _ in range(600):
+            if b"were dropped" in bytes(received):
+                break
+            await asyncio.sleep(0.05)
+        process.stdin.write(b'{"jsonrpc":"2.0","method":"after-the-gap"}\n')
+        process.stdin.close()
+        await asyncio.wait_for(reading, 30)
+        assert await asyncio.wait_for(process.wait(), 30) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    dropped = re.search(rb"(\d+) bytes of log output were dropped: the host did not read stderr", received)
+    assert dropped and int(dropped[1]) > 2_000_000
+    assert b"ignored unknown notification 'after-the-gap'" in received[dropped.end() :]

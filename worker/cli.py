@@ -17,7 +17,7 @@ from worker.default_model import default_data_dir
 from worker.handlers import Handlers, WireInfo
 from worker.scheduler import DEFAULT_MAX_BATCH
 from worker.server import Server
-from worker.stdio import claim_stdout
+from worker.stdio import STDERR_GRACE_S, claim_stdout
 from worker.transcript import Recorder
 from worker.writer import DEFAULT_OUTBOX_MESSAGES, Writer
 
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         stream=sys.stderr, level=args.log_level.upper(), format="lm-worker %(levelname)s %(name)s: %(message)s"
     )
-    out_fd = claim_stdout()
+    out_fd, stderr_pump = claim_stdout()
     writer = Writer(
         out_fd,
         capacity=args.outbox,
@@ -200,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     if not stopped:
         # The model thread is inside native code; interpreter shutdown around it would abort.
         logging.getLogger(__name__).warning("a model request did not stop within %.0f s; exiting", STOP_GRACE_S)
-        sys.stderr.flush()
+        stderr_pump.close(STDERR_GRACE_S)
         os._exit(server.exit_code)
+    stderr_pump.close(STDERR_GRACE_S)
     return server.exit_code
 
 
