@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -219,3 +220,39 @@ async def test_a_host_that_never_reads_stderr_never_stalls_the_worker_and_learns
     dropped = re.search(rb"(\d+) bytes of log output were dropped: the host did not read stderr", received)
     assert dropped and int(dropped[1]) > 2_000_000
     assert b"ignored unknown notification 'after-the-gap'" in received[dropped.end() :]
+
+
+# --- 7: a shared cache directory -------------------------------------------------------------------
+
+
+def other_user_python(tmp_path: Path) -> str:
+    """A python that runs the worker as root of a user namespace of its own: files of users not
+    mapped there (1000, 1001) are other users' to it, as on a machine shared by several."""
+    if os.geteuid() != 0 or subprocess.run(["unshare", "--user", "--map-root-user", "true"]).returncode:
+        pytest.skip("needs root and user namespaces to act as several users")
+    wrapper = tmp_path / "python-one-user"
+    wrapper.write_text(f"#!/bin/sh\nexec unshare --user --map-root-user '{sys.executable}' \"$@\"\n")
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+async def test_an_auto_cache_of_another_user_in_a_sticky_directory_stays_and_the_result_is_kept(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, tmp_path: Path
+):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chown(shared, 1000, 1000)
+    shared.chmod(0o1777)
+    host = await tiny_worker(spawn_worker, tiny_model_dir, tmp_path / "data", "--cache-dir", str(shared),
+                             python=other_user_python(tmp_path), load=DENSE)
+    prompt = (await host.call("tokenize", {"text": "the cat sat on the mat and the dog runs to the river. " * 3}))
+    first = await host.call("generate", {"tokens": prompt["tokens"], "max_tokens": 4, "cache": "auto"})
+    theirs = shared / f"{first['cache']['stored']}.kvc"
+    os.chown(theirs, 1001, 1001)  # as if another user's worker had stored it
+    turn = prompt["tokens"] + first["tokens"] + [prompt["tokens"][1]] * 4  # extends what the first one stored
+    second = await host.call("generate", {"tokens": turn, "max_tokens": 4, "cache": "auto"})
+    assert second["cache"]["reused_tokens"] > 0 and second["cache"]["stored"] not in (None, first["cache"]["stored"])
+    assert theirs.exists() and (shared / f"{second['cache']['stored']}.kvc").exists()
+    assert second["cache"]["store_reason"] == (
+        f"stored; {first['cache']['stored']!r}, which it extends, could not be deleted: Operation not permitted"
+    )

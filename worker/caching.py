@@ -203,7 +203,11 @@ def finish_generate(store: CacheStore, model: Model, start: CacheStart | None, p
             old.ref.startswith(AUTO_PREFIX) and old.ref != ref and sequence[: len(old.tokens)] == old.tokens
             and _can_resume(points, old.resume_points or [len(old.tokens)])
         ):
-            store.delete(old.ref)
+            try:
+                store.delete(old.ref)
+            except RpcError as exc:  # another user's, in a shared directory: it stays theirs, the result stands
+                reason = exc.__cause__.strerror if isinstance(exc.__cause__, OSError) else exc.message
+                use.store_reason = f"stored; {old.ref!r}, which it extends, could not be deleted: {reason}"
     use.stored, use.stored_tokens = ref, len(sequence)
     result.usage.cache_write_tokens = len(sequence) - start.reused
 
