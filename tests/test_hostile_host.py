@@ -4,6 +4,7 @@ no result, never hangs, and keeps serving."""
 
 from __future__ import annotations
 
+import array
 import asyncio
 import hashlib
 import json
@@ -14,12 +15,14 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from protocol.methods import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tests.conftest import TORCH_ENV, SpawnWorker
 from tests.test_cache_sharing import read_only_python
 from worker.host import REPO_ROOT, Host, WorkerError
+from worker.kvcache import container
 
 DENSE = {"quantization": "none"}  # no attention kernel to build: for tests about something else
 
@@ -256,3 +259,121 @@ async def test_an_auto_cache_of_another_user_in_a_sticky_directory_stays_and_the
     assert second["cache"]["store_reason"] == (
         f"stored; {first['cache']['stored']!r}, which it extends, could not be deleted: Operation not permitted"
     )
+
+
+# --- 8, 12: headers that claim what the model does not compute -------------------------------------
+
+
+def rewrite_cache(source: Path, target: Path, change) -> None:
+    """``target``: a cache sound in itself (checksums, layout) of ``source``'s contents, each tensor
+    passed through ``change(spec, data) -> (spec, data)``: what a forger with the format at hand makes."""
+    loaded = container.load(source)
+    header, tensors = loaded.header, []
+    for entry, view in zip(header.tensors, loaded.tensors, strict=True):
+        spec = container.TensorSpec(name=entry.name, kind=entry.kind, layer=entry.layer, shape=tuple(entry.shape),
+                                    dtype=entry.dtype, state=entry.state, position=entry.position)
+        spec, data = change(spec, bytes(view))
+        tensors.append((spec, memoryview(data)))
+    contents = container.Contents(identity=header.identity, tokens=header.tokens, layers=header.layers,
+                                  states=header.states, created_by=header.created_by)
+    container.write(target, contents, tensors)
+
+
+def rows(data: bytes, width: int, keep: int) -> bytes:
+    """The first ``keep`` of every ``width`` float32 values."""
+    values = array.array("f", data)
+    return b"".join(values[i : i + keep].tobytes() for i in range(0, len(values), width))
+
+
+def fewer_heads(spec, data):
+    if spec.kind not in ("key", "value"):
+        return spec, data
+    _, heads, positions, dim = spec.shape
+    return msgspec.structs.replace(spec, shape=(1, 1, positions, dim)), data[: positions * dim * 4]
+
+
+def half_head_size(spec, data):
+    if spec.kind not in ("key", "value"):
+        return spec, data
+    _, heads, positions, dim = spec.shape
+    return msgspec.structs.replace(spec, shape=(1, heads, positions, dim // 2)), rows(data, dim, dim // 2)
+
+
+def bfloat16(spec, data):
+    """float32 cut to bfloat16: the upper two bytes of each value."""
+    cut = bytearray(len(data) // 2)
+    cut[0::2], cut[1::2] = data[2::4], data[3::4]
+    return msgspec.structs.replace(spec, dtype="bfloat16"), bytes(cut)
+
+
+def shorter_conv_state(spec, data):
+    if spec.kind != "conv":
+        return spec, data
+    *rest, kernel = spec.shape
+    return msgspec.structs.replace(spec, shape=(*rest, kernel - 1)), rows(data, kernel, kernel - 1)
+
+
+@pytest.mark.parametrize(
+    ("family", "forgeries"),
+    [("llama", {"fewer-heads": fewer_heads, "half-head-size": half_head_size, "bfloat16": bfloat16}),
+     ("qwen3_5", {"shorter-conv-state": shorter_conv_state, "bfloat16": bfloat16})],
+)
+async def test_a_sound_cache_of_other_heads_sizes_or_dtypes_than_the_models_is_corrupt_and_auto_skips_it(
+    spawn_worker: SpawnWorker, tiny_models, tmp_path: Path, family: str, forgeries: dict
+):
+    caches = tmp_path / "caches"
+    host = await tiny_worker(spawn_worker, tiny_models(family), tmp_path / "data", "--cache-dir", str(caches),
+                             load=DENSE)
+    prompt = "the cat sat on the mat and the dog runs to the river. " * 3
+    plain = (await host.call("generate", {"prompt": prompt + "hello", "max_tokens": 8}))["tokens"]
+    await host.call("prefill", {"prompt": prompt, "cache": "good"})
+    for name, change in forgeries.items():
+        rewrite_cache(caches / "good.kvc", caches / f"{name}.kvc", change)
+    (caches / "good.kvc").unlink()
+    named = {}
+    for name in forgeries:
+        with pytest.raises(WorkerError) as caught:
+            await host.call("generate", {"prompt": prompt + "hello", "max_tokens": 8, "cache": name})
+        named[name] = (caught.value.kind, caught.value.message)
+    auto = await host.call("generate", {"prompt": prompt + "hello", "max_tokens": 8, "cache": "auto"})
+    assert all(kind == "cache_corrupt" and "where the model's is" in message for kind, message in named.values()), named
+    assert auto["tokens"] == plain and auto["cache"]["reused_tokens"] == 0
+    assert {s["ref"] for s in auto["cache"]["skipped"]} == set(forgeries)
+
+
+def claim_positions(path: Path, positions: int) -> None:
+    """Rewrite a full-attention cache's header to claim ``positions`` (its tensors laid out anew,
+    as large as that takes), as a sparse file: a few megabytes on disk."""
+    data = path.read_bytes()
+    header = msgspec.json.decode(data[48 : 48 + int.from_bytes(data[8:16], "little")])
+    header.update(tokens=[1] * positions, sequence_length=positions)
+    offset = 0
+    for tensor in header["tensors"]:
+        _, heads, _, dim = tensor["shape"]
+        tensor.update(shape=[1, heads, positions, dim], strides=[heads * positions * dim * 4, positions * dim * 4,
+                                                                 dim * 4, 4], nbytes=heads * positions * dim * 4)
+    start = -(-(48 + len(msgspec.json.encode(header)) + 64 * len(header["tensors"])) // 64) * 64
+    offset = start
+    for tensor in header["tensors"]:
+        tensor["offset"] = offset
+        offset = -(-(offset + tensor["nbytes"]) // 64) * 64
+    encoded = msgspec.json.encode(header)
+    with open(path, "wb") as file:
+        file.write(data[:8] + len(encoded).to_bytes(8, "little") + hashlib.sha256(encoded).digest() + encoded)
+        file.truncate(header["tensors"][-1]["offset"] + header["tensors"][-1]["nbytes"])
+
+
+async def test_a_cache_claiming_more_positions_than_the_context_is_refused_before_its_tensors_are_read(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, tmp_path: Path
+):
+    caches = tmp_path / "caches"
+    host = await tiny_worker(spawn_worker, tiny_model_dir, tmp_path / "data", "--cache-dir", str(caches), load=DENSE)
+    await host.call("prefill", {"prompt": "the cat sat on the mat", "cache": "huge"})
+    claim_positions(caches / "huge.kvc", 3_000_000)  # 1.5 GB of keys and values, on a tiny model
+    assert (caches / "huge.kvc").stat().st_blocks * 512 < 64 << 20
+    with pytest.raises(WorkerError) as caught:
+        await host.call("generate", {"prompt": "the cat sat on the mat too", "max_tokens": 2, "cache": "huge"})
+    peak = int(re.search(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{host.process.pid}/status").read_text())[1]) << 10
+    assert caught.value.kind == "cache_corrupt"
+    assert "3000000 positions, more than the model's context of 2048" in caught.value.message
+    assert peak < 1 << 30, peak

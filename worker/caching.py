@@ -89,7 +89,8 @@ class Prefill:
         reused, cache = 0, None
         if params.base is not None:
             base_tokens, cache = store.load(
-                params.base, self._identity, model.load_cache, field="params.base", room=_room(model, len(tokens))
+                params.base, self._identity, model.load_cache, field="params.base", room=_room(model, len(tokens)),
+                check=model.cache_problem,
             )
             limit = len(base_tokens) if params.trim_to_tokens is None else min(params.trim_to_tokens, len(base_tokens))
             reused = model.reusable_tokens(cache, common_prefix(base_tokens[:limit], tokens))
@@ -216,7 +217,9 @@ def _start_from_ref(
     store: CacheStore, model: Model, ref: str, prompt: Sequence[int], trim: int | None, held: int
 ) -> CacheStart:
     model = caching(model)
-    cached, cache = store.load(ref, model.cache_identity(), model.load_cache, room=_room(model, held))
+    cached, cache = store.load(
+        ref, model.cache_identity(), model.load_cache, room=_room(model, held), check=model.cache_problem
+    )
     usable = cached if trim is None else cached[:trim]
     matched = common_prefix(usable, prompt)
     if matched < len(usable) and matched < len(prompt):
@@ -247,7 +250,9 @@ def _start_auto(store: CacheStore, model: Model, prompt: Sequence[int], held: in
         if not _worth_loading(_reusable(candidate, prompt), len(candidate.tokens)):
             continue
         try:
-            cached, cache = store.load(candidate.ref, identity, model.load_cache, room=_room(model, held))
+            cached, cache = store.load(
+                candidate.ref, identity, model.load_cache, room=_room(model, held), check=model.cache_problem
+            )
         except RpcError as exc:  # damaged, or deleted by another worker since it was listed
             skipped.append(SkippedCache(ref=candidate.ref, reason=exc.message))
             continue

@@ -451,13 +451,17 @@ def _release(mapping: mmap.mmap, offset: int, nbytes: int) -> None:
 
 
 def load(
-    path: str | os.PathLike[str], expected: Identity | None = None, *, room: Callable[[TensorEntry], int] | None = None
+    path: str | os.PathLike[str], expected: Identity | None = None, *, room: Callable[[TensorEntry], int] | None = None,
+    check: Callable[[Header], str | None] | None = None,
 ) -> LoadedCache:
     """Read and verify a cache: header, identity (if given), padding and every tensor's CRC.
 
     ``room`` gives, for a key or value tensor, how many positions of spare room to leave
     after each head's positions in memory: a cache that is fed further then grows into it,
     where otherwise every restored position would be copied into larger buffers.
+
+    ``check`` is what the reading model finds wrong with a sound header (``layout_problem``),
+    asked before any memory is taken for the tensors: a problem is a CacheFormatError.
 
     The file is read into memory of this process, not mapped: a mapped file that someone
     truncates or rewrites in place (``cp backup.kvc x.kvc``) kills the reader with SIGBUS.
@@ -473,6 +477,8 @@ def load(
             raise IdentityMismatch(path, "format", FORMAT, exc.header.format) from exc
         if expected is not None:  # before reading the tensors: a foreign cache costs only its header
             check_identity(path, header.identity, expected)
+        if check is not None and (problem := check(header)) is not None:
+            raise CacheFormatError(path, problem)
         size = max((e.offset + e.nbytes for e in header.tensors), default=_PREFIX.size + header_length)
         on_disk = os.fstat(fd).st_size
         if on_disk < size:
@@ -633,6 +639,27 @@ def _read_and_check(path, fd: int, header: Header, buffer: mmap.mmap, regions: l
             raise CacheFormatError(path, f"tensor {entry.name}: checksum mismatch, the data is damaged")
     if failure is not None:
         raise CacheFormatError(path, failure)
+
+
+def layout_problem(header: Header, tensors: Iterable[TensorSpec] | None, max_positions: int) -> str | None:
+    """What makes a sound header of a model's identity other than what that model computes, or
+    None: more positions than its context, or a tensor whose shape or dtype is not that of the
+    model's own tensor of the same layer, kind and state (``tensors``: those of a cache of one
+    position the model computed; None where its caches cannot be stored, so none are read).
+    The identity repeats head counts and sizes, but a header could still claim others."""
+    if header.sequence_length > max_positions:
+        return f"it holds {header.sequence_length} positions, more than the model's context of {max_positions}"
+    own = {(spec.layer, spec.kind, spec.state): spec for spec in tensors or ()}
+    for entry in header.tensors:
+        spec = own.get((entry.layer, entry.kind, entry.state))
+        if spec is None:
+            return f"tensor {entry.name}: the model keeps no {entry.kind} tensor {entry.state} in layer {entry.layer}"
+        shape = list(spec.shape)
+        if entry.kind in ("key", "value"):  # [1, heads, positions, head_dim]: any number of positions
+            shape[2] = entry.shape[2]
+        if entry.shape != shape or entry.dtype != spec.dtype:
+            return f"tensor {entry.name}: {entry.dtype} of shape {entry.shape}, where the model's is {spec.dtype} of {shape}"
+    return None
 
 
 def check_identity(path: str | os.PathLike[str], found: Identity, expected: Identity) -> None:

@@ -208,11 +208,11 @@ class CacheStore:
 
     def load(
         self, ref: str, identity: Identity, restore: Callable[[LoadedCache], Any], *, field: str = "params.cache",
-        room: Callable[[TensorEntry], int] | None = None,
+        room: Callable[[TensorEntry], int] | None = None, check: Callable[[Header], str | None] | None = None,
     ) -> tuple[list[int], Any]:
         """The tokens a cache covers and a cache object of them that the caller may change;
         ``restore`` turns a verified file into that object (the model's own cache type), read
-        with the ``room`` to grow that container.load takes."""
+        with the ``room`` to grow and the model's ``check`` of its header that container.load take."""
         if ref.startswith(MEMORY):
             with self._lock:
                 entry = self._memory.get(ref)
@@ -226,7 +226,7 @@ class CacheStore:
             return list(entry.tokens), entry.cache.copy()
         path = self._path(ref)
         try:
-            loaded = container.load(path, identity, room=room)
+            loaded = container.load(path, identity, room=room, check=check)
         except IdentityMismatch as exc:
             raise _mismatch(ref, exc, field) from exc
         except CacheMissing as exc:  # there is none, or another worker deleted it
