@@ -19,6 +19,7 @@ import msgspec
 import pytest
 
 from protocol.methods import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from tests.cache_samples import IDENTITY
 from tests.conftest import TORCH_ENV, SpawnWorker
 from tests.test_cache_sharing import read_only_python
 from worker.host import REPO_ROOT, Host, WorkerError
@@ -377,3 +378,40 @@ async def test_a_cache_claiming_more_positions_than_the_context_is_refused_befor
     assert caught.value.kind == "cache_corrupt"
     assert "3000000 positions, more than the model's context of 2048" in caught.value.message
     assert peak < 1 << 30, peak
+
+
+# --- 16: long headers ----------------------------------------------------------------------------------
+
+
+def write_long_header(path: Path, header_bytes: int) -> None:
+    """A cache of no tokens whose header, sound and checksummed, is ``header_bytes`` long."""
+    header = msgspec.json.encode({
+        "format": "KVC2", "identity": msgspec.to_builtins(IDENTITY), "sequence_start": 0, "sequence_length": 0,
+        "tokens": [], "prefix_offsets": [], "prefix_hashes": ["x"], "layers": [{"index": 0, "kind": "full"},
+        {"index": 1, "kind": "full"}], "states": [], "tensors": [], "created_by": "a forger",
+    })
+    header = header.replace(b'["x"]', b'["' + b"x" * (header_bytes - len(header) + 1) + b'"]')
+    path.write_bytes(container.MAGIC + len(header).to_bytes(8, "little") + hashlib.sha256(header).digest() + header)
+
+
+async def test_a_header_past_the_bound_is_not_read_so_a_cancel_behind_a_listing_is_answered_at_once(
+    spawn_worker: SpawnWorker, tmp_path: Path
+):
+    caches = tmp_path / "caches"
+    caches.mkdir()
+    write_long_header(caches / "long.kvc", 80 << 20)
+    host = await spawn_worker("--cache-dir", str(caches))
+    await host.call("load", {"backend": "echo", "token_delay_ms": 20})
+    generate_id, generating = host.start("generate", {"prompt": "x" * 500})
+    await host.wait_until(lambda: host.chunks[generate_id])
+    started = time.perf_counter()
+    _, listing = host.start("cache/list")
+    assert (await host.call("cancel", {"id": generate_id}))["cancelled"]
+    cancel_s = time.perf_counter() - started
+    listed, generated = await asyncio.wait_for(asyncio.gather(listing, generating), 60)
+    assert listed["result"]["caches"] == [] and generated["result"]["finish_reason"] == "cancelled"
+    with pytest.raises(WorkerError) as caught:
+        await host.call("cache/info", {"cache": "long"})
+    assert caught.value.kind == "cache_corrupt"
+    assert f"a header of {80 << 20} bytes, more than the 16 MiB a reader accepts" in caught.value.message
+    assert cancel_s < 1.0, cancel_s

@@ -54,7 +54,9 @@ OLD_MAGICS = {b"KVC1\r\n\x1a\n": "KVC1"}
 ALIGNMENT = 64
 LAYOUT = "layer-major-k-then-v"
 _PREFIX = struct.Struct("<8sQ32s")  # magic, header length, header sha256
-MAX_HEADER_BYTES = 256 * 1024 * 1024
+# A header holds the token ids (about 7 bytes each): 16 MiB is two million tokens and more.
+# Listing reads every header on the reader thread, so a made-up length must not cost seconds.
+MAX_HEADER_BYTES = 16 << 20
 TEMPORARY_SUFFIX = ".tmp"  # a temporary is named ".{target name}.{writer pid}.{random}.tmp"
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 # Reads and the CRC let go of the GIL on large buffers, so tensors are checked on several threads;
@@ -248,7 +250,8 @@ class Contents(msgspec.Struct, frozen=True, kw_only=True):
 
 def write(path: str | os.PathLike[str], contents: Contents, tensors: list[tuple[TensorSpec, memoryview]]) -> int:
     """Write a cache atomically; returns the file size. Tensors are written one by one.
-    A cache whose header would not pass the reader's checks is refused (ValueError)."""
+    A cache whose header would not pass the reader's checks is refused (ValueError; one too
+    large for a reader: UnsupportedCache)."""
     views = [memoryview(buffer).cast("B") for _, buffer in tensors]
     # Offsets depend on the header's length, which depends on the offsets: first lay out a
     # header whose numbers are as long as they can get, and put the data after it.
@@ -259,6 +262,11 @@ def write(path: str | os.PathLike[str], contents: Contents, tensors: list[tuple[
     if problem is not None:
         raise ValueError(f"not a sound cache: {problem}")
     header_bytes = msgspec.json.encode(header)
+    if len(header_bytes) > MAX_HEADER_BYTES:
+        raise UnsupportedCache(
+            f"its header would take {len(header_bytes)} bytes, more than the {MAX_HEADER_BYTES >> 20} MiB a reader "
+            "accepts (too many tokens)"
+        )
     if _PREFIX.size + len(header_bytes) > data_start:
         raise AssertionError("header outgrew its reserved space")
     target = Path(path)
@@ -677,7 +685,9 @@ def _check_prefix(path: str | os.PathLike[str], prefix: bytes) -> int:
     if magic != MAGIC and magic not in OLD_MAGICS:
         raise CacheFormatError(path, f"not a {FORMAT} cache file (wrong magic bytes)")
     if header_length > MAX_HEADER_BYTES:
-        raise CacheFormatError(path, f"header length {header_length} is beyond any real cache: damaged")
+        raise CacheFormatError(
+            path, f"a header of {header_length} bytes, more than the {MAX_HEADER_BYTES >> 20} MiB a reader accepts"
+        )
     return header_length
 
 

@@ -111,15 +111,14 @@ class CacheStore:
             return entry.nbytes
         try:
             layers, states, tensors = cache.to_file()
-        except UnsupportedCache as exc:
-            raise RpcError(ErrorKind.UNSUPPORTED, f"Cannot store {ref!r}: {exc}; use a memory:// ref.") from exc
-        contents = Contents(
-            identity=identity, tokens=list(tokens), layers=layers, states=states,
-            prefix_offsets=offsets, prefix_hashes=hashes, created_by=f"lm-worker {__version__}",
-        )
-        try:
+            contents = Contents(
+                identity=identity, tokens=list(tokens), layers=layers, states=states,
+                prefix_offsets=offsets, prefix_hashes=hashes, created_by=f"lm-worker {__version__}",
+            )
             self.directory.mkdir(parents=True, exist_ok=True)
             size = container.write(self._path(ref), contents, tensors)
+        except UnsupportedCache as exc:
+            raise RpcError(ErrorKind.UNSUPPORTED, f"Cannot store {ref!r}: {exc}; use a memory:// ref.") from exc
         except OSError as exc:  # a full disk, a read-only directory, no permission: nothing was stored
             raise _storage_failed(f"Could not store cache {ref!r} as {self._path(ref)}", exc) from exc
         _touch(self._path(ref))
