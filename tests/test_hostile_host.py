@@ -415,3 +415,21 @@ async def test_a_header_past_the_bound_is_not_read_so_a_cancel_behind_a_listing_
     assert caught.value.kind == "cache_corrupt"
     assert f"a header of {80 << 20} bytes, more than the 16 MiB a reader accepts" in caught.value.message
     assert cancel_s < 1.0, cancel_s
+
+
+# --- 13: temporaries ------------------------------------------------------------------------------------
+
+
+async def test_only_temporaries_named_exactly_as_the_worker_names_its_own_are_removed(
+    spawn_worker: SpawnWorker, tmp_path: Path
+):
+    caches = tmp_path / "caches"
+    caches.mkdir()
+    ours = ".sys.kvc.4242.k3j9x0ab.tmp"  # what container.write names a temporary of sys.kvc
+    others = [".notes.tmp", ".sys.kvc.tmp", ".sys.kvc.4242.tmp", ".sys.kvc.x.k3j9x0ab.tmp", ".sys.kvc.4242.K3J9X0AB.tmp",
+              ".sys.kvc.4242.k3j9x0abc.tmp", ".editor.swp.4242.k3j9x0ab.tmp"]
+    for name in [ours, *others]:
+        (caches / name).write_text("someone's")
+    host = await spawn_worker("--cache-dir", str(caches))
+    await host.call("cache/list")  # the store opens the directory
+    assert sorted(p.name for p in caches.iterdir()) == sorted(others)

@@ -30,6 +30,7 @@ import hashlib
 import math
 import mmap
 import os
+import re
 import struct
 import threading
 import weakref
@@ -58,6 +59,8 @@ _PREFIX = struct.Struct("<8sQ32s")  # magic, header length, header sha256
 # Listing reads every header on the reader thread, so a made-up length must not cost seconds.
 MAX_HEADER_BYTES = 16 << 20
 TEMPORARY_SUFFIX = ".tmp"  # a temporary is named ".{target name}.{writer pid}.{random}.tmp"
+# That name exactly (tempfile's eight random characters), so a cleaner never takes another's file for one.
+_TEMPORARY_NAME = re.compile(r"\.(?P<target>.+)\.[0-9]+\.[a-z0-9_]{8}" + re.escape(TEMPORARY_SUFFIX))
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 # Reads and the CRC let go of the GIL on large buffers, so tensors are checked on several threads;
 # beyond a few, memory bandwidth is the limit.
@@ -310,11 +313,12 @@ def _locked_temporary(target: Path) -> tuple[int, str]:
     raise OSError(f"temporaries in {target.parent} keep vanishing before they can be locked")
 
 
-def remove_stale_temporaries(directory: str | os.PathLike[str]) -> list[str]:
+def remove_stale_temporaries(directory: str | os.PathLike[str], target_suffix: str = "") -> list[str]:
     """Delete the temporaries in ``directory`` that no writer holds any more (a writer killed
     mid-write leaves its temporary behind, unlocked); returns their names. Those a live
     writer holds locked, any this process cannot lock (another user's, a filesystem without
-    locks), and files not named as this module names temporaries are left alone."""
+    locks), and files not named exactly as this module names temporaries of targets ending
+    in ``target_suffix`` are left alone."""
     import fcntl
 
     removed = []
@@ -323,7 +327,8 @@ def remove_stale_temporaries(directory: str | os.PathLike[str]) -> list[str]:
     except OSError:
         return removed
     for entry in candidates:
-        if not entry.name.endswith(TEMPORARY_SUFFIX):
+        named = _TEMPORARY_NAME.fullmatch(entry.name)
+        if named is None or not named["target"].endswith(target_suffix):
             continue
         try:
             fd = open_regular(entry.path, follow_symlinks=False)

@@ -94,7 +94,7 @@ class CacheStore:
         self._pending_writes: dict[str, int] = {}  # tokens a prefill computed, reported by the next generate
         self._headers: dict[str, tuple[tuple[int, int], Header]] = {}  # ref -> ((inode, size), header)
         self._lock = threading.Lock()
-        container.remove_stale_temporaries(directory)
+        container.remove_stale_temporaries(directory, SUFFIX)
 
     # --- writing ------------------------------------------------------------------
 
