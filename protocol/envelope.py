@@ -65,11 +65,12 @@ class OutgoingNotification(msgspec.Struct, kw_only=True):
 
 def parse_incoming(body: bytes) -> Incoming:
     try:
-        obj = _decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        obj = _with_lone_surrogates_replaced(body)
-        if obj is None:
-            return Rejected(None, RpcError(ErrorKind.PARSE_ERROR, f"Parse error: {exc}; send one valid JSON object."))
+        try:
+            obj = _decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            obj = _with_lone_surrogates_replaced(body)  # walks the value: as deep as msgspec let it be
+            if obj is None:
+                return Rejected(None, RpcError(ErrorKind.PARSE_ERROR, f"Parse error: {exc}; send one valid JSON object."))
     except RecursionError:
         return Rejected(
             None, RpcError(ErrorKind.PARSE_ERROR, "Parse error: JSON nested too deeply; send a flatter message.")

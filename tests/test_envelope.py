@@ -176,6 +176,15 @@ def test_deeply_nested_json_is_rejected_not_raised(body):
     assert message.error.kind in (ErrorKind.PARSE_ERROR, ErrorKind.BATCH_NOT_SUPPORTED, ErrorKind.INVALID_REQUEST)
 
 
+@pytest.mark.parametrize("depth", [600, 900])
+def test_deeply_nested_json_with_a_lone_surrogate_is_rejected_not_raised(depth):
+    """The lenient second reading of a lone surrogate walks the value, as deep as the first let it be."""
+    body = b'{"jsonrpc":"2.0","id":1,"method":"x","params":{"x":' + b'{"a":' * depth + b'"\\ud83d"' + b"}" * depth + b"}}"
+    message = parse_incoming(body)
+    assert isinstance(message, Rejected) and message.error.kind is ErrorKind.PARSE_ERROR
+    assert "nested too deeply" in message.error.message
+
+
 # --- method and params ------------------------------------------------------------------
 
 

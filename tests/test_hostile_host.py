@@ -433,3 +433,17 @@ async def test_only_temporaries_named_exactly_as_the_worker_names_its_own_are_re
     host = await spawn_worker("--cache-dir", str(caches))
     await host.call("cache/list")  # the store opens the directory
     assert sorted(p.name for p in caches.iterdir()) == sorted(others)
+
+
+# --- found attacking again: deep nesting and a lone surrogate ------------------------------------------
+
+
+async def test_a_deeply_nested_message_with_a_lone_surrogate_is_a_parse_error_and_the_worker_reads_on(
+    echo_worker: Host
+):
+    depth = 600  # within what the JSON decoder takes; the lenient second reading walked it recursively
+    await echo_worker.send_raw(b'{"jsonrpc":"2.0","id":1,"method":"capabilities","params":{"x":'
+                               + b'{"a":' * depth + b'"\\ud83d"' + b"}" * depth + b"}}\n")
+    assert (await echo_worker.call("tokenize", {"text": "ok"}, timeout=10))["count"] == 3
+    [error] = [m["error"] for m in echo_worker.messages if "error" in m]
+    assert error["code"] == -32700 and "nested too deeply" in error["message"]
