@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -447,3 +448,26 @@ async def test_a_deeply_nested_message_with_a_lone_surrogate_is_a_parse_error_an
     assert (await echo_worker.call("tokenize", {"text": "ok"}, timeout=10))["count"] == 3
     [error] = [m["error"] for m in echo_worker.messages if "error" in m]
     assert error["code"] == -32700 and "nested too deeply" in error["message"]
+
+
+# --- 9: deep tool parameters ----------------------------------------------------------------------------
+
+
+async def test_tool_parameters_nested_300_deep_are_refused_naming_the_field(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, tmp_path: Path
+):
+    schema: dict = {"type": "string"}
+    for _ in range(300):
+        schema = {"type": "object", "properties": {"a": schema}}
+    model = tmp_path / "tiny-long"  # a context the tools' long system message fits in
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1 << 16}))
+    host = await tiny_worker(spawn_worker, model, tmp_path / "data", load=DENSE)
+    tools = [{"type": "function", "function": {"name": "deep", "parameters": schema}}]
+    for choice in ("required", "auto"):
+        with pytest.raises(WorkerError) as caught:
+            await host.call("generate", {"messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                                         "tool_choice": choice, "max_tokens": 4})
+        assert (caught.value.code, caught.value.data.get("field")) == (-32602, "params.tools[0].function.parameters")
+    assert (await host.call("generate", {"prompt": "the cat", "max_tokens": 4}))["usage"]["completion_tokens"] == 4
