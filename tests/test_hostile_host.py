@@ -487,3 +487,20 @@ async def test_a_tool_name_holding_a_calls_closing_tag_is_refused_naming_the_fie
                                      "tool_choice": "required", "max_tokens": 24})
     assert (caught.value.code, caught.value.data.get("field")) == (-32602, "params.tools[0].function.name")
     assert "matching regex" in caught.value.message
+
+
+# --- 11: resynchronising after a skipped message ------------------------------------------------------
+
+
+@pytest.mark.parametrize("framing", ["lsp", "ndjson"])
+async def test_an_over_limit_message_holding_content_length_text_does_not_swallow_the_next_one(
+    spawn_worker: SpawnWorker, framing: str
+):
+    host = await spawn_worker("--max-message-bytes", "200")
+    big = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tokenize",
+                      "params": {"text": "x" * 300 + "Content-Length: 10"}}).encode()
+    over_limit = b"Content-Length: %d\r\n\r\n%s" % (len(big), big) if framing == "lsp" else big + b"\n"
+    follow = json.dumps({"jsonrpc": "2.0", "id": 2, "method": "capabilities"}).encode()
+    await host.send_raw(over_limit + b"Content-Length: %d\r\n\r\n%s" % (len(follow), follow))
+    await host.wait_until(lambda: any(m.get("id") == 2 for m in host.messages), timeout=10)
+    assert [m["error"]["data"]["kind"] for m in host.messages if "error" in m] == ["message_too_large"]
