@@ -504,3 +504,33 @@ async def test_an_over_limit_message_holding_content_length_text_does_not_swallo
     await host.send_raw(over_limit + b"Content-Length: %d\r\n\r\n%s" % (len(follow), follow))
     await host.wait_until(lambda: any(m.get("id") == 2 for m in host.messages), timeout=10)
     assert [m["error"]["data"]["kind"] for m in host.messages if "error" in m] == ["message_too_large"]
+
+
+# --- 14: the digest memo's trust boundary ------------------------------------------------------------
+
+
+async def test_weights_changed_in_place_with_their_size_and_times_put_back_are_hashed_again(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, tmp_path: Path
+):
+    """Only a writer of the data directory can make a memo lie (PROTOCOL 13: it is trusted like
+    the model files); a change to the weights themselves always gets a new status-change time."""
+    model = tmp_path / "tiny"
+    shutil.copytree(tiny_model_dir, model)
+    caches, weights = tmp_path / "caches", model / "model.safetensors"
+    first = await tiny_worker(spawn_worker, model, tmp_path / "data", "--cache-dir", str(caches), load=DENSE)
+    await first.call("prefill", {"prompt": "the cat sat on the mat", "cache": "before"})
+    await first.close()
+    before = weights.stat()
+    with open(weights, "r+b") as file:  # the last byte of the last tensor
+        file.seek(-1, os.SEEK_END)
+        last = file.read(1)
+        file.seek(-1, os.SEEK_END)
+        file.write(bytes([last[0] ^ 1]))
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (weights.stat().st_size, weights.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    second = await tiny_worker(spawn_worker, model, tmp_path / "data", "--cache-dir", str(caches), load=DENSE)
+    with pytest.raises(WorkerError) as caught:
+        await second.call("generate", {"prompt": "the cat sat on the mat too", "max_tokens": 2, "cache": "before"})
+    await second.close()
+    assert caught.value.kind == "cache_identity_mismatch" and "weights_sha256" in caught.value.message
+    assert "hashed model.safetensors" in second.stderr.decode()

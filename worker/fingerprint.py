@@ -6,7 +6,8 @@ second here, too slow for every load: the digest of each file is remembered unde
 the data directory, keyed by what changes whenever the file's bytes can have
 changed (device, inode, size, modification and status-change times). A file
 rewritten in place gets a new status-change time, which nobody can set back, so
-its digest is computed again. Torch-free.
+its digest is computed again. The memo itself is trusted, as the data directory is
+(it also holds the compiled kernel the worker runs): PROTOCOL.md 13. Torch-free.
 """
 
 from __future__ import annotations
