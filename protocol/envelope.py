@@ -16,6 +16,11 @@ RequestId = int | str
 
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
+# Values in a request's params nest at most this deep below params: the worker, chat templates
+# and grammars walk them recursively, and no real request needs more (a JSON Schema shares its
+# parts through $defs and $ref). The field named in the error goes at most _NAMED_LEVELS deep.
+MAX_PARAMS_DEPTH = 64
+_NAMED_LEVELS = 4
 
 
 class Request(msgspec.Struct, frozen=True):
@@ -65,11 +70,12 @@ class OutgoingNotification(msgspec.Struct, kw_only=True):
 
 def parse_incoming(body: bytes) -> Incoming:
     try:
-        obj = _decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        obj = _with_lone_surrogates_replaced(body)
-        if obj is None:
-            return Rejected(None, RpcError(ErrorKind.PARSE_ERROR, f"Parse error: {exc}; send one valid JSON object."))
+        try:
+            obj = _decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            obj = _with_lone_surrogates_replaced(body)  # walks the value: as deep as msgspec let it be
+            if obj is None:
+                return Rejected(None, RpcError(ErrorKind.PARSE_ERROR, f"Parse error: {exc}; send one valid JSON object."))
     except RecursionError:
         return Rejected(
             None, RpcError(ErrorKind.PARSE_ERROR, "Parse error: JSON nested too deeply; send a flatter message.")
@@ -110,7 +116,31 @@ def parse_incoming(body: bytes) -> Incoming:
             method=method,
         )
         return Rejected(reply_id, error)
+    if has_id and params is not None and (field := _too_deep(params)) is not None:
+        error = RpcError(
+            ErrorKind.INVALID_PARAMS,
+            f"Invalid params for '{method}': {field} nests more than {MAX_PARAMS_DEPTH} levels deep; flatten it "
+            "(a JSON Schema can share its parts through $defs and $ref).",
+            field=field,
+            method=method,
+        )
+        return Rejected(reply_id, error)
     return Request(msg_id, method, params) if has_id else Notification(method, params)
+
+
+def _too_deep(params: dict[str, Any]) -> str | None:
+    """The field of ``params`` (named at most _NAMED_LEVELS deep) holding a value nested more
+    than MAX_PARAMS_DEPTH levels below params, or None. Walked without recursion."""
+    stack = [(params, 0, "params")]
+    while stack:
+        value, depth, field = stack.pop()
+        if depth > MAX_PARAMS_DEPTH:
+            return field
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            if isinstance(item, dict | list):
+                named = field if depth >= _NAMED_LEVELS else field + (f"[{key}]" if isinstance(key, int) else f".{key[:40]}")
+                stack.append((item, depth + 1, named))
+    return None
 
 
 def encode_result(msg_id: RequestId, result: Any) -> bytes:

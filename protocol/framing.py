@@ -10,8 +10,12 @@ Each message is framed one of two ways, detected per message:
 
 Anything else is garbage: one :class:`FramingError` is reported and the decoder
 resynchronises at the next newline or the next ``Content-Length:`` header,
-whichever comes first. The decoder's output depends only on the bytes, never
-on how they were chunked: every limit is applied at a fixed byte position.
+whichever comes first. A ``Content-Length:`` counts as a header there only where a
+whole, well-formed header block starts with it: the same text inside a skipped
+message (a JSON string, say) is passed over, so that resynchronising never reads
+part of a skipped message as a header and swallows the well-formed message after
+it. The decoder's output depends only on the bytes, never on how they were
+chunked: every limit is applied at a fixed byte position.
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ _RESYNC = re.compile(rb"\n|content-length:", re.IGNORECASE)
 _CONTENT_LENGTH_HEADER = re.compile(rb"content-length:", re.IGNORECASE)
 _CONTENT_LENGTH = b"content-length:"
 _HEADER_STARTS = (_CONTENT_LENGTH, b"content-type:")
+# A header block that a resynchronisation may start at, line by line: the Content-Length line,
+# then other header lines, then the empty line. *_PART: what a line not yet ended may be.
+_FIRST_LINE = re.compile(rb"content-length:[ \t]*[0-9]{1,20}[ \t]*\r?", re.IGNORECASE)
+_FIRST_PART = re.compile(rb"content-length:[ \t]*(?:[0-9]{1,20}[ \t]*\r?)?", re.IGNORECASE)
+_OTHER_LINE = re.compile(rb"[^\r\n:]+:[^\r\n]*\r?")
+_OTHER_PART = re.compile(rb"[^\r\n:]*(?::[^\r\n]*)?\r?")
 
 
 class Framing(enum.StrEnum):
@@ -226,12 +236,18 @@ class FrameDecoder:
         return Frame(body, Framing.LSP)
 
     def _skip_body(self) -> object | None:
-        """Skip an over-limit body by its length; a Content-Length header that starts
-        inside it ends the skip early, so that a lying length cannot swallow the stream."""
+        """Skip an over-limit body by its length; a header block that starts inside it ends
+        the skip early, so that a lying length cannot swallow the stream."""
         buf, pos, remaining = self._buf, self._pos, self._body_length
-        header = _CONTENT_LENGTH_HEADER.search(buf, pos, min(len(buf), pos + remaining + len(_CONTENT_LENGTH) - 1))
-        if header is not None:
-            return self._enter(_State.IDLE, header.start())
+        stop, start = min(len(buf), pos + remaining + len(_CONTENT_LENGTH) - 1), pos
+        while (header := _CONTENT_LENGTH_HEADER.search(buf, start, stop)) is not None:
+            whole = self._header_block_at(header.start())
+            if whole is None:  # it may be one: wait for the bytes that decide
+                self._pos, self._body_length = header.start(), remaining - (header.start() - pos)
+                return None
+            if whole:
+                return self._enter(_State.IDLE, header.start())
+            start = header.start() + 1
         if self._closed or len(buf) >= pos + remaining + len(_CONTENT_LENGTH) - 1:
             return self._enter(_State.IDLE, min(len(buf), pos + remaining))
         # keep the bytes that could still start a header within the body
@@ -240,12 +256,38 @@ class FrameDecoder:
         return None
 
     def _skip(self) -> object | None:
-        found = _RESYNC.search(self._buf, self._pos)
-        if found is None:
-            # keep a possible partial "Content-Length:" that the next feed completes
-            self._pos = max(self._pos, len(self._buf) - (len(_CONTENT_LENGTH) - 1))
-            return None
-        return self._enter(_State.IDLE, found.end() if found.group() == b"\n" else found.start())
+        start = self._pos
+        while (found := _RESYNC.search(self._buf, start)) is not None:
+            if found.group() == b"\n":
+                return self._enter(_State.IDLE, found.end())
+            whole = self._header_block_at(found.start())
+            if whole is None:  # it may be one: wait for the bytes that decide
+                self._pos = found.start()
+                return None
+            if whole:
+                return self._enter(_State.IDLE, found.start())
+            start = found.start() + 1
+        # keep a possible partial "Content-Length:" that the next feed completes
+        self._pos = max(self._pos, len(self._buf) - (len(_CONTENT_LENGTH) - 1))
+        return None
+
+    def _header_block_at(self, start: int) -> bool | None:
+        """Whether a whole, well-formed header block starts at ``start`` (a "Content-Length:"):
+        its Content-Length line, any other header lines, the empty line, within MAX_HEADER_BYTES
+        + 1 bytes as _headers takes them. None while the bytes to decide have not all arrived."""
+        buf, limit, line_start, first = self._buf, start + MAX_HEADER_BYTES + 1, start, True
+        while True:
+            end = buf.find(b"\n", line_start, limit)
+            if end < 0:
+                line = bytes(buf[line_start : min(len(buf), limit)])
+                may_grow = len(buf) < limit and not self._closed
+                return None if may_grow and (_FIRST_PART if first else _OTHER_PART).fullmatch(line) else False
+            line = bytes(buf[line_start:end])
+            if not first and line in (b"", b"\r"):
+                return True
+            if not (_FIRST_LINE if first else _OTHER_LINE).fullmatch(line):
+                return False
+            line_start, first = end + 1, False
 
 
 def encode_frame(body: bytes, framing: Framing) -> bytes:

@@ -136,8 +136,14 @@ class UnloadResult(Result):
 # --- tokenize / detokenize / render -----------------------------------------
 
 
+# A tool's name is read back from the model's output between each call format's delimiters
+# ("</tool_call>", "<end_function_call>", "{"): a name holding one would end the call early.
+# Letters, digits and "_-.:/" (dotted and slashed namespaces) hold none of them.
+ToolNameText = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:/-]{1,256}$(?!\n)")]
+
+
 class ToolFunction(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
-    name: Annotated[str, Meta(min_length=1, max_length=256)]
+    name: ToolNameText
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object
 

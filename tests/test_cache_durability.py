@@ -325,15 +325,18 @@ async def test_a_worker_started_beside_stored_caches_fills_memory_for_them_at_lo
     tokens = prompt_tokens(random.Random(SEED), SHARED_PROMPT)
     await writer.call("prefill", {"tokens": tokens, "cache": "kept"})
     tensor_bytes = sum(entry.nbytes for entry in container.read_header(cache_dir / "kept.kvc").tensors)
+    await writer.close()  # a worker's log reaches stderr on its own thread: whole once it has exited
     assert "reserved" not in writer.stderr_tail(100_000)  # no stored cache when it loaded
     restarted = await loaded_worker(spawn_worker, tiny_model_dir, cache_dir, process=True)
-    assert f"reserved {tensor_bytes * 5 // 4} bytes for restoring stored caches" in restarted.stderr_tail(100_000)
     answer = await restarted.call("generate", {"tokens": tokens + tokens[:3], "max_tokens": 4, "cache": "kept"})
     assert answer["usage"]["cache_read_tokens"] == len(tokens)
+    await restarted.close()
+    assert f"reserved {tensor_bytes * 5 // 4} bytes for restoring stored caches" in restarted.stderr_tail(100_000)
     declined = await loaded_worker(
         spawn_worker, tiny_model_dir, cache_dir, "--restore-reserve-max-bytes", "0", process=True
     )
-    assert "reserved" not in declined.stderr_tail(100_000)
     assert await declined.call("generate", {"tokens": tokens + tokens[:3], "max_tokens": 4, "cache": "kept"}) == {
         **answer, "timings": ANY
     }
+    await declined.close()
+    assert "reserved" not in declined.stderr_tail(100_000)

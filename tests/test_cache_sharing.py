@@ -243,8 +243,8 @@ async def test_a_temporary_is_removed_only_when_no_writer_holds_it_whatever_pid_
     """A writer in another PID namespace or on another host has a pid that means nothing here:
     the name says pid 1 (running) or 999999999 (not), the lock says who is alive."""
     cache_dir.mkdir()
-    held = cache_dir / ".x.kvc.999999999.abcd.tmp"  # a "dead" pid, but a live writer holds it
-    orphan = cache_dir / ".y.kvc.1.efgh.tmp"  # a "live" pid, but nobody holds it
+    held = cache_dir / ".x.kvc.999999999.abcd1234.tmp"  # a "dead" pid, but a live writer holds it
+    orphan = cache_dir / ".y.kvc.1.efgh_678.tmp"  # a "live" pid, but nobody holds it
     orphan.write_bytes(b"half a cache")
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(held)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)

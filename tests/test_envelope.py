@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from protocol.envelope import (
+    MAX_PARAMS_DEPTH,
     Notification,
     Rejected,
     Request,
@@ -192,7 +193,34 @@ def test_deeply_nested_json_is_rejected_not_raised(body):
     assert message.error.kind in (ErrorKind.PARSE_ERROR, ErrorKind.BATCH_NOT_SUPPORTED, ErrorKind.INVALID_REQUEST)
 
 
+@pytest.mark.parametrize("depth", [600, 900])
+def test_deeply_nested_json_with_a_lone_surrogate_is_rejected_not_raised(depth):
+    """The lenient second reading of a lone surrogate walks the value, as deep as the first let it be."""
+    body = b'{"jsonrpc":"2.0","id":1,"method":"x","params":{"x":' + b'{"a":' * depth + b'"\\ud83d"' + b"}" * depth + b"}}"
+    message = parse_incoming(body)
+    assert isinstance(message, Rejected) and message.error.kind is ErrorKind.PARSE_ERROR
+    assert "nested too deeply" in message.error.message
+
+
 # --- method and params ------------------------------------------------------------------
+
+
+def nested(depth: int) -> bytes:
+    """A request whose tool parameters hold a value ``depth`` levels below params."""
+    schema = b'{"type":"string"}'
+    for _ in range((depth - 4) // 2):  # params.tools[0].function.parameters is 4 levels down
+        schema = b'{"type":"object","properties":{"a":' + schema + b"}}"
+    return b'{"jsonrpc":"2.0","id":3,"method":"generate","params":{"tools":[{"function":{"parameters":' + schema + b"}}]}}"
+
+
+def test_params_nested_up_to_the_bound_pass_and_deeper_ones_are_refused_naming_the_field():
+    assert isinstance(parse_incoming(nested(MAX_PARAMS_DEPTH)), Request)
+    message = rejected(nested(MAX_PARAMS_DEPTH + 2))
+    assert (message.id, message.error.kind) == (3, ErrorKind.INVALID_PARAMS)
+    assert message.error.data.field == "params.tools[0].function.parameters"
+    assert f"nests more than {MAX_PARAMS_DEPTH} levels deep" in message.error.message
+    notification = nested(MAX_PARAMS_DEPTH + 2).replace(b'"id":3,', b"")
+    assert isinstance(parse_incoming(notification), Notification)  # ignored or refused by its own rules
 
 
 def test_missing_method_is_invalid_request_carrying_the_id():

@@ -447,6 +447,8 @@ PIECES = [
     b"{" + b"z" * 80 + b"}\n",  # over the 64-byte limit used below
     b"{" + b"z" * 62 + b"\n",  # exactly at it
     lsp(b"{" + b"y" * 70 + b"}"),  # body over the limit
+    b'"Content-Length: 10"}',  # header text inside a message
+    b"Content-Length: 3\r\nContent-Type: x\r\n\r\n",
     "é☃".encode(),
     b"\r",
     b"{",
@@ -529,3 +531,27 @@ def test_a_content_length_header_inside_an_over_limit_body_ends_the_skip():
 def test_an_over_limit_body_cut_short_by_end_of_input_still_frees_the_last_line():
     events = decode(lsp(b"x" * 30) + b"{}\n", max_bytes=20)
     assert kinds(events) == [TOO_LARGE, NDJSON]
+
+
+def test_content_length_text_inside_a_skipped_body_does_not_swallow_the_next_message():
+    body = b'{"jsonrpc":"2.0","id":1,"method":"x","params":{"note":"Content-Length: 10"}}'
+    events = decode(lsp(body) + lsp(b'{"a":1}'), max_bytes=40)
+    assert kinds(events) == [TOO_LARGE, LSP] and events[1].body == b'{"a":1}'
+
+
+def test_content_length_text_past_the_limit_of_a_long_line_does_not_swallow_the_next_message():
+    line = b'{"jsonrpc":"2.0","id":1,"method":"x","params":{"note":"Content-Length: 10"}}\n'
+    events = decode(line + lsp(b'{"a":1}') + b'{"b":2}\n', max_bytes=40)
+    assert kinds(events) == [TOO_LARGE, LSP, NDJSON] and events[1].body == b'{"a":1}'
+
+
+def test_content_length_text_in_garbage_does_not_swallow_the_next_message():
+    events = decode(b'oops "Content-Length: 3"}' + lsp(b'{"a":1}'))
+    assert kinds(events) == [PARSE, LSP] and events[1].body == b'{"a":1}'
+
+
+@pytest.mark.parametrize("line_end", [b"\r\n", b"\n"])
+def test_a_lying_length_still_ends_at_a_whole_header_block_with_other_headers(line_end):
+    extra = [b"Content-Type: application/vscode-jsonrpc; charset=utf-8"]
+    events = decode(b"Content-Length: 999999\r\n\r\n{}" + lsp(b'{"a":1}', line_end=line_end, extra=extra), max_bytes=20)
+    assert kinds(events) == [TOO_LARGE, LSP] and events[1].body == b'{"a":1}'

@@ -4,13 +4,39 @@ no result, never hangs, and keeps serving."""
 
 from __future__ import annotations
 
+import array
+import asyncio
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import msgspec
 import pytest
 
 from protocol.methods import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from tests.conftest import SpawnWorker
-from worker.host import Host, WorkerError
+from tests.cache_samples import IDENTITY
+from tests.conftest import TORCH_ENV, SpawnWorker
+from tests.test_cache_sharing import read_only_python
+from worker.host import REPO_ROOT, Host, WorkerError
+from worker.kvcache import container
+
+DENSE = {"quantization": "none"}  # no attention kernel to build: for tests about something else
+
+
+async def tiny_worker(spawn_worker: SpawnWorker, model: Path, data_dir: Path, *args: str, load: dict | None = None,
+                      **kwargs) -> Host:
+    """A worker process on ``data_dir`` with the tiny model loaded (quantized, the default on the CPU, unless
+    ``load`` says): a process, since these tests read its log and what it loads from the data directory
+    (the attention kernel is loaded once per process)."""
+    host = await spawn_worker("--data-dir", str(data_dir), *args, env=TORCH_ENV, process=True, **kwargs)
+    await host.call("load", {"model": str(model), **(load or {})}, timeout=300)
+    return host
 
 
 # --- 1: stop strings ---------------------------------------------------------------------------
@@ -35,3 +61,476 @@ async def test_the_largest_stop_strings_allowed_cost_little_per_token(echo_worke
     elapsed = time.perf_counter() - started
     assert result["text"] == "a" * 2000 and result["stop_reason"]["kind"] == "eos"
     assert elapsed < 3.0, elapsed
+
+
+# --- 2: the weights-digest memo ------------------------------------------------------------------
+
+
+def memo_of(data_dir: Path, file: Path) -> Path:
+    """Where a worker remembers ``file``'s digest (worker.fingerprint)."""
+    info = file.stat()
+    name = f"{info.st_dev}-{info.st_ino}-{info.st_size}-{info.st_mtime_ns}-{info.st_ctime_ns}.sha256"
+    return data_dir / "digests" / name
+
+
+@pytest.mark.parametrize("plant", ["fifo", "link to /dev/zero", "sparse 8 GB file"])
+async def test_a_digest_memo_that_is_not_a_small_regular_file_is_passed_over_and_the_weights_hashed_again(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, tmp_path: Path, plant: str
+):
+    weights = tiny_model_dir / "model.safetensors"
+    memo = memo_of(tmp_path / "data", weights)
+    memo.parent.mkdir(parents=True)
+    if plant == "fifo":
+        os.mkfifo(memo)
+    elif plant == "link to /dev/zero":
+        memo.symlink_to("/dev/zero")
+    else:
+        with open(memo, "wb") as file:
+            file.truncate(8 << 30)
+    host = await tiny_worker(spawn_worker, tiny_model_dir, tmp_path / "data", load=DENSE)
+    assert (await host.call("generate", {"prompt": "the cat", "max_tokens": 4}))["usage"]["completion_tokens"] == 4
+    await host.close()
+    assert "hashed model.safetensors" in host.stderr.decode()
+    assert memo.read_text().strip() == hashlib.sha256(weights.read_bytes()).hexdigest()  # remembered anew
+
+
+# --- 3, 6: the attention kernel's directory --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kernel_name(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The file name a worker on this machine gives the attention kernel it builds."""
+    from worker.backends.transformers import exact_attention
+
+    # Built here, not loaded: this process may have loaded the kernel already (workers run in it).
+    return exact_attention._build(tmp_path_factory.mktemp("kernel") / "kernels").name
+
+
+async def test_a_fifo_under_the_kernels_name_is_built_over_and_the_worker_answers_meanwhile(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, tmp_path: Path, kernel_name: str
+):
+    """Loading a FIFO as a library blocks inside the loader, holding the GIL: nothing would answer."""
+    library = tmp_path / "data" / "kernels" / kernel_name
+    library.parent.mkdir(parents=True)
+    os.mkfifo(library)
+    host = await spawn_worker("--data-dir", str(tmp_path / "data"), env=TORCH_ENV, process=True)  # the loader, its log
+    _, load = host.start("load", {"model": str(tiny_model_dir)})
+    await host.call("capabilities", timeout=30)
+    assert "result" in await asyncio.wait_for(load, 300)
+    assert (await host.call("generate", {"prompt": "the cat", "max_tokens": 4}))["usage"]["completion_tokens"] == 4
+    await host.close()
+    assert library.is_file() and "float64" not in host.stderr.decode()
+
+
+@pytest.mark.parametrize("obstacle", ["kernels is a file", "a directory under the kernel's name", "read-only"])
+async def test_a_kernels_directory_that_cannot_be_written_leaves_attention_in_float64_with_a_warning(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, tmp_path: Path, kernel_name: str, obstacle: str
+):
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    python = {}
+    if obstacle == "kernels is a file":
+        (data_dir / "kernels").write_text("not a directory")
+    elif obstacle == "a directory under the kernel's name":
+        (data_dir / "kernels" / kernel_name).mkdir(parents=True)
+    else:
+        python = {"python": read_only_python(tmp_path, data_dir)}
+    host = await tiny_worker(spawn_worker, tiny_model_dir, data_dir, **python)
+    assert (await host.call("generate", {"prompt": "the cat", "max_tokens": 4}))["usage"]["completion_tokens"] == 4
+    await host.close()
+    assert "attention in float64" in host.stderr.decode()
+
+
+# --- 4, 15: recording ------------------------------------------------------------------------------
+
+
+def limited_python(tmp_path: Path, blocks: int) -> str:
+    """A python whose files cannot grow past ``blocks`` of 512 bytes (as on a full disk)."""
+    wrapper = tmp_path / "python-limited"
+    wrapper.write_text(f"#!/bin/sh\nulimit -f {blocks}\nexec '{sys.executable}' \"$@\"\n")
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+async def test_a_transcript_that_cannot_grow_ends_recording_loudly_and_the_worker_serves_on(
+    spawn_worker: SpawnWorker, tmp_path: Path
+):
+    record = tmp_path / "t.jsonl"
+    host = await spawn_worker("--record", str(record), python=limited_python(tmp_path, 8))
+    await host.call("load", {"backend": "echo"})
+    result = await host.call("generate", {"prompt": "x" * 600, "max_tokens": 600}, timeout=30)
+    assert result["text"] == "x" * 600
+    assert (await host.call("tokenize", {"text": "still here"}))["count"] == 11
+    assert await host.close() == 0
+    assert "recording stopped: cannot write" in host.stderr.decode() and "File too large" in host.stderr.decode()
+    lines = record.read_bytes().split(b"\n")
+    assert lines[-1] == b"" and len(lines) > 3  # whole lines only, each one JSON
+    assert all(json.loads(line) for line in lines[:-1])
+
+
+@pytest.mark.parametrize("where", ["a missing directory", "a directory", "a FIFO nobody reads"])
+async def test_a_record_file_that_cannot_be_opened_is_a_usage_error_with_exit_code_2(tmp_path: Path, where: str):
+    path = {"a missing directory": tmp_path / "missing" / "t.jsonl", "a directory": tmp_path}.get(where)
+    if path is None:
+        path = tmp_path / "fifo"
+        os.mkfifo(path)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "worker", "--record", str(path), stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO_ROOT,
+    )
+    stdout, stderr = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 2 and stdout == b""
+    assert "Traceback" not in stderr.decode()
+    assert stderr.decode().splitlines()[-1].startswith(f"lm-worker: error: --record {path}: cannot write it: ")
+
+
+# --- 17: a host that never reads stderr ---------------------------------------------------------------
+
+
+async def test_a_host_that_never_reads_stderr_never_stalls_the_worker_and_learns_what_was_dropped():
+    """Each unknown notification is a warning on stderr; these fill the pipe and the buffer many times.
+    stderr is a pipe nobody reads until the reply came (asyncio's pipes would be read all along)."""
+    read_end, write_end = os.pipe()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "worker", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=write_end, cwd=REPO_ROOT,
+    )
+    os.close(write_end)
+    received = bytearray()
+
+    def read_stderr() -> None:
+        with os.fdopen(read_end, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(1 << 16):
+                received.extend(chunk)
+
+    try:
+        noise = json.dumps({"jsonrpc": "2.0", "method": "x" * 10_000}).encode() + b"\n"
+        process.stdin.write(noise * 400 + b'{"jsonrpc":"2.0","id":1,"method":"capabilities"}\n')
+        await asyncio.wait_for(process.stdin.drain(), 30)  # a worker stalled on stderr stops reading
+        reply = await asyncio.wait_for(process.stdout.readline(), 30)
+        assert json.loads(reply)["id"] == 1
+        reading = asyncio.ensure_future(asyncio.to_thread(read_stderr))  # the host reads at last
+        for _ in range(600):
+            if b"were dropped" in bytes(received):
+                break
+            await asyncio.sleep(0.05)
+        process.stdin.write(b'{"jsonrpc":"2.0","method":"after-the-gap"}\n')
+        process.stdin.close()
+        await asyncio.wait_for(reading, 30)
+        assert await asyncio.wait_for(process.wait(), 30) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    dropped = re.search(rb"(\d+) bytes of log output were dropped: the host did not read stderr", received)
+    assert dropped and int(dropped[1]) > 2_000_000
+    assert b"ignored unknown notification 'after-the-gap'" in received[dropped.end() :]
+
+
+# --- 7: a shared cache directory -------------------------------------------------------------------
+
+
+def other_user_python(tmp_path: Path) -> str:
+    """A python that runs the worker as root of a user namespace of its own: files of users not
+    mapped there (1000, 1001) are other users' to it, as on a machine shared by several."""
+    if os.geteuid() != 0 or subprocess.run(["unshare", "--user", "--map-root-user", "true"]).returncode:
+        pytest.skip("needs root and user namespaces to act as several users")
+    wrapper = tmp_path / "python-one-user"
+    wrapper.write_text(f"#!/bin/sh\nexec unshare --user --map-root-user '{sys.executable}' \"$@\"\n")
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+async def test_an_auto_cache_of_another_user_in_a_sticky_directory_stays_and_the_result_is_kept(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, tmp_path: Path
+):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chown(shared, 1000, 1000)
+    shared.chmod(0o1777)
+    host = await tiny_worker(spawn_worker, tiny_model_dir, tmp_path / "data", "--cache-dir", str(shared),
+                             python=other_user_python(tmp_path), load=DENSE)
+    prompt = (await host.call("tokenize", {"text": "the cat sat on the mat and the dog runs to the river. " * 3}))
+    first = await host.call("generate", {"tokens": prompt["tokens"], "max_tokens": 4, "cache": "auto"})
+    theirs = shared / f"{first['cache']['stored']}.kvc"
+    os.chown(theirs, 1001, 1001)  # as if another user's worker had stored it
+    turn = prompt["tokens"] + first["tokens"] + [prompt["tokens"][1]] * 4  # extends what the first one stored
+    second = await host.call("generate", {"tokens": turn, "max_tokens": 4, "cache": "auto"})
+    assert second["cache"]["reused_tokens"] > 0 and second["cache"]["stored"] not in (None, first["cache"]["stored"])
+    assert theirs.exists() and (shared / f"{second['cache']['stored']}.kvc").exists()
+    assert second["cache"]["store_reason"] == (
+        f"stored; {first['cache']['stored']!r}, which it extends, could not be deleted: Operation not permitted"
+    )
+
+
+# --- 8, 12: headers that claim what the model does not compute -------------------------------------
+
+
+def rewrite_cache(source: Path, target: Path, change) -> None:
+    """``target``: a cache sound in itself (checksums, layout) of ``source``'s contents, each tensor
+    passed through ``change(spec, data) -> (spec, data)``: what a forger with the format at hand makes."""
+    loaded = container.load(source)
+    header, tensors = loaded.header, []
+    for entry, view in zip(header.tensors, loaded.tensors, strict=True):
+        spec = container.TensorSpec(name=entry.name, kind=entry.kind, layer=entry.layer, shape=tuple(entry.shape),
+                                    dtype=entry.dtype, state=entry.state, position=entry.position)
+        spec, data = change(spec, bytes(view))
+        tensors.append((spec, memoryview(data)))
+    contents = container.Contents(identity=header.identity, tokens=header.tokens, layers=header.layers,
+                                  states=header.states, created_by=header.created_by)
+    container.write(target, contents, tensors)
+
+
+def rows(data: bytes, width: int, keep: int) -> bytes:
+    """The first ``keep`` of every ``width`` float32 values."""
+    values = array.array("f", data)
+    return b"".join(values[i : i + keep].tobytes() for i in range(0, len(values), width))
+
+
+def fewer_heads(spec, data):
+    if spec.kind not in ("key", "value"):
+        return spec, data
+    _, heads, positions, dim = spec.shape
+    return msgspec.structs.replace(spec, shape=(1, 1, positions, dim)), data[: positions * dim * 4]
+
+
+def half_head_size(spec, data):
+    if spec.kind not in ("key", "value"):
+        return spec, data
+    _, heads, positions, dim = spec.shape
+    return msgspec.structs.replace(spec, shape=(1, heads, positions, dim // 2)), rows(data, dim, dim // 2)
+
+
+def bfloat16(spec, data):
+    """float32 cut to bfloat16: the upper two bytes of each value."""
+    cut = bytearray(len(data) // 2)
+    cut[0::2], cut[1::2] = data[2::4], data[3::4]
+    return msgspec.structs.replace(spec, dtype="bfloat16"), bytes(cut)
+
+
+def shorter_conv_state(spec, data):
+    if spec.kind != "conv":
+        return spec, data
+    *rest, kernel = spec.shape
+    return msgspec.structs.replace(spec, shape=(*rest, kernel - 1)), rows(data, kernel, kernel - 1)
+
+
+@pytest.mark.parametrize(
+    ("family", "forgeries"),
+    [("llama", {"fewer-heads": fewer_heads, "half-head-size": half_head_size, "bfloat16": bfloat16}),
+     ("qwen3_5", {"shorter-conv-state": shorter_conv_state, "bfloat16": bfloat16})],
+)
+async def test_a_sound_cache_of_other_heads_sizes_or_dtypes_than_the_models_is_corrupt_and_auto_skips_it(
+    spawn_worker: SpawnWorker, tiny_models, tmp_path: Path, family: str, forgeries: dict
+):
+    caches = tmp_path / "caches"
+    host = await tiny_worker(spawn_worker, tiny_models(family), tmp_path / "data", "--cache-dir", str(caches),
+                             load=DENSE)
+    prompt = "the cat sat on the mat and the dog runs to the river. " * 3
+    plain = (await host.call("generate", {"prompt": prompt + "hello", "max_tokens": 8}))["tokens"]
+    await host.call("prefill", {"prompt": prompt, "cache": "good"})
+    for name, change in forgeries.items():
+        rewrite_cache(caches / "good.kvc", caches / f"{name}.kvc", change)
+    (caches / "good.kvc").unlink()
+    named = {}
+    for name in forgeries:
+        with pytest.raises(WorkerError) as caught:
+            await host.call("generate", {"prompt": prompt + "hello", "max_tokens": 8, "cache": name})
+        named[name] = (caught.value.kind, caught.value.message)
+    auto = await host.call("generate", {"prompt": prompt + "hello", "max_tokens": 8, "cache": "auto"})
+    assert all(kind == "cache_corrupt" and "where the model's is" in message for kind, message in named.values()), named
+    assert auto["tokens"] == plain and auto["cache"]["reused_tokens"] == 0
+    assert {s["ref"] for s in auto["cache"]["skipped"]} == set(forgeries)
+
+
+def claim_positions(path: Path, positions: int) -> None:
+    """Rewrite a full-attention cache's header to claim ``positions`` (its tensors laid out anew,
+    as large as that takes), as a sparse file: a few megabytes on disk."""
+    data = path.read_bytes()
+    header = msgspec.json.decode(data[48 : 48 + int.from_bytes(data[8:16], "little")])
+    header.update(tokens=[1] * positions, sequence_length=positions)
+    offset = 0
+    for tensor in header["tensors"]:
+        _, heads, _, dim = tensor["shape"]
+        tensor.update(shape=[1, heads, positions, dim], strides=[heads * positions * dim * 4, positions * dim * 4,
+                                                                 dim * 4, 4], nbytes=heads * positions * dim * 4)
+    start = -(-(48 + len(msgspec.json.encode(header)) + 64 * len(header["tensors"])) // 64) * 64
+    offset = start
+    for tensor in header["tensors"]:
+        tensor["offset"] = offset
+        offset = -(-(offset + tensor["nbytes"]) // 64) * 64
+    encoded = msgspec.json.encode(header)
+    with open(path, "wb") as file:
+        file.write(data[:8] + len(encoded).to_bytes(8, "little") + hashlib.sha256(encoded).digest() + encoded)
+        file.truncate(header["tensors"][-1]["offset"] + header["tensors"][-1]["nbytes"])
+
+
+async def test_a_cache_claiming_more_positions_than_the_context_is_refused_before_its_tensors_are_read(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, tmp_path: Path
+):
+    caches = tmp_path / "caches"
+    host = await tiny_worker(spawn_worker, tiny_model_dir, tmp_path / "data", "--cache-dir", str(caches), load=DENSE)
+    await host.call("prefill", {"prompt": "the cat sat on the mat", "cache": "huge"})
+    claim_positions(caches / "huge.kvc", 3_000_000)  # 1.5 GB of keys and values, on a tiny model
+    assert (caches / "huge.kvc").stat().st_blocks * 512 < 64 << 20
+    with pytest.raises(WorkerError) as caught:
+        await host.call("generate", {"prompt": "the cat sat on the mat too", "max_tokens": 2, "cache": "huge"})
+    peak = int(re.search(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{host.process.pid}/status").read_text())[1]) << 10
+    assert caught.value.kind == "cache_corrupt"
+    assert "3000000 positions, more than the model's context of 2048" in caught.value.message
+    assert peak < 1 << 30, peak
+
+
+# --- 16: long headers ----------------------------------------------------------------------------------
+
+
+def write_long_header(path: Path, header_bytes: int) -> None:
+    """A cache of no tokens whose header, sound and checksummed, is ``header_bytes`` long."""
+    header = msgspec.json.encode({
+        "format": "KVC2", "identity": msgspec.to_builtins(IDENTITY), "sequence_start": 0, "sequence_length": 0,
+        "tokens": [], "prefix_offsets": [], "prefix_hashes": ["x"], "layers": [{"index": 0, "kind": "full"},
+        {"index": 1, "kind": "full"}], "states": [], "tensors": [], "created_by": "a forger",
+    })
+    header = header.replace(b'["x"]', b'["' + b"x" * (header_bytes - len(header) + 1) + b'"]')
+    path.write_bytes(container.MAGIC + len(header).to_bytes(8, "little") + hashlib.sha256(header).digest() + header)
+
+
+async def test_a_header_past_the_bound_is_not_read_so_a_cancel_behind_a_listing_is_answered_at_once(
+    spawn_worker: SpawnWorker, tmp_path: Path
+):
+    caches = tmp_path / "caches"
+    caches.mkdir()
+    write_long_header(caches / "long.kvc", 80 << 20)
+    host = await spawn_worker("--cache-dir", str(caches))
+    await host.call("load", {"backend": "echo", "token_delay_ms": 20})
+    generate_id, generating = host.start("generate", {"prompt": "x" * 500})
+    await host.wait_until(lambda: host.chunks[generate_id])
+    started = time.perf_counter()
+    _, listing = host.start("cache/list")
+    assert (await host.call("cancel", {"id": generate_id}))["cancelled"]
+    cancel_s = time.perf_counter() - started
+    listed, generated = await asyncio.wait_for(asyncio.gather(listing, generating), 60)
+    assert listed["result"]["caches"] == [] and generated["result"]["finish_reason"] == "cancelled"
+    with pytest.raises(WorkerError) as caught:
+        await host.call("cache/info", {"cache": "long"})
+    assert caught.value.kind == "cache_corrupt"
+    assert f"a header of {80 << 20} bytes, more than the 16 MiB a reader accepts" in caught.value.message
+    assert cancel_s < 1.0, cancel_s
+
+
+# --- 13: temporaries ------------------------------------------------------------------------------------
+
+
+async def test_only_temporaries_named_exactly_as_the_worker_names_its_own_are_removed(
+    spawn_worker: SpawnWorker, tmp_path: Path
+):
+    caches = tmp_path / "caches"
+    caches.mkdir()
+    ours = ".sys.kvc.4242.k3j9x0ab.tmp"  # what container.write names a temporary of sys.kvc
+    others = [".notes.tmp", ".sys.kvc.tmp", ".sys.kvc.4242.tmp", ".sys.kvc.x.k3j9x0ab.tmp", ".sys.kvc.4242.K3J9X0AB.tmp",
+              ".sys.kvc.4242.k3j9x0abc.tmp", ".editor.swp.4242.k3j9x0ab.tmp"]
+    for name in [ours, *others]:
+        (caches / name).write_text("someone's")
+    host = await spawn_worker("--cache-dir", str(caches))
+    await host.call("cache/list")  # the store opens the directory
+    assert sorted(p.name for p in caches.iterdir()) == sorted(others)
+
+
+# --- found attacking again: deep nesting and a lone surrogate ------------------------------------------
+
+
+async def test_a_deeply_nested_message_with_a_lone_surrogate_is_a_parse_error_and_the_worker_reads_on(
+    echo_worker: Host
+):
+    depth = 600  # within what the JSON decoder takes; the lenient second reading walked it recursively
+    await echo_worker.send_raw(b'{"jsonrpc":"2.0","id":1,"method":"capabilities","params":{"x":'
+                               + b'{"a":' * depth + b'"\\ud83d"' + b"}" * depth + b"}}\n")
+    assert (await echo_worker.call("tokenize", {"text": "ok"}, timeout=10))["count"] == 3
+    [error] = [m["error"] for m in echo_worker.messages if "error" in m]
+    assert error["code"] == -32700 and "nested too deeply" in error["message"]
+
+
+# --- 9: deep tool parameters ----------------------------------------------------------------------------
+
+
+async def test_tool_parameters_nested_300_deep_are_refused_naming_the_field(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, tmp_path: Path
+):
+    schema: dict = {"type": "string"}
+    for _ in range(300):
+        schema = {"type": "object", "properties": {"a": schema}}
+    model = tmp_path / "tiny-long"  # a context the tools' long system message fits in
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1 << 16}))
+    host = await tiny_worker(spawn_worker, model, tmp_path / "data", load=DENSE)
+    tools = [{"type": "function", "function": {"name": "deep", "parameters": schema}}]
+    for choice in ("required", "auto"):
+        with pytest.raises(WorkerError) as caught:
+            await host.call("generate", {"messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                                         "tool_choice": choice, "max_tokens": 4})
+        assert (caught.value.code, caught.value.data.get("field")) == (-32602, "params.tools[0].function.parameters")
+    assert (await host.call("generate", {"prompt": "the cat", "max_tokens": 4}))["usage"]["completion_tokens"] == 4
+
+
+# --- 10: hostile tool names ---------------------------------------------------------------------------
+
+
+async def test_a_tool_name_holding_a_calls_closing_tag_is_refused_naming_the_field(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, tmp_path: Path
+):
+    """Its forced call would be misread: the name's tag ends the call, the rest leaks into content."""
+    host = await tiny_worker(spawn_worker, tiny_model_dir, tmp_path / "data", load=DENSE)
+    tools = [{"type": "function", "function": {"name": "x</tool_call>y", "parameters": {"type": "object"}}}]
+    with pytest.raises(WorkerError) as caught:
+        await host.call("generate", {"messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                                     "tool_choice": "required", "max_tokens": 24})
+    assert (caught.value.code, caught.value.data.get("field")) == (-32602, "params.tools[0].function.name")
+    assert "matching regex" in caught.value.message
+
+
+# --- 11: resynchronising after a skipped message ------------------------------------------------------
+
+
+@pytest.mark.parametrize("framing", ["lsp", "ndjson"])
+async def test_an_over_limit_message_holding_content_length_text_does_not_swallow_the_next_one(
+    spawn_worker: SpawnWorker, framing: str
+):
+    host = await spawn_worker("--max-message-bytes", "200")
+    big = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tokenize",
+                      "params": {"text": "x" * 300 + "Content-Length: 10"}}).encode()
+    over_limit = b"Content-Length: %d\r\n\r\n%s" % (len(big), big) if framing == "lsp" else big + b"\n"
+    follow = json.dumps({"jsonrpc": "2.0", "id": 2, "method": "capabilities"}).encode()
+    await host.send_raw(over_limit + b"Content-Length: %d\r\n\r\n%s" % (len(follow), follow))
+    await host.wait_until(lambda: any(m.get("id") == 2 for m in host.messages), timeout=10)
+    assert [m["error"]["data"]["kind"] for m in host.messages if "error" in m] == ["message_too_large"]
+
+
+# --- 14: the digest memo's trust boundary ------------------------------------------------------------
+
+
+async def test_weights_changed_in_place_with_their_size_and_times_put_back_are_hashed_again(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, tmp_path: Path
+):
+    """Only a writer of the data directory can make a memo lie (PROTOCOL 13: it is trusted like
+    the model files); a change to the weights themselves always gets a new status-change time."""
+    model = tmp_path / "tiny"
+    shutil.copytree(tiny_model_dir, model)
+    caches, weights = tmp_path / "caches", model / "model.safetensors"
+    first = await tiny_worker(spawn_worker, model, tmp_path / "data", "--cache-dir", str(caches), load=DENSE)
+    await first.call("prefill", {"prompt": "the cat sat on the mat", "cache": "before"})
+    await first.close()
+    before = weights.stat()
+    with open(weights, "r+b") as file:  # the last byte of the last tensor
+        file.seek(-1, os.SEEK_END)
+        last = file.read(1)
+        file.seek(-1, os.SEEK_END)
+        file.write(bytes([last[0] ^ 1]))
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (weights.stat().st_size, weights.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    second = await tiny_worker(spawn_worker, model, tmp_path / "data", "--cache-dir", str(caches), load=DENSE)
+    with pytest.raises(WorkerError) as caught:
+        await second.call("generate", {"prompt": "the cat sat on the mat too", "max_tokens": 2, "cache": "before"})
+    await second.close()
+    assert caught.value.kind == "cache_identity_mismatch" and "weights_sha256" in caught.value.message
+    assert "hashed model.safetensors" in second.stderr.decode()

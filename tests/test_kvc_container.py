@@ -8,6 +8,7 @@ import re
 import zlib
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from tests.cache_samples import (
@@ -278,3 +279,17 @@ def test_a_forged_tensor_of_no_heads_read_with_room_is_refused_as_damaged(cache_
     forge(cache_file, no_heads)
     with pytest.raises(CacheFormatError, match="damaged padding before tensor layers.0.value"):
         load(cache_file, IDENTITY, room=lambda entry: 2)
+
+
+def test_the_readers_check_of_a_header_refuses_it_before_any_tensor_is_read(cache_file: Path):
+    own = [spec for spec, _ in full_attention_tensors(tokens=[1])]  # the model's cache of one position
+
+    def check(header):
+        return container.layout_problem(header, own, max_positions=len(TOKENS))
+
+    assert load(cache_file, IDENTITY, check=check).header.tokens == TOKENS
+    with pytest.raises(CacheFormatError, match="5 positions, more than the model's context of 4"):
+        load(cache_file, IDENTITY, check=lambda header: container.layout_problem(header, own, 4))
+    other = [msgspec.structs.replace(spec, dtype="bfloat16") for spec in own]
+    with pytest.raises(CacheFormatError, match=r"layers.0.key: float32 of shape \[1, 2, 5, 4\], where the model's is"):
+        load(cache_file, IDENTITY, check=lambda header: container.layout_problem(header, other, 10))

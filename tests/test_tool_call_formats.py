@@ -7,6 +7,7 @@ template excerpts are the parts of each family's chat template that tell its for
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from protocol.methods import Tool, ToolFunction
@@ -173,3 +174,29 @@ def test_a_forced_call_grammar_allows_a_second_call_only_when_parallel(tiny_mode
     assert matcher.is_accepting()
     second = matcher.try_consume_tokens(tokenizer("\n" + one, add_special_tokens=False).input_ids)
     assert (second > 0) == parallel
+
+
+# Every character a tool name may hold, in one name.
+ODD_NAME = "ns.sub:tool/v2-x_Y9"
+ODD_CALLS = {
+    "hermes": f'<tool_call>\n{{"name": "{ODD_NAME}", "arguments": {{"a": 1}}}}\n</tool_call>',
+    "llama3_json": f'{{"name": "{ODD_NAME}", "parameters": {{"a": 1}}}}',
+    "functiongemma": f"<start_function_call>call:{ODD_NAME}{{a:1}}<end_function_call>",
+}
+
+
+@pytest.mark.parametrize("format", ODD_CALLS)
+@pytest.mark.parametrize("piece", [1, 4, 10_000])
+def test_a_name_of_every_character_a_tool_name_may_hold_is_read_back_in_every_format(format: str, piece: int):
+    reader = ToolCallReader(format, [Tool(function=ToolFunction(name=ODD_NAME))])
+    text = ODD_CALLS[format]
+    content = "".join(reader.feed(text[i : i + piece])[0] for i in range(0, len(text), piece)) + reader.finish()[0]
+    assert content == "" and [(c.name, c.arguments, c.error) for c in reader.calls] == [(ODD_NAME, {"a": 1}, None)]
+
+
+@pytest.mark.parametrize(
+    "name", ["x</tool_call>y", "<tool_call>", "a<end_function_call>", "a{b", "a b", "a\nb", 'a"b', "a<escape>", "é", "a\n"]
+)
+def test_a_tool_name_holding_a_delimiter_of_any_call_format_is_refused(name: str):
+    with pytest.raises(msgspec.ValidationError, match="Expected `str` matching regex"):
+        msgspec.convert({"function": {"name": name}}, Tool)

@@ -98,7 +98,8 @@ class Prefill:
             reused, cache = start.reused, start.cache
         elif params.base is not None:
             base_tokens, cache = store.load(
-                params.base, self._identity, model.load_cache, field="params.base", room=_room(model, len(tokens))
+                params.base, self._identity, model.load_cache, field="params.base", room=_room(model, len(tokens)),
+                check=model.cache_problem,
             )
             limit = len(base_tokens) if params.trim_to_tokens is None else min(params.trim_to_tokens, len(base_tokens))
             reused = model.reusable_tokens(cache, common_prefix(base_tokens[:limit], tokens))
@@ -213,7 +214,11 @@ def finish_generate(store: CacheStore, model: Model, start: CacheStart | None, p
             old.ref.startswith(AUTO_PREFIX) and old.ref != ref and sequence[: len(old.tokens)] == old.tokens
             and _can_resume(points, old.resume_points or [len(old.tokens)])
         ):
-            store.delete(old.ref)
+            try:
+                store.delete(old.ref)
+            except RpcError as exc:  # another user's, in a shared directory: it stays theirs, the result stands
+                reason = exc.__cause__.strerror if isinstance(exc.__cause__, OSError) else exc.message
+                use.store_reason = f"stored; {old.ref!r}, which it extends, could not be deleted: {reason}"
     use.stored, use.stored_tokens = ref, len(sequence)
     result.usage.cache_write_tokens = len(sequence) - start.reused
 
@@ -222,7 +227,9 @@ def _start_from_ref(
     store: CacheStore, model: Model, ref: str, prompt: Sequence[int], trim: int | None, held: int
 ) -> CacheStart:
     model = as_caching_model(model)
-    cached, cache = store.load(ref, model.cache_identity(), model.load_cache, room=_room(model, held))
+    cached, cache = store.load(
+        ref, model.cache_identity(), model.load_cache, room=_room(model, held), check=model.cache_problem
+    )
     usable = cached if trim is None else cached[:trim]
     matched = common_prefix(usable, prompt)
     if matched < len(usable) and matched < len(prompt):
@@ -253,7 +260,9 @@ def _start_auto(store: CacheStore, model: Model, prompt: Sequence[int], held: in
         if not _worth_loading(_reusable(candidate, prompt), len(candidate.tokens)):
             continue
         try:
-            cached, cache = store.load(candidate.ref, identity, model.load_cache, room=_room(model, held))
+            cached, cache = store.load(
+                candidate.ref, identity, model.load_cache, room=_room(model, held), check=model.cache_problem
+            )
         except RpcError as exc:  # damaged, or deleted by another worker since it was listed
             skipped.append(SkippedCache(ref=candidate.ref, reason=exc.message))
             continue

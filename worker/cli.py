@@ -17,7 +17,7 @@ from worker.data_dir import default_data_dir
 from worker.handlers import Handlers, WireInfo
 from worker.scheduler import DEFAULT_MAX_BATCH
 from worker.server import Server
-from worker.stdio import claim_stdout
+from worker.stdio import STDERR_GRACE_S, claim_stdout
 from worker.transcript import Recorder
 from worker.writer import DEFAULT_OUTBOX_MESSAGES, Writer
 
@@ -145,13 +145,20 @@ def _without_record(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    recorder = None
+    if args.record:
+        replay_args = _without_record(argv if argv is not None else sys.argv[1:])
+        try:
+            recorder = Recorder(args.record, worker_version=__version__, args=replay_args)
+        except OSError as exc:  # a bad command line: usage and one line of reason, exit 2
+            parser.error(f"--record {args.record}: cannot write it: {exc.strerror or exc}")
     logging.basicConfig(
         stream=sys.stderr, level=args.log_level.upper(), format="lm-worker %(levelname)s %(name)s: %(message)s"
     )
-    out_fd = claim_stdout()
-    replay_args = _without_record(argv if argv is not None else sys.argv[1:])
-    worker = Worker(args, out_fd, replay_args=replay_args)
+    out_fd, stderr_pump = claim_stdout()
+    worker = Worker(args, out_fd, recorder=recorder)
     _on_signals(lambda: worker.server.end("signal", cancel=True))
     threading.Thread(target=read_input, args=(worker.server, 0), name="lm-worker-reader", daemon=True).start()
     if sys.stdin.isatty():
@@ -161,8 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     if not worker.stop():
         # The model thread is inside native code; interpreter shutdown around it would abort.
         logging.getLogger(__name__).warning("a model request did not stop within %.0f s; exiting", STOP_GRACE_S)
-        sys.stderr.flush()
+        stderr_pump.close(STDERR_GRACE_S)
         os._exit(worker.server.exit_code)
+    stderr_pump.close(STDERR_GRACE_S)
     return worker.server.exit_code
 
 
@@ -172,8 +180,8 @@ class Worker:
     ``python -m worker`` makes one over stdio; tests make one in their own process
     (worker.host.Host.start_in_process)."""
 
-    def __init__(self, args: argparse.Namespace, out_fd: int, *, replay_args: list[str]) -> None:
-        self.recorder = Recorder(args.record, worker_version=__version__, args=replay_args) if args.record else None
+    def __init__(self, args: argparse.Namespace, out_fd: int, *, recorder: Recorder | None) -> None:
+        self.recorder = recorder
         self.writer = Writer(
             out_fd,
             capacity=args.outbox,

@@ -6,7 +6,8 @@ second here, too slow for every load: the digest of each file is remembered unde
 the data directory, keyed by what changes whenever the file's bytes can have
 changed (device, inode, size, modification and status-change times). A file
 rewritten in place gets a new status-change time, which nobody can set back, so
-its digest is computed again. Torch-free.
+its digest is computed again. The memo itself is trusted, as the data directory is
+(it also holds the compiled kernel the worker runs): PROTOCOL.md 13. Torch-free.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from worker.files import open_regular, read_small
+
 log = logging.getLogger(__name__)
 
 _HEX = frozenset("0123456789abcdef")
+_MEMO_BYTES = 128  # a memo is 64 hex digits and a newline: anything larger is not one
 
 
 def file_sha256(path: Path, memo_dir: Path) -> str:
@@ -29,13 +33,13 @@ def file_sha256(path: Path, memo_dir: Path) -> str:
     stat = path.stat()
     memo = memo_dir / f"{stat.st_dev}-{stat.st_ino}-{stat.st_size}-{stat.st_mtime_ns}-{stat.st_ctime_ns}.sha256"
     try:
-        remembered = memo.read_text().strip()
-    except OSError:  # not hashed yet, or an unreadable memo: hash again
+        remembered = read_small(memo, _MEMO_BYTES).decode("ascii", "replace").strip()
+    except OSError:  # not hashed yet, or unreadable, or not a regular file (a FIFO, a device): hash again
         remembered = ""
     if len(remembered) == 64 and set(remembered) <= _HEX:
         return remembered
     started = time.perf_counter()
-    with open(path, "rb") as file:
+    with os.fdopen(open_regular(path), "rb") as file:
         digest = hashlib.file_digest(file, "sha256").hexdigest()
     log.info("hashed %s (%.1f MB) in %.0f ms", path.name, stat.st_size / 1e6, (time.perf_counter() - started) * 1e3)
     _remember(memo, digest)

@@ -249,9 +249,13 @@ class InProcessWorker:
 
     @classmethod
     async def start(cls, args: list[str]) -> InProcessWorker:
+        from worker import __version__
         from worker.cli import Worker, build_parser, read_input
+        from worker.transcript import Recorder
 
-        worker = Worker(build_parser().parse_args(args), (out := os.pipe())[1], replay_args=args)
+        parsed = build_parser().parse_args(args)
+        recorder = Recorder(parsed.record, worker_version=__version__, args=args) if parsed.record else None
+        worker = Worker(parsed, (out := os.pipe())[1], recorder=recorder)
         in_read, in_write = os.pipe()
         loop = asyncio.get_running_loop()
         stdout = asyncio.StreamReader(limit=1 << 26)

@@ -19,6 +19,9 @@ docs/TRANSCRIPTS.md describes how a transcript is replayed.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import threading
 import time
 from typing import Any, Literal
@@ -26,6 +29,7 @@ from typing import Any, Literal
 import msgspec
 
 FORMAT_VERSION = 1
+log = logging.getLogger(__name__)
 
 
 class Header(msgspec.Struct, kw_only=True):
@@ -45,8 +49,17 @@ class Entry(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class Recorder:
+    """Writes the transcript as the worker runs. A transcript that cannot grow (a full disk, a
+    file-size limit) ends recording, said once on stderr, and cut back to its last whole line;
+    the worker serves on: a recording must never cost the host its answers."""
+
     def __init__(self, path: str, *, worker_version: str, args: list[str]) -> None:
-        self._file = open(path, "wb")  # noqa: SIM115 - lives as long as the worker
+        self.path = path
+        # Opened without waiting: a FIFO that nobody reads is refused (ENXIO), never waited on.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+        os.set_blocking(fd, True)
+        self._file = open(fd, "wb", buffering=0)  # noqa: SIM115 - lives as long as the worker
+        self._written = 0  # bytes of whole lines in the file
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
         self._write(msgspec.json.encode(Header(transcript=FORMAT_VERSION, worker_version=worker_version, args=args)))
@@ -74,9 +87,20 @@ class Recorder:
 
     def _write(self, line: bytes) -> None:
         with self._lock:
-            if not self._file.closed:
-                self._file.write(line + b"\n")
-                self._file.flush()
+            if self._file.closed:
+                return
+            view = memoryview(line + b"\n")
+            try:
+                while view:
+                    view = view[self._file.write(view) :]
+            except OSError as exc:
+                log.error("recording stopped: cannot write %s (%s); the worker goes on without it",
+                          self.path, exc.strerror or exc)
+                with contextlib.suppress(OSError):  # a half-written line would end the transcript unreadably
+                    os.ftruncate(self._file.fileno(), self._written)
+                self._file.close()
+                return
+            self._written += len(line) + 1
 
 
 def read(path: str) -> tuple[Header, list[Entry]]:

@@ -30,7 +30,7 @@ PREFILL_CHUNK_TOKENS = 256
 
 if TYPE_CHECKING:  # the container is imported only where caches are used
     from worker.constraints import GrammarTokenizer
-    from worker.kvcache.container import Identity, LoadedCache, TensorEntry
+    from worker.kvcache.container import Header, Identity, LoadedCache, TensorEntry
 
 
 class Model(Protocol):
@@ -147,6 +147,11 @@ class CachingModel(Model, Protocol):
         """Positions of room to grow to leave after a stored key or value tensor's positions
         when its file is read (container.load), for a request whose cache will hold at most
         ``held`` positions: a restored cache is always fed further."""
+        ...
+
+    def cache_problem(self, header: Header) -> str | None:
+        """What makes a sound cache header of this model's identity other than what the model
+        computes (container.layout_problem), or None; asked before its tensors are read."""
         ...
 
     def load_cache(self, loaded: LoadedCache) -> Any:

@@ -30,7 +30,7 @@ import hashlib
 import math
 import mmap
 import os
-import stat
+import re
 import struct
 import threading
 import weakref
@@ -40,6 +40,8 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 import msgspec
+
+from worker.files import NotRegularFile, open_regular
 
 try:  # ISA-L's CRC-32 is zlib's, computed about five times as fast (carry-less multiplies)
     from isal.isal_zlib import crc32
@@ -53,8 +55,12 @@ OLD_MAGICS = {b"KVC1\r\n\x1a\n": "KVC1"}
 ALIGNMENT = 64
 LAYOUT = "layer-major-k-then-v"
 _PREFIX = struct.Struct("<8sQ32s")  # magic, header length, header sha256
-MAX_HEADER_BYTES = 256 * 1024 * 1024
+# A header holds the token ids (about 7 bytes each): 16 MiB is two million tokens and more.
+# Listing reads every header on the reader thread, so a made-up length must not cost seconds.
+MAX_HEADER_BYTES = 16 << 20
 TEMPORARY_SUFFIX = ".tmp"  # a temporary is named ".{target name}.{writer pid}.{random}.tmp"
+# That name exactly (tempfile's eight random characters), so a cleaner never takes another's file for one.
+_TEMPORARY_NAME = re.compile(r"\.(?P<target>.+)\.[0-9]+\.[a-z0-9_]{8}" + re.escape(TEMPORARY_SUFFIX))
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 # Reads and the CRC let go of the GIL on large buffers, so tensors are checked on several threads;
 # beyond a few, memory bandwidth is the limit.
@@ -247,7 +253,8 @@ class Contents(msgspec.Struct, frozen=True, kw_only=True):
 
 def write(path: str | os.PathLike[str], contents: Contents, tensors: list[tuple[TensorSpec, memoryview]]) -> int:
     """Write a cache atomically; returns the file size. Tensors are written one by one.
-    A cache whose header would not pass the reader's checks is refused (ValueError)."""
+    A cache whose header would not pass the reader's checks is refused (ValueError; one too
+    large for a reader: UnsupportedCache)."""
     views = [memoryview(buffer).cast("B") for _, buffer in tensors]
     # Offsets depend on the header's length, which depends on the offsets: first lay out a
     # header whose numbers are as long as they can get, and put the data after it.
@@ -258,6 +265,11 @@ def write(path: str | os.PathLike[str], contents: Contents, tensors: list[tuple[
     if problem is not None:
         raise ValueError(f"not a sound cache: {problem}")
     header_bytes = msgspec.json.encode(header)
+    if len(header_bytes) > MAX_HEADER_BYTES:
+        raise UnsupportedCache(
+            f"its header would take {len(header_bytes)} bytes, more than the {MAX_HEADER_BYTES >> 20} MiB a reader "
+            "accepts (too many tokens)"
+        )
     if _PREFIX.size + len(header_bytes) > data_start:
         raise AssertionError("header outgrew its reserved space")
     target = Path(path)
@@ -301,11 +313,12 @@ def _locked_temporary(target: Path) -> tuple[int, str]:
     raise OSError(f"temporaries in {target.parent} keep vanishing before they can be locked")
 
 
-def remove_stale_temporaries(directory: str | os.PathLike[str]) -> list[str]:
+def remove_stale_temporaries(directory: str | os.PathLike[str], target_suffix: str = "") -> list[str]:
     """Delete the temporaries in ``directory`` that no writer holds any more (a writer killed
     mid-write leaves its temporary behind, unlocked); returns their names. Those a live
     writer holds locked, any this process cannot lock (another user's, a filesystem without
-    locks), and files not named as this module names temporaries are left alone."""
+    locks), and files not named exactly as this module names temporaries of targets ending
+    in ``target_suffix`` are left alone."""
     import fcntl
 
     removed = []
@@ -314,15 +327,14 @@ def remove_stale_temporaries(directory: str | os.PathLike[str]) -> list[str]:
     except OSError:
         return removed
     for entry in candidates:
-        if not entry.name.endswith(TEMPORARY_SUFFIX):
+        named = _TEMPORARY_NAME.fullmatch(entry.name)
+        if named is None or not named["target"].endswith(target_suffix):
             continue
         try:
-            fd = os.open(entry.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:  # gone already, a symbolic link, not ours to read
+            fd = open_regular(entry.path, follow_symlinks=False)
+        except OSError:  # gone already, a symbolic link, not a regular file, not ours to read
             continue
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # taken: no writer holds it
             os.unlink(entry.path)
         except OSError:  # held by a live writer (or no locks here), or removed by another cleaner first
@@ -386,14 +398,14 @@ def _open_regular(path: str | os.PathLike[str]) -> Iterator[int]:
     never blocks (a FIFO named like a cache would wait for a writer forever) and anything
     that is not a regular file is refused as not a cache."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = open_regular(path)
     except FileNotFoundError as exc:
         raise CacheMissing(path, "cannot be read: no such file") from exc
+    except NotRegularFile as exc:
+        raise CacheFormatError(path, "not a regular file (a FIFO, device or directory named like a cache)") from exc
     except OSError as exc:  # a symbolic link loop, no permission, ...
         raise CacheFormatError(path, f"cannot be read: {exc.strerror or exc}") from exc
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CacheFormatError(path, "not a regular file (a FIFO, device or directory named like a cache)")
         yield fd
     finally:
         os.close(fd)
@@ -452,13 +464,17 @@ def _release(mapping: mmap.mmap, offset: int, nbytes: int) -> None:
 
 
 def load(
-    path: str | os.PathLike[str], expected: Identity | None = None, *, room: Callable[[TensorEntry], int] | None = None
+    path: str | os.PathLike[str], expected: Identity | None = None, *, room: Callable[[TensorEntry], int] | None = None,
+    check: Callable[[Header], str | None] | None = None,
 ) -> LoadedCache:
     """Read and verify a cache: header, identity (if given), padding and every tensor's CRC.
 
     ``room`` gives, for a key or value tensor, how many positions of spare room to leave
     after each head's positions in memory: a cache that is fed further then grows into it,
     where otherwise every restored position would be copied into larger buffers.
+
+    ``check`` is what the reading model finds wrong with a sound header (``layout_problem``),
+    asked before any memory is taken for the tensors: a problem is a CacheFormatError.
 
     The file is read into memory of this process, not mapped: a mapped file that someone
     truncates or rewrites in place (``cp backup.kvc x.kvc``) kills the reader with SIGBUS.
@@ -474,6 +490,8 @@ def load(
             raise IdentityMismatch(path, "format", FORMAT, exc.header.format) from exc
         if expected is not None:  # before reading the tensors: a foreign cache costs only its header
             check_identity(path, header.identity, expected)
+        if check is not None and (problem := check(header)) is not None:
+            raise CacheFormatError(path, problem)
         size = max((e.offset + e.nbytes for e in header.tensors), default=_PREFIX.size + header_length)
         on_disk = os.fstat(fd).st_size
         if on_disk < size:
@@ -636,6 +654,27 @@ def _read_and_check(path, fd: int, header: Header, buffer: mmap.mmap, regions: l
         raise CacheFormatError(path, failure)
 
 
+def layout_problem(header: Header, tensors: Iterable[TensorSpec] | None, max_positions: int) -> str | None:
+    """What makes a sound header of a model's identity other than what that model computes, or
+    None: more positions than its context, or a tensor whose shape or dtype is not that of the
+    model's own tensor of the same layer, kind and state (``tensors``: those of a cache of one
+    position the model computed; None where its caches cannot be stored, so none are read).
+    The identity repeats head counts and sizes, but a header could still claim others."""
+    if header.sequence_length > max_positions:
+        return f"it holds {header.sequence_length} positions, more than the model's context of {max_positions}"
+    own = {(spec.layer, spec.kind, spec.state): spec for spec in tensors or ()}
+    for entry in header.tensors:
+        spec = own.get((entry.layer, entry.kind, entry.state))
+        if spec is None:
+            return f"tensor {entry.name}: the model keeps no {entry.kind} tensor {entry.state} in layer {entry.layer}"
+        shape = list(spec.shape)
+        if entry.kind in ("key", "value"):  # [1, heads, positions, head_dim]: any number of positions
+            shape[2] = entry.shape[2]
+        if entry.shape != shape or entry.dtype != spec.dtype:
+            return f"tensor {entry.name}: {entry.dtype} of shape {entry.shape}, where the model's is {spec.dtype} of {shape}"
+    return None
+
+
 def check_identity(path: str | os.PathLike[str], found: Identity, expected: Identity) -> None:
     # The fields a person can read (the quantization, say) before the digests that also
     # cover them, so that a mismatch is named plainly.
@@ -651,7 +690,9 @@ def _check_prefix(path: str | os.PathLike[str], prefix: bytes) -> int:
     if magic != MAGIC and magic not in OLD_MAGICS:
         raise CacheFormatError(path, f"not a {FORMAT} cache file (wrong magic bytes)")
     if header_length > MAX_HEADER_BYTES:
-        raise CacheFormatError(path, f"header length {header_length} is beyond any real cache: damaged")
+        raise CacheFormatError(
+            path, f"a header of {header_length} bytes, more than the {MAX_HEADER_BYTES >> 20} MiB a reader accepts"
+        )
     return header_length
 
 

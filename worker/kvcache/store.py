@@ -94,7 +94,7 @@ class CacheStore:
         self._pending_writes: dict[str, int] = {}  # tokens a prefill computed, reported by the next generate
         self._headers: dict[str, tuple[tuple[int, int], Header]] = {}  # ref -> ((inode, size), header)
         self._lock = threading.Lock()
-        container.remove_stale_temporaries(directory)
+        container.remove_stale_temporaries(directory, SUFFIX)
 
     # --- writing ------------------------------------------------------------------
 
@@ -111,15 +111,14 @@ class CacheStore:
             return entry.nbytes
         try:
             layers, states, tensors = cache.to_file()
-        except UnsupportedCache as exc:
-            raise RpcError(ErrorKind.UNSUPPORTED, f"Cannot store {ref!r}: {exc}; use a memory:// ref.") from exc
-        contents = Contents(
-            identity=identity, tokens=list(tokens), layers=layers, states=states,
-            prefix_offsets=offsets, prefix_hashes=hashes, created_by=f"lm-worker {__version__}",
-        )
-        try:
+            contents = Contents(
+                identity=identity, tokens=list(tokens), layers=layers, states=states,
+                prefix_offsets=offsets, prefix_hashes=hashes, created_by=f"lm-worker {__version__}",
+            )
             self.directory.mkdir(parents=True, exist_ok=True)
             size = container.write(self._path(ref), contents, tensors)
+        except UnsupportedCache as exc:
+            raise RpcError(ErrorKind.UNSUPPORTED, f"Cannot store {ref!r}: {exc}; use a memory:// ref.") from exc
         except OSError as exc:  # a full disk, a read-only directory, no permission: nothing was stored
             raise _storage_failed(f"Could not store cache {ref!r} as {self._path(ref)}", exc) from exc
         _touch(self._path(ref))
@@ -208,11 +207,11 @@ class CacheStore:
 
     def load(
         self, ref: str, identity: Identity, restore: Callable[[LoadedCache], Any], *, field: str = "params.cache",
-        room: Callable[[TensorEntry], int] | None = None,
+        room: Callable[[TensorEntry], int] | None = None, check: Callable[[Header], str | None] | None = None,
     ) -> tuple[list[int], Any]:
         """The tokens a cache covers and a cache object of them that the caller may change;
         ``restore`` turns a verified file into that object (the model's own cache type), read
-        with the ``room`` to grow that container.load takes."""
+        with the ``room`` to grow and the model's ``check`` of its header that container.load take."""
         if ref.startswith(MEMORY):
             with self._lock:
                 entry = self._memory.get(ref)
@@ -226,7 +225,7 @@ class CacheStore:
             return list(entry.tokens), entry.cache.copy()
         path = self._path(ref)
         try:
-            loaded = container.load(path, identity, room=room)
+            loaded = container.load(path, identity, room=room, check=check)
         except IdentityMismatch as exc:
             raise _mismatch(ref, exc, field) from exc
         except CacheMissing as exc:  # there is none, or another worker deleted it

@@ -131,7 +131,7 @@ export interface Tool {
     function: ToolFunction;
 }
 export interface ToolFunction {
-    /** minLength 1; maxLength 256. */
+    /** pattern `^[A-Za-z0-9_.:/-]{1,256}$(?!\n)`. */
     name: string;
     /** Default `null`. */
     description?: string | null;

@@ -31,7 +31,7 @@ from worker.constraints import GrammarTokenizer
 
 if TYPE_CHECKING:
     from worker.constraints import OutputConstraint
-    from worker.kvcache.container import Identity, LoadedCache, TensorEntry
+    from worker.kvcache.container import Header, Identity, LoadedCache, TensorEntry, TensorSpec
     from worker.backends.transformers.torch_adapter import TorchCache
 
 _DEFAULT_DTYPES = {"cpu": "float32", "cuda": "bfloat16", "mps": "float16"}
@@ -161,6 +161,7 @@ class TransformersModel:
             load_time_ms=(time.perf_counter() - started) * 1000.0,
         )
         self.grammar_tokenizer = GrammarTokenizer(tokenizer, self.eos_token_ids)
+        self._cache_tensors = self._one_position_cache()
 
     def prepare_side_thread(self) -> None:
         from worker.backends.transformers.torch_threads import keep_to_one_thread
@@ -251,6 +252,22 @@ class TransformersModel:
         if self._cache_kinds is None:
             self._cache_kinds = self.new_cache().kinds
         return room_to_grow(self._cache_kinds, self._device, entry, held)
+
+    def _one_position_cache(self) -> list[TensorSpec] | None:
+        """The tensors of a cache of one position: a stored cache's must be of their shapes and dtypes."""
+        from worker.kvcache.container import UnsupportedCache
+
+        cache = self.new_cache()
+        self.extend_cache([self._bos or 0], cache)
+        try:
+            return [spec for spec, _ in cache.to_file()[2]]
+        except UnsupportedCache:  # no cache of this model is ever stored, so none is read
+            return None
+
+    def cache_problem(self, header: Header) -> str | None:
+        from worker.kvcache.container import layout_problem
+
+        return layout_problem(header, self._cache_tensors, self.info.context_length)
 
     def load_cache(self, loaded: LoadedCache) -> TorchCache:
         from worker.backends.transformers.torch_adapter import TorchCache

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from worker.files import is_regular
+
 SOURCE = Path(__file__).with_name("exact_attention.c")
 # -ffp-contract=off: every multiply and add rounds on its own, as the source's order says.
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
@@ -139,12 +141,15 @@ def _build(directory: Path, again: bool = False) -> Path:
         flags = [*options, *_FLAGS]
         digest = hashlib.sha256(repr((source, compiler, flags, machine)).encode()).hexdigest()[:16]
         library = directory / f"exact_attention-{digest}.so"
-        if library.exists() and not again:
+        if is_regular(library) and not again:  # a FIFO there would block the loader, holding the GIL
             return library
-        directory.mkdir(parents=True, exist_ok=True)
-        # Written beside and renamed into place: workers sharing a data directory never load half a file.
-        handle, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
-        os.close(handle)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            # Written beside and renamed into place: workers sharing a data directory never load half a file.
+            handle, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
+            os.close(handle)
+        except OSError as exc:
+            raise KernelUnavailable(f"cannot write the kernel into {directory}: {exc.strerror or exc}") from exc
         try:
             built = subprocess.run(
                 [compiler, *flags, "-o", partial, str(SOURCE)], capture_output=True, text=True, timeout=120
@@ -153,7 +158,11 @@ def _build(directory: Path, again: bool = False) -> Path:
             os.unlink(partial)
             raise KernelUnavailable(f"no C compiler ({compiler!r}: {exc})") from exc
         if built.returncode == 0:
-            os.replace(partial, library)
+            try:
+                os.replace(partial, library)
+            except OSError as exc:  # a directory under the library's name
+                os.unlink(partial)
+                raise KernelUnavailable(f"cannot write the kernel as {library}: {exc.strerror or exc}") from exc
             return library
         os.unlink(partial)
     raise KernelUnavailable(f"{compiler} could not build {SOURCE.name}: {built.stderr.strip()[-2000:]}")
