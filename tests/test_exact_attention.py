@@ -5,6 +5,7 @@ machine, and a worker without a C compiler still loads quantized models."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,26 @@ async def test_a_damaged_kernel_file_is_built_again_and_two_workers_starting_tog
         assert "attention in float64" not in host.stderr.decode()
     assert [path.name for path in kernels.iterdir()] == [name]
     exact_attention.Kernel(kernels / name)  # loads
+
+
+def test_a_hung_compiler_is_killed_with_its_children_at_the_timeout(tmp_path: Path, monkeypatch):
+    from worker.backends import exact_attention
+
+    pids = tmp_path / "pids"
+    compiler = tmp_path / "hung-cc"
+    compiler.write_text(f"#!/bin/sh\nsleep 1000 &\necho $! > {pids}\nsleep 1000\n")  # cc1 and as are children too
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setattr(exact_attention, "COMPILE_TIMEOUT_S", 1.0)
+    started = time.perf_counter()
+    with pytest.raises(exact_attention.KernelUnavailable, match="timed out"):
+        exact_attention._build(tmp_path / "kernels")
+    assert time.perf_counter() - started < 10
+    child = Path(f"/proc/{pids.read_text().strip()}/stat")
+    for _ in range(100):  # killed, then reaped by whoever adopted it
+        if not child.exists() or child.read_text().split(") ")[1][0] in "ZX":
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the compiler's child still runs")
+    assert list((tmp_path / "kernels").iterdir()) == []

@@ -534,3 +534,22 @@ async def test_weights_changed_in_place_with_their_size_and_times_put_back_are_h
     await second.close()
     assert caught.value.kind == "cache_identity_mismatch" and "weights_sha256" in caught.value.message
     assert "hashed model.safetensors" in second.stderr.decode()
+
+
+# --- 5: the kernel's build ---------------------------------------------------------------------------
+
+
+async def test_a_library_without_the_kernel_under_its_name_is_built_again_and_the_new_one_used(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, tmp_path: Path, kernel_name: str
+):
+    """A shared library that loads but lacks the kernel's function stayed loaded under that name,
+    so the library built over it was never loaded: float64 attention for the whole process."""
+    kernels = tmp_path / "data" / "kernels"
+    kernels.mkdir(parents=True)
+    (tmp_path / "other.c").write_text("int lmw_something_else(void) { return 0; }\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(kernels / kernel_name), str(tmp_path / "other.c")], check=True)
+    host = await tiny_worker(spawn_worker, tiny_model_dir, tmp_path / "data")
+    assert (await host.call("generate", {"prompt": "the cat", "max_tokens": 4}))["usage"]["completion_tokens"] == 4
+    await host.close()
+    stderr = host.stderr.decode()
+    assert "float64" not in stderr and "building it again" in stderr and "lmw_attention" in stderr

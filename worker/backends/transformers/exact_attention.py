@@ -23,10 +23,13 @@ fails leaves the worker on float64 attention, not without a model.
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
 import hashlib
+import logging
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,6 +39,8 @@ import torch
 
 from worker.files import is_regular
 
+log = logging.getLogger(__name__)
+
 SOURCE = Path(__file__).with_name("exact_attention.c")
 # -ffp-contract=off: every multiply and add rounds on its own, as the source's order says.
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
@@ -43,6 +48,8 @@ _FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
 # (linked against libgomp.so.1, the OpenMP runtime torch has loaded, so the kernel's threads
 # are torch's own). Some compilers take neither.
 _OPTIONS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
+# A build takes about a second; a compiler that takes this long is hung, and the load waits on it.
+COMPILE_TIMEOUT_S = 30.0
 _MOST_GROUPS = 64  # query heads per key/value head the kernel takes (MOST_GROUPS there)
 # Calls with fewer query-key pairs than this run on the calling thread alone.
 _SHARE_FROM = 1 << 16
@@ -61,8 +68,14 @@ class KernelUnavailable(Exception):
 class Kernel:
     def __init__(self, library: Path) -> None:
         try:
-            self._function = ctypes.CDLL(str(library)).lmw_attention
-        except (OSError, AttributeError) as exc:
+            loaded = ctypes.CDLL(str(library))
+        except OSError as exc:
+            raise KernelUnavailable(f"{_UNLOADABLE} {library}: {exc}") from exc
+        try:
+            self._function = loaded.lmw_attention
+        except AttributeError as exc:
+            # Let go of it: a library stays loaded under its name, and the one built over it would never be.
+            _ctypes.dlclose(loaded._handle)
             raise KernelUnavailable(f"{_UNLOADABLE} {library}: {exc}") from exc
         self._function.argtypes = _ARGTYPES
         self._function.restype = ctypes.c_int
@@ -121,6 +134,7 @@ def kernel(data_dir: Path) -> Kernel:
             if not exc.args[0].startswith(_UNLOADABLE):
                 raise
             # A file under the kernel's name that does not load (damaged, or not ours): build it again.
+            log.warning("%s; building it again", exc)
             _loaded = Kernel(_build(data_dir / "kernels", again=True))
     return _loaded
 
@@ -151,9 +165,7 @@ def _build(directory: Path, again: bool = False) -> Path:
         except OSError as exc:
             raise KernelUnavailable(f"cannot write the kernel into {directory}: {exc.strerror or exc}") from exc
         try:
-            built = subprocess.run(
-                [compiler, *flags, "-o", partial, str(SOURCE)], capture_output=True, text=True, timeout=120
-            )
+            built = _compile([compiler, *flags, "-o", partial, str(SOURCE)])
         except (OSError, subprocess.TimeoutExpired) as exc:
             os.unlink(partial)
             raise KernelUnavailable(f"no C compiler ({compiler!r}: {exc})") from exc
@@ -166,6 +178,20 @@ def _build(directory: Path, again: bool = False) -> Path:
             return library
         os.unlink(partial)
     raise KernelUnavailable(f"{compiler} could not build {SOURCE.name}: {built.stderr.strip()[-2000:]}")
+
+
+def _compile(command: list[str]) -> subprocess.CompletedProcess:
+    """Run the compiler in a process group of its own, all of which is killed at the timeout
+    (a compiler's own children, cc1 and as, would otherwise run on)."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def _machine() -> str:
