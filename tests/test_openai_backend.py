@@ -24,6 +24,11 @@ class Misbehaving(BaseHTTPRequestHandler):
     """A server speaking just enough of the API to fail in the way ``server.mode`` says."""
 
     protocol_version = "HTTP/1.1"
+    STATUS_MODES = {
+        "busy": (429, "Too many requests"),
+        "unavailable": (503, "Service Unavailable"),
+        "server_error": (500, "Internal Server Error"),
+    }
 
     def log_message(self, *args) -> None:
         pass
@@ -51,8 +56,12 @@ class Misbehaving(BaseHTTPRequestHandler):
         self.server.seen.append(dict(self.headers))  # type: ignore[attr-defined]
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         mode = self.server.mode  # type: ignore[attr-defined]
-        if mode == "busy":
-            self._json(429, {"error": {"message": "Too many requests"}})
+        if mode in self.STATUS_MODES:
+            status, message = self.STATUS_MODES[mode]
+            self._json(status, {"error": {"message": message}})
+            return
+        if self.path in ("/tokenize", "/detokenize"):  # a server without vLLM's tokenizer endpoints
+            self._json(404, {"detail": "Not Found"})
             return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -135,7 +144,10 @@ async def test_the_api_key_goes_to_the_server_and_nowhere_else(spawn_worker, mis
 
 @pytest.mark.parametrize(
     ("mode", "kind"),
-    [("drop", "engine_error"), ("not_json", "engine_error"), ("stall", "engine_stalled"), ("busy", "engine_overloaded")],
+    [
+        ("drop", "engine_error"), ("not_json", "engine_error"), ("stall", "engine_stalled"),
+        ("busy", "engine_overloaded"), ("unavailable", "engine_overloaded"), ("server_error", "engine_error"),
+    ],
 )
 async def test_a_fault_mid_request_ends_that_request_with_its_kind_and_the_next_works(spawn_worker, misbehaving, mode, kind):
     host = await spawn_worker()
@@ -360,3 +372,21 @@ async def test_a_server_gone_mid_stream_ends_that_request_and_the_next_works_onc
     await relay.start()
     assert (await host.call("generate", {"prompt": "Hello", "max_tokens": 2}))["usage"]["completion_tokens"] == 2
     await relay.cut()
+
+
+async def test_text_methods_on_a_server_without_tokenizer_endpoints_are_unsupported_naming_the_endpoint(
+    spawn_worker, misbehaving
+):
+    """Only vLLM serves /tokenize and /detokenize; another OpenAI-compatible server answers 404 there."""
+    host = await spawn_worker()
+    await host.call("load", {"backend": "openai", "base_url": url_of(misbehaving)})
+    for method, params, endpoint in [
+        ("tokenize", {"text": "hello"}, "/tokenize"),
+        ("detokenize", {"tokens": [1, 2]}, "/detokenize"),
+        ("render", {"messages": [{"role": "user", "content": "hi"}]}, "/tokenize"),
+    ]:
+        error = await error_of(host, method, params)
+        assert (error["code"], error["data"]["kind"]) == (-32006, "unsupported"), error
+        assert f"no {endpoint} endpoint" in error["message"]
+    result = await host.call("generate", {"prompt": "x", "max_tokens": 1})  # generation does not need them
+    assert result["tokens"] == [7]

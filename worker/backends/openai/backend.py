@@ -47,7 +47,7 @@ from protocol.methods import (
     ToolCallSupport,
 )
 from worker.backends.base import EngineDelta, StreamEnd
-from worker.backends.openai.engine import Engine, EngineAddress, EventStream
+from worker.backends.openai.engine import Engine, EngineAddress, EngineStatusError, EventStream
 from worker.tool_calls import template_dict
 
 # The model lane waits this long at most for any stream to receive something before it looks
@@ -213,8 +213,8 @@ class OpenAIModel:
     def _tokenizer_call(self, path: str, body: dict[str, Any]) -> Any:
         try:
             answer = self._engine.post(path, body, root=True)
-        except RpcError as exc:
-            if exc.kind is ErrorKind.INVALID_PARAMS and "404" in exc.message:
+        except EngineStatusError as exc:
+            if exc.status == 404 and exc.kind is not ErrorKind.MODEL_NOT_SERVED:
                 raise RpcError(
                     ErrorKind.UNSUPPORTED,
                     f"The server at {self._engine.address} has no {path} endpoint (vLLM has one); "

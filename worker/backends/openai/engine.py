@@ -243,30 +243,42 @@ def _unreachable(address: EngineAddress, exc: BaseException) -> RpcError:
 
 
 def _engine_error(address: EngineAddress, what: str) -> RpcError:
-    return RpcError(
-        ErrorKind.ENGINE_ERROR,
-        f"The server at {address} {what}; the request was abandoned and the worker keeps serving. "
-        "Check the server's logs.",
-    )
+    return RpcError(ErrorKind.ENGINE_ERROR, _engine_error_message(address, what))
 
 
-def _status_error(address: EngineAddress, method: str, url: str, status: int, body: bytes) -> RpcError:
+def _engine_error_message(address: EngineAddress, what: str) -> str:
+    return f"The server at {address} {what}; the request was abandoned and the worker keeps serving. Check the server's logs."
+
+
+class EngineStatusError(RpcError):
+    """An error answer of the server, with its HTTP status for a caller that tells some apart
+    (a 404 from an endpoint the server lacks)."""
+
+    def __init__(self, status: int, kind: ErrorKind, message: str, *, field: str | None = None) -> None:
+        super().__init__(kind, message, field=field)
+        self.status = status
+
+
+def _status_error(address: EngineAddress, method: str, url: str, status: int, body: bytes) -> EngineStatusError:
     message = _server_message(body)
     said = f" It said: {message}" if message else ""
     if status in (401, 403):
-        return RpcError(
+        return EngineStatusError(
+            status,
             ErrorKind.ENGINE_AUTH_FAILED,
             f"The server at {address} refused the API key ({status} on {method} {url}).{said} Set the key in the "
             "environment variable that api_key_env names, or check which key the server expects.",
             field="params.api_key_env",
         )
     if status == 429 or status == 503:
-        return RpcError(
+        return EngineStatusError(
+            status,
             ErrorKind.ENGINE_OVERLOADED,
             f"The server at {address} is overloaded ({status} on {method} {url}).{said} Send the request again later.",
         )
     if status == 404 and "model" in message.lower():
-        return RpcError(
+        return EngineStatusError(
+            status,
             ErrorKind.MODEL_NOT_SERVED,
             f"The server at {address} does not serve the model asked for ({status}).{said} Load a model it serves "
             "(its /v1/models lists them).",
@@ -274,11 +286,14 @@ def _status_error(address: EngineAddress, method: str, url: str, status: int, bo
         )
     if 400 <= status < 500:
         overflow = "context length" in message.lower() or _server_param(body) == "input_tokens"  # vLLM's words
-        return RpcError(
+        return EngineStatusError(
+            status,
             ErrorKind.CONTEXT_OVERFLOW if overflow else ErrorKind.INVALID_PARAMS,
             f"The server at {address} refused the request ({status} on {method} {url}).{said}",
         )
-    return _engine_error(address, f"failed with {status} on {method} {url}.{said}")
+    return EngineStatusError(
+        status, ErrorKind.ENGINE_ERROR, _engine_error_message(address, f"failed with {status} on {method} {url}.{said}")
+    )
 
 
 def _server_param(body: bytes) -> str | None:
