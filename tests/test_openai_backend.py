@@ -50,6 +50,9 @@ class Misbehaving(BaseHTTPRequestHandler):
         if mode == "refuse_key":
             self._json(401, {"error": {"message": "Unauthorized"}})
             return
+        if mode == "no_api":  # a web server, not an OpenAI API, at base_url
+            self._json(404, {"detail": "Not Found"})
+            return
         self._json(200, {"data": [{"id": "served-model", "max_model_len": 2048}]})
 
     def do_POST(self) -> None:
@@ -128,6 +131,33 @@ async def test_load_names_each_fault_by_its_own_kind_and_the_worker_keeps_servin
     assert wrong["data"]["field"] == "params.quantization"
     info = await host.call("load", {"backend": "openai", "base_url": url_of(misbehaving)})
     assert (info["model"], info["context_length"]) == ("served-model", 2048), "default: the one model served"
+
+
+@pytest.mark.parametrize(
+    ("base_url", "said"),
+    [
+        ("http://[::1/v1", "is not a valid URL"),
+        ("http://127.0.0.1:99999/v1", "is not a valid URL"),
+        ("http://127.0.0.1:8000/v1\r\nX-Injected: 1", "control character"),
+        ("http://127.0.0.1:8000/v 1", "a space"),
+        ("http://user:secret@127.0.0.1:8000/v1", "holds credentials"),
+        ("http://127.0.0.1:8000/v1?key=secret", "query or fragment"),
+        ("ftp://127.0.0.1:8000/v1", "not an http(s) URL"),
+    ],
+)
+async def test_a_base_url_that_is_not_a_plain_api_root_is_refused_naming_the_field(echo_worker: Host, base_url, said):
+    error = await error_of(echo_worker, "load", {"backend": "openai", "base_url": base_url})
+    assert (error["code"], error["data"]["field"]) == (-32602, "params.base_url"), error
+    assert said in error["message"]
+    assert (await echo_worker.call("tokenize", {"text": "ok"}))["tokens"], "the echo model is still loaded"
+
+
+async def test_a_base_url_without_an_api_behind_it_is_refused_naming_the_field(spawn_worker, misbehaving):
+    host = await spawn_worker()
+    misbehaving.mode = "no_api"
+    error = await error_of(host, "load", {"backend": "openai", "base_url": url_of(misbehaving)})
+    assert (error["code"], error["data"]["field"]) == (-32602, "params.base_url"), error
+    assert "usually ends in /v1" in error["message"]
 
 
 async def test_the_api_key_goes_to_the_server_and_nowhere_else(spawn_worker, misbehaving, tmp_path: Path):

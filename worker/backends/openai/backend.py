@@ -117,7 +117,17 @@ class ModelList(msgspec.Struct):
 
 
 def _served_models(engine: Engine) -> list[ServedModel]:
-    answer = engine.get("/models")
+    try:
+        answer = engine.get("/models")
+    except EngineStatusError as exc:
+        if exc.status != 404:
+            raise
+        raise RpcError(
+            ErrorKind.INVALID_PARAMS,
+            f"The server at {engine.address} has no models list there (404 on GET {engine.address.path}/models): "
+            "is base_url the OpenAI API root (it usually ends in /v1)?",
+            field="params.base_url",
+        ) from None
     try:
         return msgspec.convert(answer, ModelList).data
     except msgspec.ValidationError as exc:

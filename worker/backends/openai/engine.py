@@ -40,20 +40,27 @@ class EngineAddress(msgspec.Struct, frozen=True):
 
     @classmethod
     def parse(cls, base_url: str) -> EngineAddress:
-        parts = urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise RpcError(
+        def refuse(what: str) -> RpcError:
+            return RpcError(
                 ErrorKind.INVALID_PARAMS,
-                f"base_url {base_url!r} is not an http(s) URL; give the server's OpenAI API root, "
-                "e.g. http://127.0.0.1:8000/v1.",
+                f"base_url {base_url!r} {what}; give the server's OpenAI API root, e.g. http://127.0.0.1:8000/v1.",
                 field="params.base_url",
             )
+
+        if any(ch.isspace() or not ch.isprintable() for ch in base_url):
+            raise refuse("holds a space or a control character")
         try:
+            parts = urlsplit(base_url)
             port = parts.port or (443 if parts.scheme == "https" else 80)
-        except ValueError:
-            raise RpcError(
-                ErrorKind.INVALID_PARAMS, f"base_url {base_url!r} has an invalid port.", field="params.base_url"
-            ) from None
+        except ValueError as exc:  # a bad port, an unclosed [IPv6 address
+            raise refuse(f"is not a valid URL ({exc})") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise refuse("is not an http(s) URL")
+        if parts.username is not None or parts.password is not None:
+            # they would be sent nowhere (the key goes in a header) and shown in every message
+            raise refuse("holds credentials; put the API key in an environment variable that api_key_env names")
+        if parts.query or parts.fragment:
+            raise refuse("has a query or fragment, which the API root cannot have")
         return cls(parts.scheme, parts.hostname, port, parts.path.rstrip("/"))
 
     @property
