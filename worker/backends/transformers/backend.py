@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ import msgspec
 from protocol.errors import ErrorKind, RpcError
 from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo, SpecialToken, Tool
 from worker import prompt_lookup, tool_calls
+from worker.files import is_regular
 from worker.backends.base import PREFILL_CHUNK_TOKENS
 from worker.constraints import GrammarTokenizer
 
@@ -553,11 +555,27 @@ def _local_model_path(model: str) -> Path:
             "(model hubs are not used), or a shipped model: 'default' or 'gemma3-270m'.",
             field="params.model",
         )
-    if path.is_dir() and not (path / "config.json").is_file():
+    if not path.is_dir() and not is_regular(path):
+        raise RpcError(
+            ErrorKind.MODEL_LOAD_FAILED,
+            f"{model!r} is neither a regular file nor a directory (a FIFO, device or socket); give a .gguf "
+            "file or a model directory.",
+            field="params.model",
+        )
+    if path.is_dir() and not (path / "config.json").exists():
         raise RpcError(
             ErrorKind.MODEL_LOAD_FAILED,
             f"{model!r} is a directory but not a model: it has no config.json. Give a directory saved with "
             "save_pretrained(), or a .gguf file.",
+            field="params.model",
+        )
+    if path.is_dir() and (irregular := _irregular_files(path)):
+        # the loader opens them by name: a FIFO would block it for good, /dev/zero never end
+        raise RpcError(
+            ErrorKind.MODEL_LOAD_FAILED,
+            f"{model!r} holds {', '.join(repr(name) for name in irregular[:5])}, which "
+            f"{'is' if len(irregular) == 1 else 'are'} not a regular file (a FIFO, device or socket); a model "
+            "directory holds regular files (or links to them) and folders.",
             field="params.model",
         )
     if path.is_file() and path.suffix != ".gguf":
@@ -567,6 +585,12 @@ def _local_model_path(model: str) -> Path:
             field="params.model",
         )
     return path.resolve()
+
+
+def _irregular_files(directory: Path) -> list[str]:
+    """Names in a model directory that are neither folders nor (links to) regular files."""
+    with os.scandir(directory) as entries:
+        return sorted(e.name for e in entries if not e.is_dir() and not is_regular(e.path))
 
 
 def _load_pretrained(path: Path, dtype: str, device: str, trust_remote_code: bool, attention: str):
