@@ -26,6 +26,7 @@ class Misbehaving(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     STATUS_MODES = {
         "busy": (429, "Too many requests"),
+        "refuse_param": (400, "temperature must be in [0, 2], got 100.0."),
         "unavailable": (503, "Service Unavailable"),
         "server_error": (500, "Internal Server Error"),
     }
@@ -61,7 +62,7 @@ class Misbehaving(BaseHTTPRequestHandler):
         mode = self.server.mode  # type: ignore[attr-defined]
         if mode in self.STATUS_MODES:
             status, message = self.STATUS_MODES[mode]
-            self._json(status, {"error": {"message": message}})
+            self._json(status, {"error": {"message": message, "param": message.split()[0]}})
             return
         if self.path in ("/tokenize", "/detokenize"):  # a server without vLLM's tokenizer endpoints
             self._json(404, {"detail": "Not Found"})
@@ -192,6 +193,32 @@ async def test_a_fault_mid_request_ends_that_request_with_its_kind_and_the_next_
     assert dropped.value.kind == "engine_error"
     result = await host.call("generate", {"prompt": "x", "max_tokens": 1})
     assert (result["text"], result["tokens"], result["usage"]["prompt_tokens"]) == ("Hi", [7], 3)
+
+
+async def test_what_can_be_told_before_the_engine_counts_is_refused_as_a_local_model_refuses_it(spawn_worker, misbehaving):
+    """The fake server serves a context of 2048 tokens; none of these reaches it."""
+    host = await spawn_worker()
+    await host.call("load", {"backend": "openai", "base_url": url_of(misbehaving)})
+    sent = len(misbehaving.seen)
+    for params, kind, field in [
+        ({"prompt": "x", "max_tokens": 2048}, "context_overflow", "params.max_tokens"),
+        ({"tokens": [5] * 2000, "max_tokens": 49}, "context_overflow", "params.max_tokens"),
+        ({"prompt": "", "max_tokens": 4}, "invalid_params", "params.prompt"),
+        ({"tokens": [], "max_tokens": 4}, "invalid_params", "params.prompt"),
+    ]:
+        error = await error_of(host, "generate", params)
+        assert (error["data"]["kind"], error["data"]["field"]) == (kind, field), (params, error)
+    assert len(misbehaving.seen) == sent, "refused without a round trip"
+    assert (await host.call("generate", {"tokens": [5] * 2000, "max_tokens": 1}))["tokens"] == [7]
+
+
+async def test_a_value_the_server_refuses_names_the_field_the_server_blames(spawn_worker, misbehaving):
+    host = await spawn_worker()
+    await host.call("load", {"backend": "openai", "base_url": url_of(misbehaving)})
+    misbehaving.mode = "refuse_param"
+    error = await error_of(host, "generate", {"prompt": "x", "max_tokens": 2, "temperature": 100.0})
+    assert (error["code"], error["data"]["field"]) == (-32602, "params.temperature"), error
+    assert "temperature must be in [0, 2]" in error["message"]
 
 
 async def test_named_caches_drafts_and_tools_without_messages_are_refused_with_the_reason(spawn_worker, misbehaving):
@@ -333,6 +360,14 @@ async def test_a_schema_the_engine_refuses_mid_stream_is_invalid_params(engine_w
         "response_format": {"type": "json_schema", "json_schema": {"name": "bad", "schema": bad}},
     })
     assert error["data"]["kind"] == "invalid_params" and "server" in error["message"], error
+    assert error["data"]["field"] == "params.response_format", error
+
+
+@pytest.mark.slow
+async def test_a_value_the_engine_refuses_is_invalid_params_naming_the_field(engine_worker: Host):
+    """vLLM bounds temperature to [0, 2] (the local backend does not) and names its parameter."""
+    error = await error_of(engine_worker, "generate", {"prompt": "Hi", "max_tokens": 2, "temperature": 100.0})
+    assert (error["data"]["kind"], error["data"]["field"]) == ("invalid_params", "params.temperature"), error
 
 
 @pytest.mark.slow

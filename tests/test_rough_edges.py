@@ -45,6 +45,14 @@ async def test_a_lone_surrogate_escape_is_replaced_and_the_request_answered_with
     assert answer["result"]["tokens"][1:] == list("a\ufffd b \U0001F600".encode())
 
 
+async def test_the_python_host_raises_at_once_for_a_request_it_cannot_encode(echo_worker: Host):
+    """A str holding a lone surrogate is not UTF-8: the caller hears so, instead of waiting for
+    an answer to a request that was never sent."""
+    with pytest.raises(UnicodeEncodeError):
+        await echo_worker.call("tokenize", {"text": "\ud800 lone"}, timeout=5)
+    assert (await echo_worker.call("tokenize", {"text": "ok"}))["count"] >= 2
+
+
 async def test_a_body_that_is_not_json_even_leniently_is_still_a_parse_error(echo_worker: Host):
     await echo_worker.send_raw(b'{"jsonrpc":"2.0","id":3,"method":"tokenize","params":{"text":NaN}}\n')
     error = await echo_worker.wait_for(lambda m: "error" in m)

@@ -151,6 +151,20 @@ def check_engine_request(model: Model, params: GenerateParams) -> None:
             "'messages'; send the conversation as messages.",
             field="params.tools",
         )
+    # What can be told before the engine counts the prompt, refused as a local model refuses it
+    # (the engine's own refusals name no field, or the wrong error kind).
+    if params.prompt == "" or params.tokens == []:
+        check_context(model, 0, params.max_tokens)  # the engine has no tokens to start from either
+    elif params.tokens is not None and model.info.context_length:
+        check_context(model, len(params.tokens), params.max_tokens)
+    elif 0 < model.info.context_length <= params.max_tokens:
+        raise RpcError(
+            ErrorKind.CONTEXT_OVERFLOW,
+            f"max_tokens is {params.max_tokens}, which leaves no room for a prompt in the model's context of "
+            f"{model.info.context_length} tokens; lower max_tokens.",
+            field="params.max_tokens",
+            limit=model.info.context_length,
+        )
 
 
 def check_draft(model: Model, params: GenerateParams) -> None:

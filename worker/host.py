@@ -100,12 +100,14 @@ class Host:
     def start(self, method: str, params: dict[str, Any] | None = None, *, id: Any = None) -> tuple[Any, asyncio.Future]:
         """Send a request without waiting; returns its id and a future of the whole response."""
         msg_id = next(self._ids) if id is None else id
-        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._pending[msg_id] = future
         message: dict[str, Any] = {"jsonrpc": "2.0", "id": msg_id, "method": method}
         if params is not None:
             message["params"] = params
-        asyncio.ensure_future(self.send(message))
+        # encoded here, so that what cannot be sent (a lone surrogate) raises to the caller
+        data = encode_frame(msgspec.json.encode(message), self.framing)
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[msg_id] = future
+        asyncio.ensure_future(self.send_raw(data))
         return msg_id, future
 
     async def call(self, method: str, params: dict[str, Any] | None = None, *, timeout: float = 60.0) -> Any:

@@ -338,6 +338,19 @@ class _Event(msgspec.Struct):
     error: _ServerError | str | None = None  # a request the server refused after its stream began
 
 
+def _naming_the_field(refused: EngineStatusError, params: GenerateParams) -> RpcError:
+    """The server's refusal, naming the request's field where the server named its own
+    parameter (vLLM does: ``"param": "temperature"``)."""
+    param = refused.param
+    if param in ("prompt", "input_tokens", "messages"):
+        field = "params." + next(n for n in ("tokens", "messages", "prompt") if getattr(params, n) is not None)
+    elif param is not None and param in GenerateParams.__struct_fields__:
+        field = f"params.{param}"
+    else:
+        return refused
+    return RpcError(refused.kind, refused.message, field=field, limit=refused.data.limit)
+
+
 class _CallParts(msgspec.Struct):
     id: str | None = None
     name: str = ""
@@ -357,6 +370,7 @@ class EngineDecoding:
         self._arrived = arrived
         self._deltas: collections.deque[EngineDelta] = collections.deque()
         self._tools = {tool.function.name for tool in params.tools or []}
+        self._response_format = params.response_format is not None
         self._calls: dict[int, _CallParts] = {}
         self.prompt_tokens = 0
         self.cached_tokens: int | None = None  # None until the engine has reported it
@@ -366,7 +380,10 @@ class EngineDecoding:
         self._finish: StreamEnd | None = None
         self._stream: EventStream[_Event] | None = None
         self._closed = False
-        self._stream = engine.stream(path, body, _Event)  # raises a precise RpcError when the request is refused
+        try:
+            self._stream = engine.stream(path, body, _Event)
+        except EngineStatusError as exc:
+            raise _naming_the_field(exc, params) from None
         threading.Thread(target=self._read, name="lm-worker-engine-stream", daemon=True).start()
 
     def feed(self, max_tokens: int) -> None:
@@ -402,9 +419,12 @@ class EngineDecoding:
     def _take(self, event: _Event) -> None:
         if event.error is not None:
             said = event.error if isinstance(event.error, str) else event.error.message
+            # vLLM compiles the schema only once the stream has begun, and says so in these words
+            grammar = self._response_format and "grammar" in said.lower()
             raise RpcError(
                 ErrorKind.INVALID_PARAMS,
                 f"The server refused the request after its stream began: {said[:1000]}",
+                field="params.response_format" if grammar else None,
             )
         if event.prompt_token_ids is not None:
             self.prompt_tokens = len(event.prompt_token_ids)

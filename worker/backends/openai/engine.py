@@ -261,9 +261,12 @@ class EngineStatusError(RpcError):
     """An error answer of the server, with its HTTP status for a caller that tells some apart
     (a 404 from an endpoint the server lacks)."""
 
-    def __init__(self, status: int, kind: ErrorKind, message: str, *, field: str | None = None) -> None:
+    def __init__(
+        self, status: int, kind: ErrorKind, message: str, *, field: str | None = None, param: str | None = None
+    ) -> None:
         super().__init__(kind, message, field=field)
         self.status = status
+        self.param = param  # the request field the server's answer blames, in its own words
 
 
 def _status_error(address: EngineAddress, method: str, url: str, status: int, body: bytes) -> EngineStatusError:
@@ -292,11 +295,13 @@ def _status_error(address: EngineAddress, method: str, url: str, status: int, bo
             field="params.model",
         )
     if 400 <= status < 500:
-        overflow = "context length" in message.lower() or _server_param(body) == "input_tokens"  # vLLM's words
+        param = _server_param(body)
+        overflow = "context length" in message.lower() or param == "input_tokens"  # vLLM's words
         return EngineStatusError(
             status,
             ErrorKind.CONTEXT_OVERFLOW if overflow else ErrorKind.INVALID_PARAMS,
             f"The server at {address} refused the request ({status} on {method} {url}).{said}",
+            param=param,
         )
     return EngineStatusError(
         status, ErrorKind.ENGINE_ERROR, _engine_error_message(address, f"failed with {status} on {method} {url}.{said}")
@@ -309,7 +314,8 @@ def _server_param(body: bytes) -> str | None:
         error = msgspec.json.decode(body).get("error")
     except (msgspec.DecodeError, AttributeError):
         return None
-    return error.get("param") if isinstance(error, dict) else None
+    param = error.get("param") if isinstance(error, dict) else None
+    return param if isinstance(param, str) else None
 
 
 def _server_message(body: bytes) -> str:
