@@ -162,7 +162,7 @@ async def test_a_damaged_kernel_file_is_built_again_and_two_workers_starting_tog
 
 
 def test_a_hung_compiler_is_killed_with_its_children_at_the_timeout(tmp_path: Path, monkeypatch):
-    from worker.backends import exact_attention
+    from worker.backends.transformers import exact_attention
 
     pids = tmp_path / "pids"
     compiler = tmp_path / "hung-cc"
