@@ -82,7 +82,7 @@ class Dispatcher:
             ModelLane(self._session, self._responder, self._cache_io).thread,
             TextLane(self._session, self._responder).thread,
         ]
-        self._ending = threading.Lock()  # the first end's exit code is the one kept
+        self._ending = threading.Lock()  # one end at a time: the first one's exit code is set before `ended`
         self._cancelled_at: float | None = None  # when end() cancelled everything
         self.ended = threading.Event()
         self.exit_code = 0
