@@ -1,11 +1,11 @@
 """Fuzz the worker's input path: random and mutated bytes in, valid JSON-RPC out.
 
-Most of it runs in-process for speed: a real ``Server`` with real ``Handlers``
-(echo backend) writing to a small capturing writer. Each input is fed whole to
-one fresh server and byte by byte to another, and both runs must produce valid
+Most of it runs in-process for speed: a real transport and dispatcher with real
+``Handlers`` (echo backend) writing to a small capturing writer. Each input is fed whole to
+one fresh worker and byte by byte to another, and both runs must produce valid
 messages, exactly one response per request, and the same messages. An oracle
 (the codec and the envelope alone) says which responses each input must get.
-One more in-process test streams many inputs through one server and a real
+One more in-process test streams many inputs through one worker and a real
 ``Writer`` over a pipe, and one test streams mutated input into the real worker
 subprocess.
 """
@@ -33,14 +33,15 @@ from protocol.errors import CODES, ErrorKind
 from protocol.framing import DEFAULT_MAX_MESSAGE_BYTES, Frame, FrameDecoder, Framing, FramingError, encode_frame
 from protocol.methods import METHODS, GenerateChunk
 from worker.backends import BUILTIN, Registry
+from worker.dispatcher import Dispatcher
 from worker.handlers import Handlers, WireInfo
 from worker.scheduler import DEFAULT_MAX_BATCH
-from worker.server import Server
+from worker.transport import StdioTransport
 from worker.writer import DEFAULT_OUTBOX_MESSAGES, Writer
 
 SEED = 0x5EED_F022
 N_INPUTS = int(os.environ.get("LM_WORKER_FUZZ_INPUTS", "10000"))  # each fed whole and byte by byte
-STREAM_INPUTS = 1_500  # through one server and a real Writer
+STREAM_INPUTS = 1_500  # through one worker and a real Writer
 SUBPROCESS_INPUTS = 1_000
 SUBPROCESS_MAX_BYTES = 1 << 16
 RESPONSE_TIMEOUT_S = 10.0
@@ -49,7 +50,7 @@ RESPONSE_TIMEOUT_S = 10.0
 REGISTRY = Registry({"echo": BUILTIN["echo"]}, entry_points=False)
 
 
-# --- the server under test ------------------------------------------------------
+# --- the worker under test ------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -63,7 +64,7 @@ def hang_guard(seconds: float):
 
 
 class Capture:
-    """A writer stand-in: what Server uses of Writer (send, adopt_framing, framing)."""
+    """A writer stand-in: what the transport uses of Writer (send, adopt_framing, framing)."""
 
     def __init__(self) -> None:
         self.bodies: list[bytes] = []
@@ -92,42 +93,52 @@ class Capture:
             return self._cond.wait_for(lambda: self.responses >= count, timeout)
 
 
-def make_server(writer: Any, max_bytes: int) -> tuple[Server, Handlers]:
-    handlers = Handlers(
-        REGISTRY,
-        WireInfo(
-            methods=Server.method_names(),
-            notifications=Server.notification_names(),
-            framing=lambda: writer.framing,
-            max_message_bytes=max_bytes,
-            outbox_messages=DEFAULT_OUTBOX_MESSAGES,
-            max_batch=DEFAULT_MAX_BATCH,
-        ),
-        data_dir=Path(tempfile.gettempdir()),
-    )
-    # drain_on_eof: at end of input the queue is finished, not cancelled, so runs are comparable.
-    return Server(writer, handlers, max_message_bytes=max_bytes, drain_on_eof=True), handlers
+class FedWorker:
+    """A worker's input path without its process: the transport feeding a dispatcher, with
+    real handlers, writing to ``writer``; the test feeds it bytes as the reader thread does."""
 
+    def __init__(self, writer: Any, max_bytes: int) -> None:
+        self.handlers = Handlers(
+            REGISTRY,
+            WireInfo(
+                methods=Dispatcher.method_names(),
+                notifications=Dispatcher.notification_names(),
+                framing=lambda: writer.framing,
+                max_message_bytes=max_bytes,
+                outbox_messages=DEFAULT_OUTBOX_MESSAGES,
+                max_batch=DEFAULT_MAX_BATCH,
+            ),
+            data_dir=Path(tempfile.gettempdir()),
+        )
+        self.transport = StdioTransport(writer, max_message_bytes=max_bytes)
+        # drain_on_eof: at end of input the queue is finished, not cancelled, so runs are comparable.
+        self.dispatcher = Dispatcher(self.handlers, self.transport, drain_on_eof=True)
 
-def stop(server: Server, handlers: Handlers) -> None:
-    server.end("fuzz input done", cancel=True)
-    assert server.wait_stopped(5.0), "the model lane did not stop"
-    handlers.close()
+    def feed(self, data: bytes) -> bool:
+        return self.transport.feed(data, self.dispatcher)
+
+    def feed_eof(self) -> None:
+        self.transport.feed_eof(self.dispatcher)
+
+    def stop(self) -> None:
+        self.dispatcher.end("fuzz input done", cancel=True)
+        assert self.dispatcher.wait_stopped(5.0), "the model lane did not stop"
+        self.handlers.close()
 
 
 def run_input(data: bytes, expected: Expected, *, bytewise: bool, max_bytes: int) -> list[bytes]:
     capture = Capture()
-    server, handlers = make_server(capture, max_bytes)
+    worker = FedWorker(capture, max_bytes)
     try:
         chunks = [data[i : i + 1] for i in range(len(data))] if bytewise else [data]
         for chunk in chunks:
-            if not server.feed(chunk):
+            if not worker.feed(chunk):
                 break  # as the stdin reader does: stop reading, no feed_eof
         else:
-            server.feed_eof()
+            worker.feed_eof()
         answered = capture.wait_responses(expected.total, RESPONSE_TIMEOUT_S)
     finally:
-        stop(server, handlers)
+        worker.stop()
     assert answered, f"only {capture.responses} of {expected.total} responses within {RESPONSE_TIMEOUT_S} s"
     return list(capture.bodies)
 
@@ -549,21 +560,21 @@ def test_fuzzed_stream_through_one_server_and_a_real_writer_is_well_framed():
     drainer = threading.Thread(target=drain, daemon=True)
     drainer.start()
     writer = Writer(write_fd, capacity=64)  # small outbox: producers wait for the pipe
-    server, handlers = make_server(writer, max_bytes)
+    worker = FedWorker(writer, max_bytes)
     with hang_guard(120), contextlib.ExitStack() as cleanup:
         cleanup.callback(os.close, read_fd)
         cleanup.callback(drainer.join, 5.0)
         cleanup.callback(os.close, write_fd)
         cleanup.callback(writer.close, 5.0)
-        cleanup.callback(stop, server, handlers)
+        cleanup.callback(worker.stop)
         stopped = False
         pos = 0
         while pos < len(data) and not stopped:
             size = rng.choice([1, 7, 64, 1000, 1 << 16])
-            stopped = not server.feed(data[pos : pos + size])
+            stopped = not worker.feed(data[pos : pos + size])
             pos += size
         if not stopped:
-            server.feed_eof()
+            worker.feed_eof()
         deadline = time.monotonic() + RESPONSE_TIMEOUT_S * 3
         while time.monotonic() < deadline:
             frames = FrameDecoder().feed(bytes(received))
@@ -581,13 +592,13 @@ def test_fuzzed_stream_through_one_server_and_a_real_writer_is_well_framed():
 
 def test_server_answers_after_deeply_nested_json():
     capture = Capture()
-    server, handlers = make_server(capture, DEFAULT_MAX_MESSAGE_BYTES)
+    worker = FedWorker(capture, DEFAULT_MAX_MESSAGE_BYTES)
     try:
-        server.feed(b"[" * 5000 + b"\n" + b'{"jsonrpc":"2.0","id":1,"method":"capabilities"}\n')
-        server.feed_eof()
+        worker.feed(b"[" * 5000 + b"\n" + b'{"jsonrpc":"2.0","id":1,"method":"capabilities"}\n')
+        worker.feed_eof()
         assert capture.wait_responses(2, RESPONSE_TIMEOUT_S)
     finally:
-        stop(server, handlers)
+        worker.stop()
     messages = decode_bodies(capture.bodies)
     assert response_ids(messages) == Counter({None: 1, 1: 1})
 

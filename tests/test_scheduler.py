@@ -10,7 +10,8 @@ import pytest
 
 from protocol.methods import GenerateParams, PrefillParams
 from worker.backends.base import PREFILL_CHUNK_TOKENS
-from worker.scheduler import RECENT_CHUNK_ROUNDS, SHARED_ROUND_OVER_SOLO, Admission, RoundCosts, Scheduler
+from worker.admission import Admission
+from worker.scheduler import RECENT_CHUNK_ROUNDS, SHARED_ROUND_OVER_SOLO, RoundCosts, Scheduler
 
 
 @dataclass(eq=False)
@@ -174,17 +175,19 @@ class CountingTask:
 
 
 class ListLane:
+    """The session's jobs and the lane's work in one (scheduler.Jobs and scheduler.Work)."""
+
     def __init__(self, tasks: list[CountingTask]) -> None:
         self.waiting = list(tasks)
         self.finished: list[tuple[CountingTask, Exception | None]] = []
 
-    def next_job(self, wait: bool, woken):
+    def next_model_job(self, wait: bool, woken):
         return self.waiting.pop(0) if self.waiting else None
 
     def wake(self) -> None:
         pass
 
-    def run_job(self, job) -> None:
+    def run(self, job) -> None:
         raise AssertionError("only tasks here")
 
     def start_task(self, job, ready) -> None:
@@ -194,12 +197,16 @@ class ListLane:
         self.finished.append((task, error))
 
 
+def scheduler_over(lane: ListLane, clock) -> Scheduler:
+    return Scheduler(lane, lane, clock=clock)
+
+
 def test_requests_join_a_running_batch_and_leave_it_when_done():
     clock = [0.0]
     model = CountingModel(clock)
     short, long = (CountingTask(model, CountingDecoding(prompt_left=4), max_tokens=n) for n in (5, 8))
     lane = ListLane([short, long])
-    scheduler = Scheduler(lane, clock=lambda: clock[0])
+    scheduler = scheduler_over(lane, clock=lambda: clock[0])
     scheduler.run()
     assert [task for task, _ in lane.finished] == [short, long]
     assert long.decoding.tokens == 8 and short.decoding.tokens == 5
@@ -210,7 +217,7 @@ def join_beside(model: CountingModel, clock: list[float], running: int, solo_fir
     """Start ``running`` streams (the first alone for a while when ``solo_first``), let a
     600-token prompt join them, and return the time of each round until it was fed and how
     many steps there were meanwhile."""
-    scheduler = Scheduler(ListLane([]), clock=lambda: clock[0])
+    scheduler = scheduler_over(ListLane([]), clock=lambda: clock[0])
     streams = [CountingTask(model, CountingDecoding(prompt_left=1), max_tokens=10_000) for _ in range(running)]
     for index, stream in enumerate(streams):
         scheduler.begin(stream)
@@ -259,7 +266,7 @@ def test_the_first_round_beside_a_stream_no_step_was_timed_for_is_a_step_alone()
     clock = [0.0]
     model = CountingModel(clock, step_s=0.05, token_s=0.001, chunks_in_step=True)
     running, joining = (CountingTask(model, CountingDecoding(prompt_left=n), max_tokens=100) for n in (1, 600))
-    scheduler = Scheduler(ListLane([]), clock=lambda: clock[0])
+    scheduler = scheduler_over(ListLane([]), clock=lambda: clock[0])
     scheduler.begin(running)
     scheduler.advance()  # its prompt, alone
     scheduler.begin(joining)
@@ -319,7 +326,7 @@ def test_a_prompt_alone_is_fed_in_full_chunks():
     clock = [0.0]
     model = CountingModel(clock)
     lane = ListLane([CountingTask(model, CountingDecoding(prompt_left=600), max_tokens=1)])
-    Scheduler(lane, clock=lambda: clock[0]).run()
+    scheduler_over(lane, clock=lambda: clock[0]).run()
     assert model.chunks == [PREFILL_CHUNK_TOKENS, PREFILL_CHUNK_TOKENS, 600 - 2 * PREFILL_CHUNK_TOKENS]
 
 
@@ -335,7 +342,7 @@ def test_a_failing_step_fails_the_requests_in_it_and_not_a_prompt_being_fed():
     model = BrokenModel(clock)
     first, second = (CountingTask(model, CountingDecoding(prompt_left=1), max_tokens=5) for _ in range(2))
     lane = ListLane([])
-    scheduler = Scheduler(lane, clock=lambda: clock[0])
+    scheduler = scheduler_over(lane, clock=lambda: clock[0])
     scheduler.begin(first)
     scheduler.advance()  # feeds the first prompt; it takes its first token
     scheduler.advance()  # a step (it works once)
@@ -358,7 +365,7 @@ def test_running_requests_keep_stepping_while_a_new_one_is_made_off_the_model_th
 
     running = CountingTask(model, CountingDecoding(prompt_left=1), max_tokens=100)
     joining = CountingTask(model, CountingDecoding(prompt_left=1), max_tokens=100)
-    scheduler = Scheduler(SlowStartLane([]), clock=lambda: clock[0])
+    scheduler = scheduler_over(SlowStartLane([]), clock=lambda: clock[0])
     scheduler.begin(running)
     pending.pop()[1](running)
     scheduler.begin(joining)
@@ -384,7 +391,7 @@ def test_a_request_whose_token_cannot_be_taken_fails_alone_and_the_batch_goes_on
     broken = BrokenTask(model, CountingDecoding(prompt_left=1), max_tokens=10)
     healthy = CountingTask(model, CountingDecoding(prompt_left=1), max_tokens=10)
     lane = ListLane([broken, healthy])
-    Scheduler(lane, clock=lambda: clock[0]).run()
+    scheduler_over(lane, clock=lambda: clock[0]).run()
     assert [(task, type(error)) for task, error in lane.finished] == [(broken, ValueError), (healthy, type(None))]
     assert healthy.decoding.tokens == 10
 
@@ -397,11 +404,11 @@ class LaneMakingTasksElsewhere(ListLane):
         super().__init__([running])
         self.model, self.joining, self.after = model, joining, after
 
-    def next_job(self, wait: bool, woken):
+    def next_model_job(self, wait: bool, woken):
         if self.joining is not None and len(self.model.steps) >= self.after:
             joining, self.joining = self.joining, None
             return joining
-        return super().next_job(wait, woken)
+        return super().next_model_job(wait, woken)
 
     def start_task(self, job, ready) -> None:
         import threading
@@ -418,7 +425,7 @@ def test_a_request_made_off_the_model_thread_joins_the_round_right_after_it_was_
     fed_at: list[int] = []
     feed = joining.decoding.feed
     joining.decoding.feed = lambda n: (fed_at.append(len(model.steps)), feed(n))[1]
-    Scheduler(LaneMakingTasksElsewhere(model, running, joining, after=4), clock=lambda: clock[0]).run()
+    scheduler_over(LaneMakingTasksElsewhere(model, running, joining, after=4), clock=lambda: clock[0]).run()
     assert fed_at[0] == 5, f"let out after step 4, first fed in step {fed_at[0]}"
 
 

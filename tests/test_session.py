@@ -11,7 +11,7 @@ from worker.session import Session
 
 
 def receive(session: Session, request_id, method: str, params=None):
-    """A request as the server hands it over: its lane and rules come from worker/policy.py."""
+    """A request as the dispatcher hands it over: its lane and rules come from worker/policy.py."""
     return session.receive(request_id, method, params or NoParams(), now=0.0)
 
 

@@ -1,4 +1,8 @@
-"""``python -m worker`` / ``lm-worker``: wire stdin, stdout, signals and threads together."""
+"""``python -m worker`` / ``lm-worker``: wire stdin, stdout, signals and threads together.
+
+Threads: ``main`` runs on the process's main thread: it starts the reader thread
+(``lm-worker-reader``, the transport serving stdin), handles signals, and waits for the end.
+"""
 
 from __future__ import annotations
 
@@ -14,11 +18,12 @@ from protocol.framing import DEFAULT_MAX_MESSAGE_BYTES, Framing
 from worker import __version__
 from worker.backends import Registry
 from worker.data_dir import default_data_dir
+from worker.dispatcher import Dispatcher
 from worker.handlers import Handlers, WireInfo
 from worker.scheduler import DEFAULT_MAX_BATCH
-from worker.server import Server
 from worker.stdio import STDERR_GRACE_S, claim_stdout
 from worker.transcript import Recorder
+from worker.transport import StdioTransport
 from worker.writer import DEFAULT_OUTBOX_MESSAGES, Writer
 
 DEFAULT_MEMORY_CACHE_MAX_BYTES = 2 << 30
@@ -159,26 +164,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     out_fd, stderr_pump = claim_stdout()
     worker = Worker(args, out_fd, recorder=recorder)
-    _on_signals(lambda: worker.server.end("signal", cancel=True))
-    threading.Thread(target=read_input, args=(worker.server, 0), name="lm-worker-reader", daemon=True).start()
+    _on_signals(lambda: worker.dispatcher.end("signal", cancel=True))
+    threading.Thread(target=worker.serve, args=(0,), name="lm-worker-reader", daemon=True).start()
     if sys.stdin.isatty():
         print(f"lm-worker {__version__} ready: type one JSON-RPC request per line, e.g. {EXAMPLE}", file=sys.stderr)
-    while not worker.server.ended.wait(0.5):
+    while not worker.dispatcher.ended.wait(0.5):
         pass  # a timed wait keeps signal handlers running promptly
     if not worker.stop():
         # The model thread is inside native code; interpreter shutdown around it would abort.
         logging.getLogger(__name__).warning("a model request did not stop within %.0f s; exiting", STOP_GRACE_S)
         stderr_pump.close(STDERR_GRACE_S)
-        os._exit(worker.server.exit_code)
+        os._exit(worker.dispatcher.exit_code)
     stderr_pump.close(STDERR_GRACE_S)
-    return worker.server.exit_code
+    return worker.dispatcher.exit_code
 
 
 class Worker:
-    """The pieces of a worker wired together (writer, handlers, server), writing its protocol
-    stream to ``out_fd``; whoever makes it feeds the server and, at the end, calls ``stop``.
-    ``python -m worker`` makes one over stdio; tests make one in their own process
-    (worker.host.Host.start_in_process)."""
+    """The pieces of a worker wired together (writer, transport, handlers, dispatcher), writing
+    its protocol stream to ``out_fd``; whoever makes it calls ``serve`` on a reader thread with
+    the descriptor to read and, at the end, ``stop``. ``python -m worker`` makes one over stdio;
+    tests make one in their own process over a pair of pipes (worker.host.Host.start_in_process)."""
 
     def __init__(self, args: argparse.Namespace, out_fd: int, *, recorder: Recorder | None) -> None:
         self.recorder = recorder
@@ -187,14 +192,14 @@ class Worker:
             capacity=args.outbox,
             framing=None if args.framing == "auto" else Framing(args.framing),
             recorder=self.recorder,
-            on_broken=lambda: self.server.end("stdout closed: the host stopped reading", cancel=True),
+            on_broken=lambda: self.dispatcher.end("stdout closed: the host stopped reading", cancel=True),
         )
         writer = self.writer
         self.handlers = Handlers(
             Registry(),
             WireInfo(
-                methods=Server.method_names(),
-                notifications=Server.notification_names(),
+                methods=Dispatcher.method_names(),
+                notifications=Dispatcher.notification_names(),
                 framing=lambda: writer.framing,
                 max_message_bytes=args.max_message_bytes,
                 outbox_messages=args.outbox,
@@ -206,35 +211,24 @@ class Worker:
             memory_cache_max_bytes=args.memory_cache_max_bytes,
             restore_reserve_max_bytes=args.restore_reserve_max_bytes,
         )
-        self.server = Server(
-            self.writer, self.handlers, max_message_bytes=args.max_message_bytes, recorder=self.recorder,
-            drain_on_eof=args.drain, max_batch=args.max_batch,
-        )
+        self.transport = StdioTransport(self.writer, max_message_bytes=args.max_message_bytes, recorder=self.recorder)
+        self.dispatcher = Dispatcher(self.handlers, self.transport, drain_on_eof=args.drain, max_batch=args.max_batch)
+
+    def serve(self, fd: int) -> None:
+        """The reader thread: feed the dispatcher what arrives on ``fd`` until the end of input
+        (or until it stops reading)."""
+        self.transport.serve(fd, self.dispatcher)
 
     def stop(self) -> bool:
-        """After the server has ended: let the lanes finish, write what is queued, let go of
+        """After the dispatcher has ended: let the lanes finish, write what is queued, let go of
         the model. False if a model request did not stop in time (the model is kept then)."""
-        stopped = self.server.wait_stopped(STOP_GRACE_S)
+        stopped = self.dispatcher.wait_stopped(STOP_GRACE_S)
         if stopped:
             self.handlers.close()
         self.writer.close(STOP_GRACE_S)
         if self.recorder is not None:
             self.recorder.close()
         return stopped
-
-
-def read_input(server: Server, fd: int) -> None:
-    """Feed the server what arrives on ``fd`` until the end of input (or until it stops reading)."""
-    while True:
-        try:
-            data = os.read(fd, 1 << 16)
-        except OSError:
-            data = b""
-        if not data:
-            server.feed_eof()
-            return
-        if not server.feed(data):
-            return
 
 
 def _on_signals(stop) -> None:

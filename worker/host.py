@@ -237,8 +237,9 @@ class Host:
 
 class InProcessWorker:
     """What Host uses of a worker process (stdin, stdout, stderr, pid, returncode, wait, kill),
-    for a worker running on threads of this process: ``worker.cli.Worker`` fed from one pipe and
-    writing to another, as ``python -m worker`` is fed from stdin and writes to stdout."""
+    for a worker running on threads of this process: ``worker.cli.Worker`` serving one pipe and
+    writing to another through the same transport (framing, parsing, writer) as ``python -m
+    worker`` serves stdin and writes to stdout."""
 
     def __init__(self, worker: Any, stdin: asyncio.StreamWriter, stdout: asyncio.StreamReader, done: asyncio.Future):
         self.pid = os.getpid()
@@ -252,7 +253,7 @@ class InProcessWorker:
     @classmethod
     async def start(cls, args: list[str]) -> InProcessWorker:
         from worker import __version__
-        from worker.cli import Worker, build_parser, read_input
+        from worker.cli import Worker, build_parser
         from worker.transcript import Recorder
 
         parsed = build_parser().parse_args(args)
@@ -270,14 +271,14 @@ class InProcessWorker:
         self = cls(worker, stdin, stdout, done)
 
         def run() -> None:
-            reader = threading.Thread(target=read_input, args=(worker.server, in_read), name="lm-worker-reader")
+            reader = threading.Thread(target=worker.serve, args=(in_read,), name="lm-worker-reader")
             reader.daemon = True
             reader.start()
-            worker.server.ended.wait()
+            worker.dispatcher.ended.wait()
             worker.stop()
             os.close(out[1])  # the host reads the end of the stream, as when a process exits
             reader.join(5)
-            code = worker.server.exit_code
+            code = worker.dispatcher.exit_code
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(code))
 
         threading.Thread(target=run, name="lm-worker-main", daemon=True).start()
@@ -294,5 +295,5 @@ class InProcessWorker:
     def kill(self) -> None:
         """Not a kill: the worker is told to stop at once, cancelling what runs, and its input
         is closed (its reader sees the end)."""
-        self._worker.server.end("killed by the host", cancel=True)
+        self._worker.dispatcher.end("killed by the host", cancel=True)
         self.stdin.close()

@@ -1,9 +1,11 @@
 """How each method runs: one row per method, the only place these rules are written.
 
-The server routes a request by its row's lane, the session (worker/session.py) decides from
-the rows what a request waits behind, and admission (worker/scheduler.py) which model-lane
-request starts when. A new method gets a row here and a handler in worker/handlers.py; a
-test checks that every protocol method has both.
+The session (worker/session.py) puts a request on its row's lane and decides from the rows
+what it waits behind, admission (worker/admission.py) which model-lane request starts when,
+the scheduler (worker/scheduler.py) which ones run side by side as tasks, and the responder
+(worker/responder.py) what a request cancelled before it ran answers. A new method gets a
+row here, a handler in worker/handlers.py and its route in worker/dispatcher.py; the
+dispatcher checks that every protocol method has a route, and this module that it has a row.
 """
 
 from __future__ import annotations

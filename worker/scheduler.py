@@ -1,4 +1,4 @@
-"""The model lane: which queued request starts when, and the loop that runs them together.
+"""The model lane's loop: the requests it runs side by side, and the chunk each round feeds.
 
 ``generate`` and ``prefill`` requests become tasks that run side by side, up to
 ``max_batch`` of them: between two decode steps, the lane lets new requests join
@@ -12,8 +12,11 @@ keeps those times and sizes the chunk. Every other model-lane request (``load``,
 ``unload``, ``shutdown``, and those queued behind them) runs alone: it waits for the
 tasks before it to end, and the requests after it wait for it.
 
-:class:`Admission` holds these rules as a plain object, driven without threads in
-the tests; :class:`Scheduler` is the loop, run by the model thread.
+Which request may start when is worker/admission.py's (inside the session); the
+:class:`Scheduler` takes the jobs it lets out from :class:`Jobs` (the session) and hands
+their work to :class:`Work` (worker/model_lane.py). Threads: :meth:`Scheduler.run` is the
+model lane's thread (``lm-worker-model``); a task made off that thread (on the cache I/O
+thread) is handed back through ``ready``, from that thread.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
+from worker.admission import J, Queued
 from worker.backends.base import PREFILL_CHUNK_TOKENS, Decoding, Model
 from worker.policy import POLICY
+
 # While others decode, a round that feeds a chunk is sized to cost this many times a step of
 # one stream alone: under the 2x the running streams are promised, because the times it is
 # sized from vary by a fifth or more from one step to the next on a busy CPU; the round that
@@ -47,14 +52,9 @@ RECENT_CHUNK_ROUNDS = 24
 MIN_TOKEN_S = 1e-6  # a token's cost is never taken as nothing (a chunk's size divides by it)
 DEFAULT_MAX_BATCH = 8
 
-
-class Queued(Protocol):
-    """What admission needs to know about a request (the server's Job)."""
-
-    method: str
-    params: Any
-
-    def is_cancelled(self) -> bool: ...
+# The session's job type, as admission's J: what Jobs hands out, Work gets back.
+J_out = TypeVar("J_out", bound=Queued, covariant=True)
+J_in = TypeVar("J_in", bound=Queued, contravariant=True)
 
 
 class Task(Protocol):
@@ -77,89 +77,34 @@ class Task(Protocol):
     def finish(self) -> Any: ...
 
 
-class Admission:
-    """Model-lane requests in arrival order, and which of them may start now.
+class Jobs(Protocol[J_out]):
+    """Where the model lane's jobs come from: the session, in the order admission lets them
+    out (worker/locked_session.py)."""
 
-    - Requests start in the order they arrive; one that must wait holds back those behind it.
-    - A batched request (worker/policy.py: ``generate``, ``prefill``) starts while fewer than
-      ``max_batch`` run, unless it reads or writes a cache that a running prefill is still
-      writing (it would not see it). A request with ``cache: "auto"`` may start from any stored
-      cache, so it waits for every running prefill; it does not wait for auto generates (each is a separate
-      conversation and uses what is stored when it starts).
-    - Any other request starts once nothing runs, and nothing starts while it runs.
-    - A cancelled request is let out at once, wherever it is in the queue (it answers without
-      running), except one that runs when cancelled (``shutdown``), which keeps its place.
-    """
-
-    def __init__(self, max_batch: int) -> None:
-        self.max_batch = max_batch
-        self.queue: deque[Queued] = deque()
-        self.running: list[Queued] = []
-
-    def add(self, job: Queued) -> None:
-        self.queue.append(job)
-
-    def next(self) -> Queued | None:
-        """The request to start now, taken off the queue; None while none may start."""
-        for job in self.queue:
-            if not POLICY[job.method].runs_when_cancelled and job.is_cancelled():
-                self.queue.remove(job)
-                self.running.append(job)  # until answered, like any other
-                return job
-        if not self.queue:
-            return None
-        head = self.queue[0]
-        if POLICY[head.method].batched:
-            if len(self.running) >= self.max_batch or any(_waits_for(head, job) for job in self.running):
-                return None
-        elif self.running:
-            return None
-        self.queue.popleft()
-        self.running.append(head)
-        return head
-
-    def done(self, job: Queued) -> None:
-        self.running.remove(job)
-
-    @property
-    def idle(self) -> bool:
-        return not self.queue and not self.running
-
-
-def _waits_for(job: Queued, running: Queued) -> bool:
-    """Whether ``job`` must wait for ``running`` to end before it starts."""
-    if not POLICY[running.method].batched:
-        return True
-    if running.method != "prefill":  # a generate writes only auto caches, which nothing waits for
-        return False
-    written = running.params.cache
-    read = (job.params.cache, job.params.base) if job.method == "prefill" else (job.params.cache,)
-    return written in read or job.params.cache == "auto"  # auto may start from any stored cache
-
-
-class ModelLane(Protocol):
-    """What the scheduler needs from the server: jobs to start, and where answers go."""
-
-    def next_job(self, wait: bool, woken: Callable[[], bool]) -> Queued | None:
-        """The next job to start (see Admission). With ``wait``, blocks until there is one or
-        ``woken()`` turns true (call ``wake`` then); None while waiting, with nothing woken,
-        means the lane has stopped: no job is queued or running any more."""
+    def next_model_job(self, wait: bool, woken: Callable[[], bool]) -> J_out | None:
+        """The next job to start. With ``wait``, blocks until there is one or ``woken()`` turns
+        true (call ``wake`` then); None while waiting, with nothing woken, means the lane has
+        stopped: no job is queued or running any more."""
         ...
 
     def wake(self) -> None:
-        """Make a waiting ``next_job`` check ``woken`` again."""
+        """Make a waiting ``next_model_job`` check ``woken`` again."""
         ...
 
-    def run_job(self, job: Queued) -> None:
-        """Run a job that is not a task (or a cancelled one) to its answer."""
+
+class Work(Protocol[J_in]):
+    """Who does a job's work beside the loop (worker/model_lane.py)."""
+
+    def run(self, job: J_in) -> None:
+        """Run a job that is not a task (or a cancelled one) to its answer, on this thread."""
         ...
 
-    def start_task(self, job: Queued, ready: Callable[[Task | None], None]) -> None:
+    def start_task(self, job: J_in, ready: Callable[[Task | None], None]) -> None:
         """Make the task of a generate or prefill and hand it to ``ready``, from any thread
         (it may read a stored cache first); None when it failed (already answered)."""
         ...
 
-    def finish_task(self, job: Queued, task: Task, error: Exception | None = None) -> None:
+    def finish_task(self, job: J_in, task: Task, error: Exception | None = None) -> None:
         """Answer with the task's result (it may store a cache first), or with ``error`` when
         its computation failed. The model thread no longer touches the task."""
         ...
@@ -264,47 +209,48 @@ class RoundCosts:
         return statistics.median(took_s - token_s * tokens for tokens, took_s in recent), token_s
 
 
-class Scheduler:
-    def __init__(self, lane: ModelLane, clock: Callable[[], float] = time.perf_counter) -> None:
-        self._lane = lane
+class Scheduler(Generic[J]):
+    def __init__(self, jobs: Jobs[J], work: Work[J], clock: Callable[[], float] = time.perf_counter) -> None:
+        self._jobs = jobs
+        self._work = work
         self._clock = clock
-        self._tasks: list[tuple[Queued, Task]] = []
+        self._tasks: list[tuple[J, Task]] = []
         self._lock = threading.Lock()
         self._made_one = threading.Condition(self._lock)
         self._starting = 0  # tasks being made off this thread
-        self._ready: list[tuple[Queued, Task | None]] = []  # made, not yet joined
+        self._ready: list[tuple[J, Task | None]] = []  # made, not yet joined
         self.costs = RoundCosts()
 
     def run(self) -> None:
         """The model thread's loop: returns when the lane has stopped and no task is left."""
         while True:
-            job = self._lane.next_job(wait=not self._tasks, woken=self._has_ready)
+            job = self._jobs.next_model_job(wait=not self._tasks, woken=self._has_ready)
             if job is None and not self._tasks and not self._starting and not self._has_ready():
                 return
             begun = job is not None
             while job is not None:
                 self.begin(job)
-                job = self._lane.next_job(wait=False, woken=self._has_ready)
+                job = self._jobs.next_model_job(wait=False, woken=self._has_ready)
             if begun and self._tasks:
                 self._await_starting()
             self.advance()
 
-    def begin(self, job: Queued) -> None:
+    def begin(self, job: J) -> None:
         """Start a job the lane let out: a task joins the running ones once made, anything
         else runs now."""
         if not POLICY[job.method].batched or job.is_cancelled():
-            self._lane.run_job(job)
+            self._work.run(job)
             return
         with self._lock:
             self._starting += 1
-        self._lane.start_task(job, lambda task: self._made(job, task))
+        self._work.start_task(job, lambda task: self._made(job, task))
 
-    def _made(self, job: Queued, task: Task | None) -> None:
+    def _made(self, job: J, task: Task | None) -> None:
         with self._lock:
             self._starting -= 1
             self._ready.append((job, task))
             self._made_one.notify_all()
-        self._lane.wake()
+        self._jobs.wake()
 
     def _await_starting(self) -> None:
         """Give tasks just begun a moment (a quarter of a step) to be made, so that they join
@@ -365,7 +311,7 @@ class Scheduler:
             failed = [(job, task) for job, task in self._tasks if any(task is t for t in tasks)]
             for job, task in failed:
                 self._tasks.remove((job, task))
-                self._lane.finish_task(job, task, exc)
+                self._work.finish_task(job, task, exc)
             return False
         return True
 
@@ -382,7 +328,7 @@ class Scheduler:
         finished = [(job, task) for job, task in self._tasks if task.done]
         for job, task in finished:
             self._tasks.remove((job, task))
-            self._lane.finish_task(job, task)
+            self._work.finish_task(job, task)
 
     @property
     def tasks(self) -> Sequence[Task]:

@@ -1,12 +1,13 @@
 """The session's state: the requests in flight, where each waits, cancels, acks and the end.
 
 A plain object in the spirit of h11: it does no I/O and starts no thread, and every rule about
-who runs when is here, so that tests drive it call by call. The server holds it under one lock,
-calls it from its threads and waits on that lock when it says nothing is ready yet.
+who runs when is here, so that tests drive it call by call. worker/locked_session.py holds it
+under one lock for the threads that call it (the reader, the lanes, the cache I/O thread), and
+the lanes wait on that lock when it says nothing is ready yet.
 
 - A request runs on the lane its method's row in worker/policy.py names: answered at once by
   the reader (``INLINE``), on the text lane, or on the model lane, whose order and batching
-  :class:`~worker.scheduler.Admission` decides. Some wait behind earlier model-lane requests
+  :class:`~worker.admission.Admission` decides. Some wait behind earlier model-lane requests
   to see their effect (``policy.waits_behind``): text requests behind a ``load``/``unload``
   (they run on the model lane then), ``cache/*`` behind a ``prefill`` or a ``generate`` that
   uses a cache.
@@ -26,8 +27,8 @@ import msgspec
 from protocol.envelope import RequestId
 from protocol.errors import ErrorKind, RpcError
 from protocol.methods import CancelResult, Params
+from worker.admission import Admission
 from worker.policy import POLICY, Lane, waits_behind
-from worker.scheduler import Admission
 
 
 class Job(msgspec.Struct):
@@ -48,7 +49,7 @@ class Job(msgspec.Struct):
 class Session:
     def __init__(self, max_batch: int) -> None:
         self.jobs: dict[RequestId, Job] = {}  # queued or running on a lane
-        self.admission = Admission(max_batch)  # the model lane's queue
+        self.admission: Admission[Job] = Admission(max_batch)  # the model lane's queue
         self.text_queue: deque[Job] = deque()
         self.shutdown_requested = False
         self.stopping = False  # no more input is read; the lanes finish their queues

@@ -1,5 +1,10 @@
 """Keep the protocol stream on a private descriptor that nothing else can write to, and keep
-log output from ever making the worker wait."""
+log output from ever making the worker wait.
+
+Threads: ``claim_stdout`` runs on the main thread at start; the stderr pump's two threads
+(``lm-worker-stderr-drain`` empties the pipe, ``lm-worker-stderr`` writes to the real stderr)
+run until the worker exits.
+"""
 
 from __future__ import annotations
 

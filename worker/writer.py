@@ -1,9 +1,10 @@
 """The one piece of code that writes to the protocol stream.
 
-Producers (the reader, the lanes, the cache I/O thread) hand encoded message bodies to
-:meth:`Writer.send`; a single thread frames them and writes them to the private
-stdout descriptor. The buffer between them is bounded: when the host stops
-reading, ``send`` blocks, so a generation waits instead of growing memory.
+Producers (the transport's sending half, called from the reader, the lanes and the cache I/O
+thread) hand encoded message bodies to :meth:`Writer.send`; a single thread,
+``lm-worker-writer``, frames them and writes them to the private stdout descriptor. The
+buffer between them is bounded: when the host stops reading, ``send`` blocks, so a
+generation waits instead of growing memory.
 """
 
 from __future__ import annotations

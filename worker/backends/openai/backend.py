@@ -5,7 +5,7 @@ vLLM replicas speak it too).
 The engine owns the model, its batching and its KV memory; the worker keeps its protocol:
 chunks with cumulative counts, stop strings, flow control, cancels, errors. Each ``generate``
 is one streamed HTTP request, sent as soon as the request is made and read on a thread of its
-own; the model lane only collects what each stream has received (``Model.step`` waits until
+own (``lm-worker-engine-stream``); the model lane only collects what each stream has received (``Model.step`` waits until
 some stream has something), so requests run side by side on the engine, bounded by
 ``--max-batch``. A cancel closes the request's connection, which makes the engine drop it.
 

@@ -1,0 +1,239 @@
+"""Dispatch: parsed messages in (from the transport), each request to its handler on its lane,
+replies out through the transport; and the worker's lifecycle (ending, the lanes' drain).
+
+Threads: :meth:`Dispatcher.receive` runs on the reader thread (``lm-worker-reader``,
+worker/transport.py). It validates params, registers each request with the session
+(worker/locked_session.py) and answers at once the requests that run inline
+(``capabilities``, ``cancel``, and ``cache/*`` with nothing ahead); the rest wait on the
+session for their lane: the text lane (worker/text_lane.py, ``lm-worker-text``) or the model
+lane (worker/model_lane.py, ``lm-worker-model``), whose tasks are made and finished on the
+cache I/O thread (worker/cache_io.py, ``lm-worker-cache-io``). The dispatcher owns these
+three and the session. So ``cancel``, ``capabilities`` and ``tokenize`` are answered while
+generations stream, and a cancel only sets an event that the model lane checks between
+decode steps. ``end`` may be called from any thread (a signal, the writer finding stdout
+closed).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import msgspec
+
+from protocol.envelope import Incoming, Notification, Rejected, Request, Response
+from protocol.errors import ErrorKind, RpcError
+from protocol.methods import (
+    HOST_NOTIFICATIONS,
+    METHODS,
+    WORKER_NOTIFICATIONS,
+    AckParams,
+    CancelParams,
+    CancelResult,
+    Params,
+)
+from worker.cache_io import CacheIO
+from worker.handlers import Context, Handlers
+from worker.locked_session import LockedSession
+from worker.model_lane import ModelLane
+from worker.responder import Replies, Responder, Route
+from worker.scheduler import DEFAULT_MAX_BATCH
+from worker.text_lane import TextLane
+
+log = logging.getLogger(__name__)
+
+
+class Dispatcher:
+    """The transport's :class:`~worker.transport.Receiver`."""
+
+    def __init__(
+        self,
+        handlers: Handlers,
+        replies: Replies,
+        *,
+        drain_on_eof: bool = False,
+        max_batch: int = DEFAULT_MAX_BATCH,
+    ) -> None:
+        self._replies = replies
+        self._drain_on_eof = drain_on_eof
+        # Each method's handler; how it runs (lane, batching, cancels) is its row in worker/policy.py.
+        self._routes: dict[str, Route] = {
+            "capabilities": handlers.capabilities,
+            "load": handlers.load,
+            "unload": handlers.unload,
+            "tokenize": handlers.tokenize,
+            "detokenize": handlers.detokenize,
+            "render": handlers.render,
+            "generate": handlers.generate,
+            "prefill": handlers.prefill,
+            "cache/list": handlers.cache_list,
+            "cache/info": handlers.cache_info,
+            "cache/delete": handlers.cache_delete,
+            "cancel": self._cancel,
+            "shutdown": lambda ctx, params: None,
+        }
+        assert self._routes.keys() == METHODS.keys(), "every protocol method needs a route"
+        self._session = LockedSession(max_batch)
+        self._responder = Responder(self._routes, replies, self._session)
+        self._cache_io = CacheIO(handlers.prepare_side_thread)
+        self._lanes = [
+            ModelLane(self._session, self._responder, self._cache_io).thread,
+            TextLane(self._session, self._responder).thread,
+        ]
+        self._ending = threading.Lock()  # one end at a time: the first one's exit code is set before `ended`
+        self._cancelled_at: float | None = None  # when end() cancelled everything
+        self.ended = threading.Event()
+        self.exit_code = 0
+        for lane in self._lanes:
+            lane.start()
+
+    @staticmethod
+    def method_names() -> list[str]:
+        return list(METHODS)
+
+    @staticmethod
+    def notification_names() -> list[str]:
+        return [*HOST_NOTIFICATIONS, *WORKER_NOTIFICATIONS]
+
+    # --- input (worker/transport.py's Receiver) -----------------------------------
+
+    @property
+    def accepting(self) -> bool:
+        return not self._session.stopping
+
+    def receive(self, message: Incoming) -> None:
+        match message:
+            case Request():
+                self._on_request(message)
+            case Notification():
+                self._on_notification(message)
+            case Rejected():
+                self._replies.send_error(message.id, message.error)
+            case Response():
+                log.warning("ignored a response (id %r): the worker sends no requests", message.id)
+
+    def input_ended(self) -> None:
+        self.end("end of input", cancel=not self._drain_on_eof)
+
+    def _on_request(self, request: Request) -> None:
+        if request.method not in self._routes:
+            self._replies.send_error(request.id, _unknown_method(request.method, list(self._routes)))
+            return
+        try:
+            params = _decode_params(request.method, request.params, METHODS[request.method].params)
+            job = self._session.receive(request.id, request.method, params, time.perf_counter())
+        except RpcError as exc:
+            self._replies.send_error(request.id, exc)
+            return
+        if job is None:
+            self._responder.answer_now(request.id, request.method, params)
+
+    def _on_notification(self, notification: Notification) -> None:
+        params_type = HOST_NOTIFICATIONS.get(notification.method)
+        if params_type is None:
+            if notification.method in self._routes:
+                log.warning("ignored %r without an id: a request needs an id to be answered", notification.method)
+            elif not notification.method.startswith("$/"):  # "$/" notifications are optional by LSP rules
+                log.warning("ignored unknown notification %r", notification.method)
+            return
+        try:
+            params = _decode_params(notification.method, notification.params, params_type)
+        except RpcError as exc:
+            log.warning("ignored notification: %s", exc.message)
+            return
+        if isinstance(params, CancelParams):
+            self._cancel(None, params)
+        elif isinstance(params, AckParams):
+            self._session.ack(params.id, params.index)
+        else:  # exit: 0 after a shutdown request, 1 without one (as LSP does)
+            self.end("exit notification", cancel=True, exit_code=0 if self._session.shutdown_requested else 1)
+
+    def _cancel(self, ctx: Context | None, params: CancelParams) -> CancelResult:
+        return self._session.cancel(params.id)
+
+    # --- lifecycle --------------------------------------------------------------
+
+    def end(self, reason: str, *, cancel: bool, exit_code: int = 0) -> None:
+        """Stop reading; cancel what is in flight (or let it finish), then let the lanes drain."""
+        with self._ending:
+            if self._session.end(cancel=cancel):
+                log.info("stopping: %s", reason)
+                self.exit_code = exit_code
+            if cancel:
+                self._cancelled_at = self._cancelled_at or time.monotonic()
+        self.ended.set()
+
+    def wait_stopped(self, grace_s: float) -> bool:
+        """Wait for the lanes to finish their queues. Once everything is cancelled,
+        wait at most ``grace_s`` more; False if they did not stop in time."""
+        while True:
+            for lane in self._lanes:
+                lane.join(0.05)
+            if not any(lane.is_alive() for lane in self._lanes):
+                self._cache_io.shutdown()
+                return True
+            cancelled_at = self._cancelled_at
+            if cancelled_at is not None and time.monotonic() - cancelled_at > grace_s:
+                return False
+
+
+def _decode_params(method: str, raw: dict[str, Any] | None, params_type: type[Params]) -> Params:
+    try:
+        return msgspec.convert(raw or {}, params_type)
+    except msgspec.ValidationError as exc:
+        raise _invalid_params(method, str(exc), params_type) from None
+
+
+def _closest(word: str, candidates: list[str], cutoff: float) -> str | None:
+    import difflib  # only on the error path: keeps start-up fast
+
+    if len(word) > 2 * max(map(len, candidates), default=0):  # no close match, and comparing would take long
+        return None
+    matches = difflib.get_close_matches(word, candidates, n=1, cutoff=cutoff)
+    return matches[0] if matches else None
+
+
+def _invalid_params(method: str, text: str, params_type: type[Params]) -> RpcError:
+    """A msgspec validation message as an invalid-params error naming the field."""
+    detail, _, path = text.partition(" - at `")
+    path = path.rstrip("`")
+    field_path = "params" + path[1:] if path.startswith("$") else "params"
+    hint = ""
+    if detail.startswith("Object contains unknown field `"):
+        unknown = _shown(detail.split("`")[1])
+        detail = f"Object contains unknown field `{unknown}`"
+        field_path = f"{field_path}.{unknown}"
+        known = list(params_type.__struct_fields__) if field_path.count(".") == 1 else []
+        close = _closest(unknown, known, 0.7)
+        hint = f" (did you mean {close!r}?)" if close else (f" (known: {', '.join(known)})" if known else "")
+    elif detail.startswith("Object missing required field `"):
+        field_path = f"{field_path}.{detail.split('`')[1]}"
+    return RpcError(
+        ErrorKind.INVALID_PARAMS,
+        f"Invalid params for {method!r}: {detail} at {field_path}{hint}; fix it and send the request again.",
+        field=field_path,
+        method=method,
+    )
+
+
+def _shown(name: str, limit: int = 100) -> str:
+    """A name as an error message repeats it: a host's megabytes come back as a short excerpt."""
+    return name if len(name) <= limit else f"{name[:limit]}… ({len(name)} characters)"
+
+
+def _unknown_method(method: str, known: list[str]) -> RpcError:
+    if method in HOST_NOTIFICATIONS:
+        return RpcError(
+            ErrorKind.METHOD_NOT_FOUND,
+            f"{method!r} is a notification, not a request: send it without an 'id'.",
+            method=method,
+        )
+    close = _closest(method, known, 0.6)
+    hint = f"did you mean {close!r}? " if close else ""
+    return RpcError(
+        ErrorKind.METHOD_NOT_FOUND,
+        f"Unknown method {_shown(method)!r}; {hint}known methods: {', '.join(known)}.",
+        method=_shown(method),
+    )

@@ -1,0 +1,85 @@
+"""The session shared by the worker's threads: every read and change of worker/session.py's
+state under one lock, and the lanes' waits for their next job on that lock.
+
+Threads: the reader calls ``receive``, ``cancel``, ``ack`` and ``end``; the text lane
+(``lm-worker-text``) waits in ``next_text_job`` and the model lane (``lm-worker-model``) in
+``next_model_job``; whichever thread sends a job's answer (a lane, the cache I/O thread)
+calls ``release``; a task made on the cache I/O thread ``wake``s the model lane. Every change
+that could let a job start wakes the waiting lanes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from protocol.envelope import RequestId
+from protocol.methods import CancelResult, Params
+from worker.session import Job, Session
+
+
+class LockedSession:
+    def __init__(self, max_batch: int) -> None:
+        self._session = Session(max_batch)
+        self._changed = threading.Condition()
+
+    @property
+    def stopping(self) -> bool:
+        """No more input is read (read without the lock: it only ever turns true)."""
+        return self._session.stopping
+
+    @property
+    def shutdown_requested(self) -> bool:
+        return self._session.shutdown_requested
+
+    def receive(self, request_id: RequestId, method: str, params: Params, now: float) -> Job | None:
+        """See Session.receive: the request's job, or None when the caller answers it at once."""
+        with self._changed:
+            job = self._session.receive(request_id, method, params, now)
+            self._changed.notify_all()
+            return job
+
+    def cancel(self, request_id: RequestId) -> CancelResult:
+        with self._changed:
+            self._changed.notify_all()  # the model lane answers a cancelled queued request at once
+            return self._session.cancel(request_id)
+
+    def ack(self, request_id: RequestId, index: int) -> None:
+        with self._changed:
+            self._session.ack(request_id, index)
+
+    def release(self, job: Job) -> None:
+        """The job has its answer: its id is free again, and what waited for it may start."""
+        with self._changed:
+            self._session.release(job)
+            self._changed.notify_all()
+
+    def end(self, *, cancel: bool) -> bool:
+        """See Session.end; True the first time."""
+        with self._changed:
+            first = self._session.end(cancel=cancel)
+            self._changed.notify_all()
+            return first
+
+    def next_text_job(self) -> Job | None:
+        """The text lane's next job, waiting for one; None once the lane is done."""
+        with self._changed:
+            while (job := self._session.next_text_job()) is None:
+                if self._session.text_lane_done:
+                    return None
+                self._changed.wait()
+            return job
+
+    # The model lane's jobs, as the scheduler takes them (scheduler.Jobs):
+
+    def next_model_job(self, wait: bool, woken: Callable[[], bool]) -> Job | None:
+        with self._changed:
+            while (job := self._session.next_model_job()) is None:
+                if not wait or woken() or self._session.model_lane_done:
+                    return None
+                self._changed.wait()
+            return job
+
+    def wake(self) -> None:
+        with self._changed:
+            self._changed.notify_all()

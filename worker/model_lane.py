@@ -1,0 +1,38 @@
+"""The model lane: the requests that use the model, run by the scheduler's loop.
+
+Threads: the loop (worker/scheduler.py's Scheduler) runs on one thread, ``lm-worker-model``: it
+takes its jobs from the session (worker/locked_session.py) and runs ``load``, ``unload``,
+``shutdown`` (and a job cancelled while it waited) to their answers on that thread. A
+``generate`` or ``prefill`` task is made and finished on the cache I/O thread
+(worker/cache_io.py), so that the requests decoding meanwhile go on; only its rounds (chunks
+of its prompt, decode steps) run on the model lane's thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from worker.cache_io import CacheIO
+from worker.locked_session import LockedSession
+from worker.responder import Responder
+from worker.scheduler import Scheduler, Task
+from worker.session import Job
+
+
+class ModelLane:
+    """The scheduler's :class:`~worker.scheduler.Work`: where each part of a job runs."""
+
+    def __init__(self, session: LockedSession, responder: Responder, cache_io: CacheIO) -> None:
+        self._responder = responder
+        self._cache_io = cache_io
+        self.thread = threading.Thread(target=Scheduler(session, self).run, name="lm-worker-model", daemon=True)
+
+    def run(self, job: Job) -> None:
+        self._responder.run(job)
+
+    def start_task(self, job: Job, ready: Callable[[Task | None], None]) -> None:
+        self._cache_io.submit(lambda: ready(self._responder.make_task(job)))
+
+    def finish_task(self, job: Job, task: Task, error: Exception | None = None) -> None:
+        self._cache_io.submit(self._responder.finish, job, task, error)

@@ -1,0 +1,121 @@
+"""Running a request's handler and sending its answer: a result, or one precise error.
+
+Threads: whichever thread calls it, on that thread. The reader answers inline requests
+(``answer_now``); the text lane and the model lane run queued jobs (``run``); the cache I/O
+thread makes tasks (``make_task``) and answers with them (``finish``). Answers go out through
+the transport's sending half (:class:`Replies`). A queued job's id is freed in the session
+just before its answer is sent, so that the host, once it has the answer, may use the id again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import msgspec
+
+from protocol.envelope import RequestId
+from protocol.errors import ErrorKind, RpcError
+from protocol.methods import Params
+from worker.generation import cancelled_before_start
+from worker.handlers import Context
+from worker.locked_session import LockedSession
+from worker.policy import POLICY
+from worker.scheduler import Task
+from worker.session import Job
+
+log = logging.getLogger(__name__)
+
+Route = Callable[[Context, Any], Any]
+
+
+class Replies(Protocol):
+    """The transport's sending half (worker/transport.py's StdioTransport)."""
+
+    def send_result(self, msg_id: RequestId, result: Any) -> None: ...
+
+    def send_error(self, msg_id: RequestId | None, error: RpcError) -> None: ...
+
+    def send_notification(self, method: str, params: msgspec.Struct) -> None: ...
+
+
+class Responder:
+    def __init__(self, routes: Mapping[str, Route], replies: Replies, session: LockedSession) -> None:
+        self._routes = routes
+        self._replies = replies
+        self._session = session
+
+    def answer_now(self, request_id: RequestId, method: str, params: Params) -> None:
+        """A request that is not queued: run its handler on this thread and answer."""
+        ctx = Context(request_id, threading.Event(), 0.0, self._replies.send_notification)
+        self._answer(request_id, method, lambda: self._routes[method](ctx, params))
+
+    def run(self, job: Job) -> None:
+        """Run a queued job to its answer (one that is not a task, or one cancelled while it waited)."""
+
+        def run() -> Any:
+            policy = POLICY[job.method]
+            if job.cancelled.is_set() and not policy.runs_when_cancelled:
+                if policy.cancelled_result:
+                    return cancelled_before_start(_ms_since(job.queued_at))
+                raise RpcError(ErrorKind.REQUEST_CANCELLED, f"Request {job.id!r} was cancelled before it ran.")
+            return self._routes[job.method](self._context(job), job.params)
+
+        self._answer(job.id, job.method, run, job)
+
+    def make_task(self, job: Job) -> Task | None:
+        """The task of a generate or prefill; None when making it failed (answered then)."""
+        try:
+            return self._routes[job.method](self._context(job), job.params)
+        except Exception as exc:
+            self._session.release(job)
+            self._replies.send_error(job.id, _as_rpc_error(job.method, exc))
+            return None
+
+    def finish(self, job: Job, task: Task, error: Exception | None = None) -> None:
+        """Answer with the task's result, or with ``error`` when its computation failed."""
+
+        def fail() -> Any:
+            raise error  # type: ignore[misc]
+
+        self._answer(job.id, job.method, task.finish if error is None else fail, job)
+
+    def _context(self, job: Job) -> Context:
+        return Context(
+            job.id, job.cancelled, _ms_since(job.queued_at), self._replies.send_notification, lambda: job.acked
+        )
+
+    def _answer(self, msg_id: RequestId, method: str, run: Callable[[], Any], job: Job | None = None) -> None:
+        try:
+            result, error = run(), None
+        except Exception as exc:
+            result, error = None, _as_rpc_error(method, exc)
+        if job is not None:  # the id is free again before the host can see the answer
+            self._session.release(job)
+        if error is None:
+            try:
+                self._replies.send_result(msg_id, result)
+                return
+            except Exception as exc:  # a result that does not encode
+                error = _as_rpc_error(method, exc)
+        self._replies.send_error(msg_id, error)
+
+
+def _as_rpc_error(method: str, exc: Exception) -> RpcError:
+    if isinstance(exc, RpcError):
+        exc.data.method = exc.data.method or method
+        return exc
+    log.error("internal error in %r", method, exc_info=exc)
+    return RpcError(
+        ErrorKind.INTERNAL_ERROR,
+        f"Internal error in {method!r}: {exc!r}. The worker keeps serving; if this repeats, "
+        "record the session with --record and report it.",
+        method=method,
+    )
+
+
+def _ms_since(moment: float) -> float:
+    return (time.perf_counter() - moment) * 1000.0
