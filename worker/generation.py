@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from collections.abc import Callable, Sequence
@@ -23,7 +23,7 @@ from protocol.methods import (
     ToolCall,
     Usage,
 )
-from worker.backends.base import EngineDelta, EngineModel, Model, StreamedDecoding, StreamEnd
+from worker.backends.base import Decoding, EngineDelta, EngineModel, Model, StreamedDecoding, StreamEnd
 from worker.constraints import OutputConstraint
 from worker.streaming import IncrementalDetokenizer, StopMatcher
 from worker.tool_calls import call_reader, for_template, request_tools
@@ -91,14 +91,27 @@ def check_vocabulary(model: Model, tokens: Sequence[int], field: str) -> None:
             )
 
 
-class CacheStart(msgspec.Struct, frozen=True):
-    """Where a generate starts: ``cache`` covers the prompt's first ``reused`` tokens
-    (a fresh cache when ``reused`` is 0; None for a backend that keeps no cache)."""
+class CacheReport(msgspec.Struct, frozen=True):
+    """What a generate's result says of its cache."""
 
-    cache: Any
+    use: CacheUse  # the result's ``cache``
+    written_tokens: int  # its ``usage.cache_write_tokens``
+
+
+class CacheLifecycle(Protocol):
+    """The KV cache one generate runs on, from start to result (worker/caching.py makes it):
+    the prompt's first ``reused`` tokens come from it, the decoding runs on it, and once the
+    generation ends it stores what the request asks and says what the result reports."""
+
     reused: int
-    use: CacheUse  # what the result reports; auto fills in what it stored afterwards
-    written: int = 0  # tokens the prefill that made the cache computed (reported once)
+
+    def start(self, params: GenerateParams, constraint: OutputConstraint | None) -> Decoding:
+        """The decoding of the prompt, on this cache."""
+        ...
+
+    def finish(self, generated: Sequence[int]) -> CacheReport:
+        """After the last token (``generated``: the tokens chosen): store, and report."""
+        ...
 
 
 def prompt_tokens(model: Model, params: GenerateParams) -> list[int]:
@@ -185,9 +198,8 @@ class Generation:
         send_chunk: SendChunk,
         queued_ms: float,
         acked: Callable[[], int] = lambda: -1,
-        start: CacheStart | None = None,
+        cache: CacheLifecycle | None = None,
         started: float | None = None,
-        after: Callable[[GenerateResult], None] = lambda result: None,
         constraint: OutputConstraint | None = None,
         streamed: StreamedDecoding | None = None,
     ) -> None:
@@ -197,12 +209,11 @@ class Generation:
         self._params = params
         self._is_cancelled = is_cancelled
         self._queued_ms = queued_ms
-        self._start = start
+        self._cache = cache
         self._started = started or time.perf_counter()
-        self._after = after
         detokenizer = None if streamed is not None else IncrementalDetokenizer(model.detokenize, prompt)
         self._stream = _Stream(
-            model, params, request_id, len(prompt), start.reused if start else 0, send_chunk, acked, detokenizer
+            model, params, request_id, len(prompt), cache.reused if cache else 0, send_chunk, acked, detokenizer
         )
         self._first_token_at: float | None = None
         self._stop: StopReason | None = None
@@ -210,9 +221,10 @@ class Generation:
         if streamed is not None:
             self.decoding: Any = streamed
             return
-        extra: dict[str, Any] = {"cache": start.cache} if start and start.cache is not None else {}
-        if constraint is not None:
-            extra["constraint"] = constraint
+        if cache is not None:
+            self.decoding = cache.start(params, constraint)
+            return
+        extra: dict[str, Any] = {} if constraint is None else {"constraint": constraint}
         self.decoding = model.start(prompt, params, **extra)
 
     def feed(self, max_tokens: int) -> None:
@@ -299,11 +311,11 @@ class Generation:
         first = self._first_token_at or finished
         decode_s = finished - first
         tokens = self._stream.tokens
-        start = self._start
+        report = self._cache.finish(tokens) if self._cache is not None else None
         calls = self._stream.tool_calls
         drafted = self._params.draft is not None  # then the decoding is a DraftingDecoding (check_draft)
         made_calls = any(call.error is None for call in calls) and self._stop.kind in ("eos", "stop_string")
-        result = GenerateResult(
+        return GenerateResult(
             text=self._stream.text,
             tokens=tokens,
             content=self._stream.content,
@@ -314,9 +326,9 @@ class Generation:
                 prompt_tokens=self._stream.prompt_tokens,
                 completion_tokens=self._stream.generated,
                 cache_read_tokens=self._stream.cache_read_tokens,
-                cache_write_tokens=start.written if start else 0,
+                cache_write_tokens=report.written_tokens if report else 0,
             ),
-            cache=start.use if start else self._engine_cache_use(),
+            cache=report.use if report else self._engine_cache_use(),
             timings=Timings(
                 queued_ms=self._queued_ms,
                 prompt_ms=(first - self._started) * 1000.0,
@@ -327,8 +339,6 @@ class Generation:
                 draft_accepted_tokens=self.decoding.accepted_tokens if drafted else 0,
             ),
         )
-        self._after(result)
-        return result
 
 
 class EnginePrefill:

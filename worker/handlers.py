@@ -173,7 +173,7 @@ class Handlers:
     def generate(self, ctx: Context, params: GenerateParams) -> Generation:
         """The generation, ready for the scheduler to feed and step (nothing computed yet; on
         an engine, the request is sent)."""
-        from worker.caching import finish_generate, start_generate
+        from worker.caching import start_generate
 
         def send_chunk(chunk: GenerateChunk) -> None:
             ctx.send_notification("generate/chunk", chunk)
@@ -189,7 +189,6 @@ class Handlers:
         prompt = prompt_tokens(model, params)
         constraint = output_constraint(model, params)
         check_draft(model, params)
-        start = start_generate(self._store(), model, params, prompt)
         return Generation(
             model,
             params,
@@ -199,9 +198,8 @@ class Handlers:
             send_chunk=send_chunk,
             acked=ctx.acked,
             queued_ms=ctx.queued_ms,
-            start=start,
+            cache=start_generate(self._store(), model, params, prompt),
             started=started,
-            after=lambda result: finish_generate(self._store(), model, start, prompt, result),
             constraint=constraint,
         )
 
