@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, TypeVar
 
 import msgspec
 
@@ -24,15 +24,17 @@ from protocol.methods import (
     PrefillResult,
     SkippedCache,
 )
-from worker.backends.base import CachingModel, Decoding, Model
+from worker.backends.base import CachingDecoding, CachingModel, Decoding, Model
 from worker.generation import CacheReport, PromptSource, check_context, resolve_prompt
 from worker.kvcache.container import Identity, TensorEntry, cut_point
-from worker.kvcache.store import MEMORY, Candidate, CacheStore
+from worker.kvcache.store import MEMORY, Candidate, CacheStore, StorableCache
 
 if TYPE_CHECKING:
     from worker.constraints import OutputConstraint
 
-AUTO = "auto"
+C = TypeVar("C", bound=StorableCache)
+
+AUTO: Final = "auto"
 AUTO_PREFIX = "auto-"  # the refs auto stores under; an auto cache another one extends is deleted
 # Restoring a token costs about a hundredth of computing it, so a stored cache is worth
 # loading when it saves a few tokens and at least 1/64 of what it holds.
@@ -40,15 +42,17 @@ AUTO_MIN_TOKENS = 4
 AUTO_MIN_SHARE = 64
 
 
-def as_caching_model(model: Model) -> CachingModel:
-    if not getattr(model, "supports_cache", False):
+def as_caching_model(model: Model) -> CachingModel[Any]:
+    """``model`` as the CachingModel it must be for a cache ref or a prefill (its cache type is
+    its own: the worker only hands its caches back to it and to the store)."""
+    if not isinstance(model, CachingModel):
         raise RpcError(
             ErrorKind.UNSUPPORTED,
             f"The {model.info.backend} backend keeps no KV cache, so 'cache' and prefill are not available; "
             "load a model with the transformers backend.",
             field="params.cache",
         )
-    return model  # type: ignore[return-value]
+    return model
 
 
 def at_most_all_but_last(shared: int, prompt: Sequence[int]) -> int:
@@ -160,7 +164,7 @@ def _progress(
 
 def start_generate(
     store: CacheStore, model: Model, params: GenerateParams, prompt: Sequence[int]
-) -> RequestCache | None:
+) -> RequestCache[Any] | NoCache | None:
     """The cache a generate runs on, per its ``cache`` and ``cache_trim_tokens`` (None: no cache)."""
     if params.cache_trim_tokens is not None and params.cache in (None, AUTO):
         raise RpcError(
@@ -173,31 +177,31 @@ def start_generate(
         return None
     max_positions = len(prompt) + params.max_tokens  # the most positions the cache will hold
     if params.cache == AUTO:
-        if not getattr(model, "supports_cache", False):
+        if not isinstance(model, CachingModel):
             return NoCache(model, prompt, f"the {model.info.backend} backend keeps no KV cache")
         return _start_auto(store, as_caching_model(model), prompt, max_positions)
-    return _start_from_ref(store, model, params.cache, prompt, params.cache_trim_tokens, max_positions)
+    return _start_from_ref(store, as_caching_model(model), params.cache, prompt, params.cache_trim_tokens, max_positions)
 
 
-class RequestCache:
+class RequestCache(Generic[C]):
     """The KV cache of one generate, from start to result: the prompt's first ``reused`` tokens
     are in ``cache`` (made by start_generate), the decoding extends it in place, and at the end
     an auto request stores the sequence computed for the next turn; what the result says of it
     is built once, in ``finish``."""
 
     def __init__(
-        self, store: CacheStore, model: CachingModel, prompt: Sequence[int], cache: Any, *, mode: str,
+        self, store: CacheStore, model: CachingModel[C], prompt: Sequence[int], cache: C, *, mode: Literal["ref", "auto"],
         reused: int = 0, ref: str | None = None, reason: str | None = None,
         skipped: list[SkippedCache] | None = None, written: int = 0,
     ) -> None:
         """``written``: tokens the prefill that made a named cache computed (reported once)."""
         self._store, self._model, self._prompt = store, model, prompt
         self.cache, self.reused = cache, reused
-        self._mode, self._ref, self._reason, self._skipped, self._written = mode, ref, reason, skipped or [], written
+        self._mode: Literal["ref", "auto"] = mode
+        self._ref, self._reason, self._skipped, self._written = ref, reason, skipped or [], written
 
-    def start(self, params: GenerateParams | None, constraint: OutputConstraint | None = None) -> Decoding:
-        extra: dict[str, Any] = {} if constraint is None else {"constraint": constraint}
-        return self._model.start(self._prompt, params, self.cache, **extra)
+    def start(self, params: GenerateParams | None, constraint: OutputConstraint | None = None) -> CachingDecoding[C]:
+        return self._model.start(self._prompt, params, self.cache, constraint=constraint)
 
     def finish(self, generated: Sequence[int]) -> CacheReport:
         stored, stored_tokens, store_reason, written = None, 0, None, self._written
@@ -265,8 +269,7 @@ class NoCache:
         self.reused = 0
 
     def start(self, params: GenerateParams | None, constraint: OutputConstraint | None = None) -> Decoding:
-        extra: dict[str, Any] = {} if constraint is None else {"constraint": constraint}
-        return self._model.start(self._prompt, params, **extra)
+        return self._model.start(self._prompt, params, constraint=constraint)
 
     def finish(self, generated: Sequence[int]) -> CacheReport:
         use = CacheUse(
@@ -277,9 +280,8 @@ class NoCache:
 
 
 def _start_from_ref(
-    store: CacheStore, model: Model, ref: str, prompt: Sequence[int], trim: int | None, max_positions: int
-) -> RequestCache:
-    model = as_caching_model(model)
+    store: CacheStore, model: CachingModel[C], ref: str, prompt: Sequence[int], trim: int | None, max_positions: int
+) -> RequestCache[C]:
     cached, cache = store.load(
         ref, model.cache_identity(), model.load_cache, room=_room(model, max_positions), check=model.cache_problem
     )
@@ -301,7 +303,9 @@ def _start_from_ref(
     )
 
 
-def _start_auto(store: CacheStore, model: CachingModel, prompt: Sequence[int], max_positions: int) -> RequestCache:
+def _start_auto(
+    store: CacheStore, model: CachingModel[C], prompt: Sequence[int], max_positions: int
+) -> RequestCache[C]:
     """From the stored cache that gives the most of ``prompt`` and is worth loading; else a fresh one."""
     identity = model.cache_identity()
     candidates, skipped = store.candidates(identity)
@@ -328,7 +332,7 @@ def _start_auto(store: CacheStore, model: CachingModel, prompt: Sequence[int], m
     return RequestCache(store, model, prompt, model.new_cache(), mode=AUTO, reason=reason, skipped=skipped)
 
 
-def _room(model: CachingModel, max_positions: int) -> Callable[[TensorEntry], int]:
+def _room(model: CachingModel[Any], max_positions: int) -> Callable[[TensorEntry], int]:
     """The room to read a stored cache with, for a request whose cache will hold at most ``max_positions``."""
     return lambda entry: model.cache_room(entry, max_positions)
 

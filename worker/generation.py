@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Literal, Protocol
 
 import msgspec
 from collections.abc import Callable, Sequence
@@ -23,7 +23,16 @@ from protocol.methods import (
     ToolCall,
     Usage,
 )
-from worker.backends.base import Decoding, EngineDelta, EngineModel, Model, StreamedDecoding, StreamEnd
+from worker.backends.base import (
+    Decoding,
+    DraftingDecoding,
+    DraftingModel,
+    EngineDelta,
+    EngineModel,
+    Model,
+    StreamedDecoding,
+    StreamEnd,
+)
 from worker.constraints import OutputConstraint
 from worker.streaming import IncrementalDetokenizer, StopMatcher
 from worker.tool_calls import call_reader, for_template, request_tools
@@ -170,8 +179,10 @@ def check_draft(model: Model, params: GenerateParams) -> None:
     draft = params.draft
     if draft is None:
         return
-    drafting = getattr(model, "drafting", None)  # optional (DraftingModel)
-    refused = f"The {model.info.backend} backend does not draft tokens; leave out 'draft'." if drafting is None else drafting()
+    if isinstance(model, DraftingModel):
+        refused = model.drafting()
+    else:
+        refused = f"The {model.info.backend} backend does not draft tokens; leave out 'draft'."
     if refused is not None:
         raise RpcError(ErrorKind.UNSUPPORTED, refused, field="params.draft")
     if draft.ngram_min > draft.ngram_max:
@@ -219,13 +230,14 @@ class Generation:
         self._stop: StopReason | None = None
         self._streamed = streamed
         if streamed is not None:
-            self.decoding: Any = streamed
-            return
-        if cache is not None:
+            self.decoding: Decoding = streamed
+        elif cache is not None:
             self.decoding = cache.start(params, constraint)
-            return
-        extra: dict[str, Any] = {} if constraint is None else {"constraint": constraint}
-        self.decoding = model.start(prompt, params, **extra)
+        else:
+            self.decoding = model.start(prompt, params, constraint=constraint)
+        # With a draft, the decoding is a DraftingDecoding (check_draft refused any other model).
+        drafting = self.decoding if params.draft is not None else None
+        self._drafting = drafting if isinstance(drafting, DraftingDecoding) else None
 
     def feed(self, max_tokens: int) -> None:
         """A chunk of the prompt; the first token once the prompt is in."""
@@ -253,7 +265,7 @@ class Generation:
             self._stop = self._stream.push(token)
             if self._stop is None and len(self._stream.tokens) >= self._params.max_tokens:
                 self._stop = _reason("max_tokens")
-            if self._params.draft is None or not self.decoding.has_next():
+            if self._drafting is None or not self._drafting.has_next():
                 return
 
     def _take_deltas(self, decoding: StreamedDecoding) -> None:
@@ -302,7 +314,8 @@ class Generation:
             self._streamed.close()
 
     def finish(self) -> GenerateResult:
-        assert self.done
+        stop = self._stop
+        assert self.done and stop is not None
         self.close()
         if self._streamed is not None:  # the counts as the engine's last events gave them
             self._stream.counts(self._streamed.prompt_tokens, self._streamed.cached_tokens or 0)
@@ -313,15 +326,14 @@ class Generation:
         tokens = self._stream.tokens
         report = self._cache.finish(tokens) if self._cache is not None else None
         calls = self._stream.tool_calls
-        drafted = self._params.draft is not None  # then the decoding is a DraftingDecoding (check_draft)
-        made_calls = any(call.error is None for call in calls) and self._stop.kind in ("eos", "stop_string")
+        made_calls = any(call.error is None for call in calls) and stop.kind in ("eos", "stop_string")
         return GenerateResult(
             text=self._stream.text,
             tokens=tokens,
             content=self._stream.content,
             tool_calls=calls,
-            finish_reason="tool_calls" if made_calls else _FINISH_REASONS[self._stop.kind],
-            stop_reason=self._stop,
+            finish_reason="tool_calls" if made_calls else _FINISH_REASONS[stop.kind],
+            stop_reason=stop,
             usage=Usage(
                 prompt_tokens=self._stream.prompt_tokens,
                 completion_tokens=self._stream.generated,
@@ -335,8 +347,8 @@ class Generation:
                 decode_ms=decode_s * 1000.0,
                 total_ms=(finished - self._started) * 1000.0,
                 tokens_per_second=(self._stream.generated - 1) / decode_s if decode_s > 0 and self._stream.generated > 1 else 0.0,
-                draft_tokens=self.decoding.drafted_tokens if drafted else 0,
-                draft_accepted_tokens=self.decoding.accepted_tokens if drafted else 0,
+                draft_tokens=self._drafting.drafted_tokens if self._drafting else 0,
+                draft_accepted_tokens=self._drafting.accepted_tokens if self._drafting else 0,
             ),
         )
 
@@ -358,7 +370,7 @@ class EnginePrefill:
         cls, model: EngineModel, params: PrefillParams, *, request_id: int | str, is_cancelled: Callable[[], bool]
     ) -> EnginePrefill:
         started = time.perf_counter()
-        backend = model.info.backend  # type: ignore[attr-defined]
+        backend = model.info.backend
         if params.cache != "auto" or params.base is not None or params.trim_to_tokens is not None:
             field = "params.cache" if params.cache != "auto" else "params.base" if params.base else "params.trim_to_tokens"
             raise RpcError(
@@ -377,7 +389,7 @@ class EnginePrefill:
         decoding = model.submit(one, add_generation_prompt=params.add_generation_prompt)
         generation = Generation(
             model, one, [], request_id=request_id, is_cancelled=is_cancelled, send_chunk=lambda chunk: None,
-            queued_ms=0.0, started=started, streamed=decoding,  # type: ignore[arg-type]
+            queued_ms=0.0, started=started, streamed=decoding,
         )
         return cls(generation, started)
 
@@ -424,7 +436,7 @@ def cancelled_before_start(queued_ms: float) -> GenerateResult:
     )
 
 
-def _reason(kind: str, *, token: int | None = None, stop: str | None = None) -> StopReason:
+def _reason(kind: StopKind, *, token: int | None = None, stop: str | None = None) -> StopReason:
     return StopReason(kind=kind, token=token, stop=stop)
 
 
@@ -438,7 +450,10 @@ def _engine_stop(end: StreamEnd, tokens: list[int]) -> StopReason:
     return _reason("eos", token=tokens[-1] if tokens else None)
 
 
-_FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_tokens": "length", "cancelled": "cancelled"}
+StopKind = Literal["eos", "stop_string", "max_tokens", "cancelled"]
+_FINISH_REASONS: dict[StopKind, Literal["stop", "length", "cancelled"]] = {
+    "eos": "stop", "stop_string": "stop", "max_tokens": "length", "cancelled": "cancelled",
+}
 
 
 class _Stream:
