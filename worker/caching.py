@@ -36,8 +36,9 @@ C = TypeVar("C", bound=StorableCache)
 
 AUTO: Final = "auto"
 AUTO_PREFIX = "auto-"  # the refs auto stores under; an auto cache another one extends is deleted
-# Restoring a token costs about a hundredth of computing it, so a stored cache is worth
-# loading when it saves a few tokens and at least 1/64 of what it holds.
+# Restoring a token costs far less than computing it (bench/README.md, "Figures behind
+# constants"), so a stored cache is worth loading when it saves a few tokens and at least
+# 1/64 of what it holds.
 AUTO_MIN_TOKENS = 4
 AUTO_MIN_SHARE = 64
 

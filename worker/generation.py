@@ -460,7 +460,7 @@ class _Stream:
     """Token ids in; stable text deltas out as chunks; the final text is their concatenation.
 
     With a ``stream_window``, at most that many chunks are out past the last one the host
-    acknowledged; the text of later tokens is held, merged into one chunk, until an ack
+    acknowledged; the text of later tokens waits unsent, merged into one chunk, until an ack
     makes room (the stream's reader is slow) or the generation ends. The generation itself
     never waits for a slow reader, and neither do the requests decoding beside it."""
 
@@ -490,7 +490,7 @@ class _Stream:
         self._window = params.stream_window
         self._acked = acked
         self._sent = 0  # chunks sent
-        self._held: _Unsent | None = None
+        self._unsent: _Unsent | None = None
         self.tokens: list[int] = []
         self.generated = 0  # tokens generated: len(tokens), unless an engine gave no ids
         self._made_calls: list[ToolCall] = []
@@ -538,8 +538,8 @@ class _Stream:
         return None
 
     def finish(self) -> None:
-        """Emit what was held back (unless a stop string ended the text), and every chunk a
-        slow reader's window held: the stream is whole before the result."""
+        """Emit what was held back (unless a stop string ended the text), and what a slow
+        reader's window left unsent: the stream is whole before the result."""
         if not self._stopped:
             text, stop = self._stops.push(self._detok.flush() if self._detok else "")
             tail = text + ("" if stop is not None else self._stops.flush())
@@ -549,7 +549,7 @@ class _Stream:
             content, calls = self._calls.finish()
             if content or calls:
                 self._emit("", [], content, calls)
-        self._send_held(force=True)
+        self._send_unsent(force=True)
 
     def _emit(
         self, text: str, tokens: list[int], content: str | None = None, calls: Sequence[ToolCall] = ()
@@ -562,31 +562,31 @@ class _Stream:
         self._made_calls += calls
         if self._send is None:
             return
-        held = self._held or _Unsent()
-        held.texts.append(text)
-        held.tokens += tokens
-        held.contents.append(content)
-        held.calls += calls
-        self._held = held
-        self._send_held(force=False)
+        unsent = self._unsent or _Unsent()
+        unsent.texts.append(text)
+        unsent.tokens += tokens
+        unsent.contents.append(content)
+        unsent.calls += calls
+        self._unsent = unsent
+        self._send_unsent(force=False)
 
-    def _send_held(self, *, force: bool) -> None:
-        if self._held is None or self._send is None:
+    def _send_unsent(self, *, force: bool) -> None:
+        if self._unsent is None or self._send is None:
             return
         if not force and self._window is not None and self._sent - (self._acked() + 1) >= self._window:
             return
-        held, self._held = self._held, None
+        unsent, self._unsent = self._unsent, None
         self._send(
             GenerateChunk(
                 id=self._request_id,
                 index=self._sent,
-                text="".join(held.texts),
-                tokens=held.tokens,
+                text="".join(unsent.texts),
+                tokens=unsent.tokens,
                 generated_tokens=self.generated,
                 prompt_tokens=self.prompt_tokens,
                 cache_read_tokens=self.cache_read_tokens,
-                content="".join(held.contents),
-                tool_calls=held.calls,
+                content="".join(unsent.contents),
+                tool_calls=unsent.calls,
             )
         )
         self._sent += 1

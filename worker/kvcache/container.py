@@ -43,7 +43,7 @@ import msgspec
 
 from worker.files import NotRegularFile, open_regular
 
-try:  # ISA-L's CRC-32 is zlib's, computed about five times as fast (carry-less multiplies)
+try:  # ISA-L's CRC-32 is zlib's, computed several times as fast (carry-less multiplies)
     from isal.isal_zlib import crc32  # pyright: ignore[reportUnknownVariableType] (its stub leaves data untyped)
 except ImportError:  # a platform without its wheels
     from zlib import crc32
@@ -552,9 +552,8 @@ def _anonymous(size: int) -> mmap.mmap:
 class _Reserve:
     """Memory filled in ahead of the restores to come (``reserve``). A virtual machine that
     hands freed memory back to its host (free page reporting) makes the first touch of new
-    memory slow: 190-220 ms for the 90 MiB of a 2,048-token SmolLM2 cache, measured after
-    another process had freed its memory, against ~10 ms to copy the file into it. Memory
-    the worker filled at ``load`` and keeps costs nothing to write again. One restore at a
+    memory slow, many times the copy of the file into it (bench/README.md, "Figures behind
+    constants"). Memory the worker filled at ``load`` and keeps costs nothing to write again. One restore at a
     time holds it: the next finds it free once every tensor of the last is gone."""
 
     def __init__(self) -> None:
