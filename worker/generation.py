@@ -314,8 +314,9 @@ class Generation:
             self._streamed.close()
 
     def finish(self) -> GenerateResult:
+        assert self.done  # which sets _stop for a cancel
         stop = self._stop
-        assert self.done and stop is not None
+        assert stop is not None
         self.close()
         if self._streamed is not None:  # the counts as the engine's last events gave them
             self._stream.counts(self._streamed.prompt_tokens, self._streamed.cached_tokens or 0)
