@@ -180,8 +180,9 @@ def start_generate(
     if params.cache == AUTO:
         if not isinstance(model, CachingModel):
             return NoCache(model, prompt, f"the {model.info.backend} backend keeps no KV cache")
-        return _start_auto(store, as_caching_model(model), prompt, max_positions)
-    return _start_from_ref(store, as_caching_model(model), params.cache, prompt, params.cache_trim_tokens, max_positions)
+        return _start_auto(store, model, prompt, max_positions)
+    model = as_caching_model(model)
+    return _start_from_ref(store, model, params.cache, prompt, params.cache_trim_tokens, max_positions)
 
 
 class RequestCache(Generic[C]):
@@ -191,8 +192,8 @@ class RequestCache(Generic[C]):
     is built once, in ``finish``."""
 
     def __init__(
-        self, store: CacheStore, model: CachingModel[C], prompt: Sequence[int], cache: C, *, mode: Literal["ref", "auto"],
-        reused: int = 0, ref: str | None = None, reason: str | None = None,
+        self, store: CacheStore, model: CachingModel[C], prompt: Sequence[int], cache: C, *,
+        mode: Literal["ref", "auto"], reused: int = 0, ref: str | None = None, reason: str | None = None,
         skipped: list[SkippedCache] | None = None, written: int = 0,
     ) -> None:
         """``written``: tokens the prefill that made a named cache computed (reported once)."""
