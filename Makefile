@@ -13,7 +13,7 @@ NODE_STAMP := node_modules/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup compile demo test test-fast bench bench-llama-cpp bench-openai schemas vllm
+.PHONY: setup compile typecheck demo test test-fast bench bench-llama-cpp bench-openai schemas vllm
 
 setup: $(STAMP) $(NODE_STAMP) $(VLLM_STAMP)
 
@@ -52,14 +52,19 @@ $(NODE_STAMP): package.json package-lock.json
 	npm ci --no-audit --no-fund
 	touch $(NODE_STAMP)
 
-test: compile $(NODE_STAMP) $(VLLM_STAMP)
+test: compile typecheck $(NODE_STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q
 	npm test
 
 # Everything but the slow tier (real models, vLLM).
-test-fast: compile $(NODE_STAMP)
+test-fast: compile typecheck $(NODE_STAMP)
 	$(BIN)/python -m pytest -q -m 'not slow'
 	npm test
+
+# pyright, as [tool.pyright] in pyproject.toml says; its check for a newer release (a request
+# to the package index) is turned off.
+typecheck: $(STAMP)
+	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(BIN)/pyright --pythonpath $(BIN)/python
 
 bench: compile
 	$(BIN)/python bench/protocol_bench.py

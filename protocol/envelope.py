@@ -6,7 +6,8 @@ each way a message can be wrong gets its own precise error.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, TypeGuard, cast
 
 import msgspec
 
@@ -90,14 +91,17 @@ def parse_incoming(body: bytes) -> Incoming:
         )
     if not isinstance(obj, dict):
         return Rejected(None, _invalid(f"a message must be a JSON object, got {_json_type(obj)}"))
+    obj = cast(dict[str, Any], obj)  # JSON objects' keys are strings
     if "method" not in obj and ("result" in obj or "error" in obj):
         # A response, whatever its id: answering it could start two peers answering each other forever.
         return Response(obj.get("id") if _is_valid_id(obj.get("id")) else None)
     has_id = "id" in obj  # 0 and "" are valid ids: test the key, not the value
-    msg_id = obj.get("id")
-    if has_id and not _is_valid_id(msg_id):
-        return Rejected(None, _invalid(f"'id' must be an integer or a string, got {_json_type(msg_id)}", "id"))
-    reply_id = msg_id if has_id else None
+    msg_id: RequestId | None = None
+    if has_id:
+        if not _is_valid_id(given := obj["id"]):
+            return Rejected(None, _invalid(f"'id' must be an integer or a string, got {_json_type(given)}", "id"))
+        msg_id = given
+    reply_id = msg_id
     if obj.get("jsonrpc") != "2.0":
         got = "it is missing" if "jsonrpc" not in obj else f"got {obj['jsonrpc']!r}"
         return Rejected(reply_id, _invalid(f"'jsonrpc' must be \"2.0\" ({got})", "jsonrpc"))
@@ -106,7 +110,7 @@ def parse_incoming(body: bytes) -> Incoming:
     method = obj["method"]
     if not isinstance(method, str):
         return Rejected(reply_id, _invalid(f"'method' must be a string, got {_json_type(method)}", "method"))
-    params = obj.get("params")
+    params: Any = obj.get("params")
     if params is not None and not isinstance(params, dict):
         error = RpcError(
             ErrorKind.INVALID_PARAMS,
@@ -116,7 +120,7 @@ def parse_incoming(body: bytes) -> Incoming:
             method=method,
         )
         return Rejected(reply_id, error)
-    if has_id and params is not None and (field := _too_deep(params)) is not None:
+    if has_id and params is not None and (field := _too_deep(cast(dict[str, Any], params))) is not None:
         error = RpcError(
             ErrorKind.INVALID_PARAMS,
             f"Invalid params for '{method}': {field} nests more than {MAX_PARAMS_DEPTH} levels deep; flatten it "
@@ -125,21 +129,23 @@ def parse_incoming(body: bytes) -> Incoming:
             method=method,
         )
         return Rejected(reply_id, error)
-    return Request(msg_id, method, params) if has_id else Notification(method, params)
+    fields = cast(dict[str, Any] | None, params)  # JSON objects' keys are strings
+    return Request(msg_id, method, fields) if msg_id is not None else Notification(method, fields)
 
 
 def _too_deep(params: dict[str, Any]) -> str | None:
     """The field of ``params`` (named at most _NAMED_LEVELS deep) holding a value nested more
     than MAX_PARAMS_DEPTH levels below params, or None. Walked without recursion."""
-    stack = [(params, 0, "params")]
+    stack: list[tuple[dict[str, Any] | list[Any], int, str]] = [(params, 0, "params")]
     while stack:
         value, depth, field = stack.pop()
         if depth > MAX_PARAMS_DEPTH:
             return field
-        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+        items: Iterable[tuple[str | int, Any]] = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
             if isinstance(item, dict | list):
                 named = field if depth >= _NAMED_LEVELS else field + (f"[{key}]" if isinstance(key, int) else f".{key[:40]}")
-                stack.append((item, depth + 1, named))
+                stack.append((cast(dict[str, Any] | list[Any], item), depth + 1, named))
     return None
 
 
@@ -185,13 +191,14 @@ def _replace_surrogates(value: Any) -> Any:
     if isinstance(value, str):
         return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
     if isinstance(value, list):
-        return [_replace_surrogates(item) for item in value]
+        return [_replace_surrogates(item) for item in cast(list[Any], value)]
     if isinstance(value, dict):
-        return {_replace_surrogates(key): _replace_surrogates(item) for key, item in value.items()}
+        entries = cast(dict[Any, Any], value).items()
+        return {_replace_surrogates(key): _replace_surrogates(item) for key, item in entries}
     return value
 
 
-def _is_valid_id(value: object) -> bool:
+def _is_valid_id(value: object) -> TypeGuard[RequestId]:
     return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
 
 

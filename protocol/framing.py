@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import re
+from typing import Final
 
 import msgspec
 
@@ -72,7 +73,13 @@ class _State(enum.Enum):
     SKIP_BODY = enum.auto()
 
 
-_PROGRESS = object()
+class _Progress(enum.Enum):
+    """A step that consumed input without completing an event."""
+
+    PROGRESS = enum.auto()
+
+
+_PROGRESS: Final = _Progress.PROGRESS
 
 
 class FrameDecoder:
@@ -130,7 +137,7 @@ class FrameDecoder:
             if step is not _PROGRESS:
                 events.append(step)
 
-    def _step(self) -> Event | object | None:
+    def _step(self) -> Event | _Progress | None:
         match self._state:
             case _State.IDLE:
                 return self._idle()
@@ -145,13 +152,13 @@ class FrameDecoder:
             case _State.SKIP_BODY:
                 return self._skip_body()
 
-    def _enter(self, state: _State, consumed_to: int | None = None) -> object:
+    def _enter(self, state: _State, consumed_to: int | None = None) -> _Progress:
         if consumed_to is not None:
             self._pos = consumed_to
         self._state, self._scan = state, 0
         return _PROGRESS
 
-    def _idle(self) -> Event | object | None:
+    def _idle(self) -> Event | _Progress | None:
         buf = self._buf
         start = _NON_WHITESPACE.search(buf, self._pos)
         if start is None:
@@ -169,7 +176,7 @@ class FrameDecoder:
         self._enter(_State.SKIP)
         return _garbage_error(bytes(buf[self._pos : self._pos + 1]))
 
-    def _line(self) -> Event | object | None:
+    def _line(self) -> Event | _Progress | None:
         buf, pos, limit = self._buf, self._pos, self.max_message_bytes
         end = buf.find(b"\n", pos + self._scan, pos + limit + 1)
         if end < 0:
@@ -186,7 +193,7 @@ class FrameDecoder:
     def _line_frame(line: bytes) -> Frame:
         return Frame(line[:-1] if line.endswith(b"\r") else line, Framing.NDJSON)
 
-    def _headers(self) -> Event | object | None:
+    def _headers(self) -> Event | _Progress | None:
         buf, pos = self._buf, self._pos
         # A block is accepted only if it ends within MAX_HEADER_BYTES + 1 bytes,
         # so whole and byte-by-byte input agree on where the limit bites.
@@ -235,7 +242,7 @@ class FrameDecoder:
         self._enter(_State.IDLE, end)
         return Frame(body, Framing.LSP)
 
-    def _skip_body(self) -> object | None:
+    def _skip_body(self) -> _Progress | None:
         """Skip an over-limit body by its length; a header block that starts inside it ends
         the skip early, so that a lying length cannot swallow the stream."""
         buf, pos, remaining = self._buf, self._pos, self._body_length
@@ -255,7 +262,7 @@ class FrameDecoder:
         self._pos, self._body_length = pos + consumed, remaining - consumed
         return None
 
-    def _skip(self) -> object | None:
+    def _skip(self) -> _Progress | None:
         start = self._pos
         while (found := _RESYNC.search(self._buf, start)) is not None:
             if found.group() == b"\n":

@@ -40,7 +40,7 @@ class Result(msgspec.Struct, kw_only=True):
     """Base of every result struct: every field is always present."""
 
 
-class NoParams(Params):
+class NoParams(Params, frozen=True):
     pass
 
 
@@ -109,7 +109,7 @@ class CapabilitiesResult(Result):
 # --- load / unload ----------------------------------------------------------
 
 
-class LoadParams(Params):
+class LoadParams(Params, frozen=True):
     model: str = "default"
     backend: str = "transformers"
     device: str = "cpu"
@@ -176,7 +176,7 @@ class ChatMessage(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     tool_calls: list[MessageToolCall] | None = None  # an "assistant" message: the calls it made
 
 
-class TokenizeParams(Params):
+class TokenizeParams(Params, frozen=True):
     text: str
     add_special_tokens: bool = True
 
@@ -186,7 +186,7 @@ class TokenizeResult(Result):
     count: int
 
 
-class DetokenizeParams(Params):
+class DetokenizeParams(Params, frozen=True):
     tokens: list[TokenId]
     skip_special_tokens: bool = False
 
@@ -195,7 +195,7 @@ class DetokenizeResult(Result):
     text: str
 
 
-class RenderParams(Params):
+class RenderParams(Params, frozen=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     tools: list[Tool] | None = None
     add_generation_prompt: bool = True
@@ -210,7 +210,7 @@ class RenderResult(Result):
 # --- generate -----------------------------------------------------------------
 
 
-class PromptParams(Params):
+class PromptParams(Params, frozen=True):
     """The prompt of generate and prefill: exactly one of prompt, tokens, messages."""
 
     prompt: str | None = None
@@ -277,7 +277,7 @@ class PromptLookup(
     ngram_min: Annotated[int, Meta(ge=1, le=16)] = 2  # ...down to this one
 
 
-class GenerateParams(PromptParams):
+class GenerateParams(PromptParams, frozen=True):
     max_tokens: Annotated[int, Meta(ge=1)] = 256
     temperature: Annotated[float, Meta(ge=0)] = 0.0  # 0 is greedy
     top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
@@ -376,7 +376,7 @@ class GenerateResult(Result):
 # --- prefill and the cache store -----------------------------------------------
 
 
-class PrefillParams(PromptParams, kw_only=True):
+class PrefillParams(PromptParams, kw_only=True, frozen=True):
     add_generation_prompt: bool = True  # for messages
     # Where to store the result; "auto": where auto generates look (the stored cache sharing the
     # longest prefix is the start, and the result is stored under an auto ref).
@@ -405,7 +405,7 @@ class PrefillProgress(Result):
     cache_read_tokens: int
 
 
-class CacheRefParams(Params):
+class CacheRefParams(Params, frozen=True):
     cache: CacheRef
 
 
@@ -433,11 +433,11 @@ class CacheDeleteResult(Result):
 # --- cancel / shutdown -------------------------------------------------------
 
 
-class CancelParams(Params):
+class CancelParams(Params, frozen=True):
     id: RequestId
 
 
-class AckParams(Params):
+class AckParams(Params, frozen=True):
     id: RequestId  # the generate request
     index: Annotated[int, Meta(ge=0)]  # the host has taken this chunk and those before it
 

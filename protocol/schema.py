@@ -61,14 +61,14 @@ def render(files: dict[str, dict[str, Any]]) -> dict[str, bytes]:
 def stale(directory: Path) -> list[str]:
     """Names of files that are missing, different or extra in ``directory``."""
     wanted = render(build())
-    present = {p.name for p in directory.glob("*.json")} if directory.is_dir() else set()
+    present: set[str] = {p.name for p in directory.glob("*.json")} if directory.is_dir() else set()
     problems = [name for name, data in wanted.items() if not (directory / name).is_file() or (directory / name).read_bytes() != data]
     problems += sorted(present - wanted.keys())
     return problems
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m protocol.schema", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m protocol.schema", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("directory", type=Path)
     parser.add_argument("--check", action="store_true", help="report stale files instead of writing")
     args = parser.parse_args(argv)

@@ -10,6 +10,7 @@ from protocol.errors import ErrorKind, RpcError
 from worker.backends import Registry
 from worker.host import WorkerError
 from tests.conftest import SpawnWorker, install_plugin
+from tests.test_openai_backend import misbehaving  # noqa: F401 (a fixture)
 
 BROKEN = "raise ImportError('needs libfoo 2.0; pip install foo')\n"
 UNAVAILABLE = """
@@ -60,3 +61,31 @@ def test_a_plugin_cannot_take_the_name_of_a_builtin(tmp_path: Path, monkeypatch)
     registry = Registry()
     assert registry.names().count("echo") == 1
     assert type(registry.get("echo")).__module__ == "worker.backends.echo"
+
+
+def test_each_builtin_backend_is_the_capability_protocols_it_has_and_no_other(tiny_model_dir, tmp_path, misbehaving):
+    """The worker asks for optional capabilities with isinstance on runtime-checkable Protocols:
+    the built-in backends must answer what they really do."""
+    from protocol.methods import LoadParams
+    from tests.test_openai_backend import url_of
+    from worker.backends.base import (
+        CachingModel, CheckingBackend, DraftingModel, EngineModel, SideThreadModel,
+    )
+    from worker.backends.echo import EchoBackend
+    from worker.backends.openai.backend import OpenAIBackend
+    from worker.backends.transformers.backend import TransformersBackend
+
+    backends = {"transformers": TransformersBackend(), "echo": EchoBackend(), "openai": OpenAIBackend()}
+    loads = {
+        "transformers": LoadParams(model=str(tiny_model_dir)),
+        "echo": LoadParams(backend="echo"),
+        "openai": LoadParams(backend="openai", base_url=url_of(misbehaving)),
+    }
+    models = {name: backend.load(loads[name], data_dir=tmp_path) for name, backend in backends.items()}
+    capabilities = {CachingModel: "caching", DraftingModel: "drafting", EngineModel: "engine", SideThreadModel: "side"}
+    has = {name: {what for protocol, what in capabilities.items() if isinstance(model, protocol)}
+           for name, model in models.items()}
+    assert has == {"transformers": {"caching", "drafting", "side"}, "echo": set(), "openai": {"engine"}}
+    assert all(isinstance(backend, CheckingBackend) for backend in backends.values())
+    for model in models.values():
+        model.close()

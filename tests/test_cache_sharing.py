@@ -284,7 +284,7 @@ def vandal(directory: Path, stop: threading.Event, seed: int) -> None:
                 if action == "truncate":
                     with open(target, "r+b") as file:
                         file.truncate(rng.randrange(len(data) + 1))
-                elif action == "flip":
+                elif action == "flip" and data:  # a file truncated to nothing has no byte to flip
                     with open(target, "r+b") as file:
                         file.seek(rng.randrange(len(data)))
                         file.write(bytes([rng.randrange(256)]))

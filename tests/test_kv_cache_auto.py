@@ -151,20 +151,17 @@ async def test_an_auto_cache_a_later_turn_extends_is_replaced_by_the_longer_one(
 
 
 def test_auto_stores_nothing_for_a_generate_cancelled_before_its_first_chunk(tmp_path: Path):
-    from protocol.methods import CacheUse
-    from worker.caching import finish_generate
-    from worker.generation import CacheStart, cancelled_before_start
+    from worker.caching import AUTO, RequestCache
     from worker.kvcache.store import CacheStore
 
     class NothingComputed:  # a model whose cache is still empty
         def cached_tokens(self, cache) -> int:
             return 0
 
-    use = CacheUse(mode="auto", ref=None, reused_tokens=0, reason=None, skipped=[], stored=None,
-                   stored_tokens=0, store_reason=None)
-    finish_generate(CacheStore(tmp_path), NothingComputed(), CacheStart(cache=object(), reused=0, use=use),
-                    [1, 2, 3], cancelled_before_start(0.0))
-    assert use.stored is None and use.store_reason.startswith("nothing was computed")
+    cache = RequestCache(CacheStore(tmp_path), NothingComputed(), [1, 2, 3], object(), mode=AUTO)
+    report = cache.finish([])
+    assert report.use.stored is None and report.use.store_reason.startswith("nothing was computed")
+    assert report.written_tokens == 0
     assert list(tmp_path.iterdir()) == []
 
 

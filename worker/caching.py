@@ -1,4 +1,4 @@
-"""prefill, and generate from a cache: which tokens are reused, which are computed.
+"""prefill, and generate from a cache: which tokens are reused, which are computed, what is stored.
 
 Greedy output from a cache equals greedy output without one because a cache is
 used only when its tokens are exactly a prefix of the prompt, and at least the
@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, TypeVar
 
 import msgspec
 
@@ -18,34 +19,41 @@ from protocol.errors import ErrorKind, RpcError
 from protocol.methods import (
     CacheUse,
     GenerateParams,
-    GenerateResult,
     PrefillParams,
     PrefillProgress,
     PrefillResult,
     SkippedCache,
 )
-from worker.backends.base import CachingModel, Model
-from worker.generation import CacheStart, PromptSource, check_context, resolve_prompt
+from worker.backends.base import CachingDecoding, CachingModel, Decoding, Model
+from worker.generation import CacheReport, PromptSource, check_context, resolve_prompt
 from worker.kvcache.container import Identity, TensorEntry, cut_point
-from worker.kvcache.store import MEMORY, Candidate, CacheStore
+from worker.kvcache.store import MEMORY, Candidate, CacheStore, StorableCache
 
-AUTO = "auto"
+if TYPE_CHECKING:
+    from worker.constraints import OutputConstraint
+
+C = TypeVar("C", bound=StorableCache)
+
+AUTO: Final = "auto"
 AUTO_PREFIX = "auto-"  # the refs auto stores under; an auto cache another one extends is deleted
-# Restoring a token costs about a hundredth of computing it, so a stored cache is worth
-# loading when it saves a few tokens and at least 1/64 of what it holds.
+# Restoring a token costs far less than computing it (bench/README.md, "Figures behind
+# constants"), so a stored cache is worth loading when it saves a few tokens and at least
+# 1/64 of what it holds.
 AUTO_MIN_TOKENS = 4
 AUTO_MIN_SHARE = 64
 
 
-def as_caching_model(model: Model) -> CachingModel:
-    if not getattr(model, "supports_cache", False):
+def as_caching_model(model: Model) -> CachingModel[Any]:
+    """``model`` as the CachingModel it must be for a cache ref or a prefill (its cache type is
+    its own: the worker only hands its caches back to it and to the store)."""
+    if not isinstance(model, CachingModel):
         raise RpcError(
             ErrorKind.UNSUPPORTED,
             f"The {model.info.backend} backend keeps no KV cache, so 'cache' and prefill are not available; "
             "load a model with the transformers backend.",
             field="params.cache",
         )
-    return model  # type: ignore[return-value]
+    return model
 
 
 def at_most_all_but_last(shared: int, prompt: Sequence[int]) -> int:
@@ -155,8 +163,10 @@ def _progress(
     return report
 
 
-def start_generate(store: CacheStore, model: Model, params: GenerateParams, prompt: Sequence[int]) -> CacheStart | None:
-    """The cache a generate starts from, per its ``cache`` and ``cache_trim_tokens``."""
+def start_generate(
+    store: CacheStore, model: Model, params: GenerateParams, prompt: Sequence[int]
+) -> RequestCache[Any] | NoCache | None:
+    """The cache a generate runs on, per its ``cache`` and ``cache_trim_tokens`` (None: no cache)."""
     if params.cache_trim_tokens is not None and params.cache in (None, AUTO):
         raise RpcError(
             ErrorKind.INVALID_PARAMS,
@@ -166,69 +176,116 @@ def start_generate(store: CacheStore, model: Model, params: GenerateParams, prom
         )
     if params.cache is None:
         return None
-    held = len(prompt) + params.max_tokens  # the most positions the cache will hold
+    max_positions = len(prompt) + params.max_tokens  # the most positions the cache will hold
     if params.cache == AUTO:
-        return _start_auto(store, model, prompt, held)
-    return _start_from_ref(store, model, params.cache, prompt, params.cache_trim_tokens, held)
+        if not isinstance(model, CachingModel):
+            return NoCache(model, prompt, f"the {model.info.backend} backend keeps no KV cache")
+        return _start_auto(store, model, prompt, max_positions)
+    model = as_caching_model(model)
+    return _start_from_ref(store, model, params.cache, prompt, params.cache_trim_tokens, max_positions)
 
 
-def finish_generate(store: CacheStore, model: Model, start: CacheStart | None, prompt: Sequence[int],
-                    result: GenerateResult) -> None:
-    """After an auto generate: store the sequence computed (prompt and generated tokens) for the next turn."""
-    if start is None or start.use.mode != AUTO or start.cache is None:
-        return
-    use = start.use
-    cached = model.cached_tokens(start.cache)
-    covered = min(cached, len(prompt) + max(0, len(result.tokens) - 1))  # the last token was never fed
-    if covered < cached:  # drafted positions past the output
-        model.crop_cache(start.cache, covered)
-    sequence = (list(prompt) + result.tokens)[:covered]
-    if not sequence:
-        use.store_reason = "nothing was computed: the generate was cancelled before its first chunk"
-        return
-    identity = model.cache_identity()
-    candidates, _ = store.candidates(identity)  # again: other workers may have stored some meanwhile
-    # Only a sound file counts as holding the sequence: a memory:// cache does not survive a restart,
-    # and a damaged file of this very sequence is overwritten.
-    unusable = {s.ref for s in use.skipped}
-    holder = next(
-        (
-            c.ref for c in candidates
-            if not c.ref.startswith(MEMORY) and c.ref not in unusable and c.tokens[: len(sequence)] == sequence
-            and _can_resume(c.resume_points, [len(sequence)])
-        ),
-        None,
-    )
-    if holder is not None:
-        use.store_reason = f"nothing new to store: {holder!r} already covers these {len(sequence)} tokens"
-        return
-    ref = _auto_ref(identity, sequence)
-    try:
-        store.save(ref, identity, sequence, start.cache, offsets=[], hashes=[], written_tokens=None)
-    except (RpcError, OSError) as exc:
-        use.store_reason = f"not stored: {exc}"
-        return
-    points = start.cache.resume_points()
-    for old in candidates:  # an auto cache this one extends, and can be cut back like, is no longer needed
-        if (
-            old.ref.startswith(AUTO_PREFIX) and old.ref != ref and sequence[: len(old.tokens)] == old.tokens
-            and _can_resume(points, old.resume_points or [len(old.tokens)])
-        ):
-            try:
-                store.delete(old.ref)
-            except RpcError as exc:  # another user's, in a shared directory: it stays theirs, the result stands
-                reason = exc.__cause__.strerror if isinstance(exc.__cause__, OSError) else exc.message
-                use.store_reason = f"stored; {old.ref!r}, which it extends, could not be deleted: {reason}"
-    use.stored, use.stored_tokens = ref, len(sequence)
-    result.usage.cache_write_tokens = len(sequence) - start.reused
+class RequestCache(Generic[C]):
+    """The KV cache of one generate, from start to result: the prompt's first ``reused`` tokens
+    are in ``cache`` (made by start_generate), the decoding extends it in place, and at the end
+    an auto request stores the sequence computed for the next turn; what the result says of it
+    is built once, in ``finish``."""
+
+    def __init__(
+        self, store: CacheStore, model: CachingModel[C], prompt: Sequence[int], cache: C, *,
+        mode: Literal["ref", "auto"], reused: int = 0, ref: str | None = None, reason: str | None = None,
+        skipped: list[SkippedCache] | None = None, written: int = 0,
+    ) -> None:
+        """``written``: tokens the prefill that made a named cache computed (reported once)."""
+        self._store, self._model, self._prompt = store, model, prompt
+        self.cache, self.reused = cache, reused
+        self._mode: Literal["ref", "auto"] = mode
+        self._ref, self._reason, self._skipped, self._written = ref, reason, skipped or [], written
+
+    def start(self, params: GenerateParams | None, constraint: OutputConstraint | None = None) -> CachingDecoding[C]:
+        return self._model.start(self._prompt, params, self.cache, constraint=constraint)
+
+    def finish(self, generated: Sequence[int]) -> CacheReport:
+        stored, stored_tokens, store_reason, written = None, 0, None, self._written
+        if self._mode == AUTO:
+            stored, stored_tokens, store_reason = self._store_sequence(generated)
+            written = stored_tokens - self.reused if stored else 0
+        use = CacheUse(
+            mode=self._mode, ref=self._ref, reused_tokens=self.reused, reason=self._reason, skipped=self._skipped,
+            stored=stored, stored_tokens=stored_tokens, store_reason=store_reason,
+        )
+        return CacheReport(use=use, written_tokens=written)
+
+    def _store_sequence(self, generated: Sequence[int]) -> tuple[str | None, int, str | None]:
+        """Store the sequence computed (prompt and generated tokens) for the next turn: the ref
+        stored under, the tokens it covers, and why nothing was stored or something went wrong."""
+        store, model, cache = self._store, self._model, self.cache
+        cached = model.cached_tokens(cache)
+        covered = min(cached, len(self._prompt) + max(0, len(generated) - 1))  # the last token was never fed
+        if covered < cached:  # drafted positions past the output
+            model.crop_cache(cache, covered)
+        sequence = (list(self._prompt) + list(generated))[:covered]
+        if not sequence:
+            return None, 0, "nothing was computed: the generate was cancelled before its first chunk"
+        identity = model.cache_identity()
+        candidates, _ = store.candidates(identity)  # again: other workers may have stored some meanwhile
+        # Only a sound file counts as holding the sequence: a memory:// cache does not survive a restart,
+        # and a damaged file of this very sequence is overwritten.
+        unusable = {s.ref for s in self._skipped}
+        holder = next(
+            (
+                c.ref for c in candidates
+                if not c.ref.startswith(MEMORY) and c.ref not in unusable and c.tokens[: len(sequence)] == sequence
+                and _can_resume(c.resume_points, [len(sequence)])
+            ),
+            None,
+        )
+        if holder is not None:
+            return None, 0, f"nothing new to store: {holder!r} already covers these {len(sequence)} tokens"
+        ref = _auto_ref(identity, sequence)
+        try:
+            store.save(ref, identity, sequence, cache, offsets=[], hashes=[], written_tokens=None)
+        except (RpcError, OSError) as exc:
+            return None, 0, f"not stored: {exc}"
+        problem = None
+        points = cache.resume_points()
+        for old in candidates:  # an auto cache this one extends, and can be cut back like, is no longer needed
+            if (
+                old.ref.startswith(AUTO_PREFIX) and old.ref != ref and sequence[: len(old.tokens)] == old.tokens
+                and _can_resume(points, old.resume_points or [len(old.tokens)])
+            ):
+                try:
+                    store.delete(old.ref)
+                except RpcError as exc:  # another user's, in a shared directory: it stays theirs, the result stands
+                    reason = exc.__cause__.strerror if isinstance(exc.__cause__, OSError) else exc.message
+                    problem = f"stored; {old.ref!r}, which it extends, could not be deleted: {reason}"
+        return ref, len(sequence), problem
+
+
+class NoCache:
+    """``cache: "auto"`` on a model that keeps no KV cache: nothing is reused or stored, and
+    the result says why."""
+
+    def __init__(self, model: Model, prompt: Sequence[int], reason: str) -> None:
+        self._model, self._prompt, self._reason = model, prompt, reason
+        self.reused = 0
+
+    def start(self, params: GenerateParams | None, constraint: OutputConstraint | None = None) -> Decoding:
+        return self._model.start(self._prompt, params, constraint=constraint)
+
+    def finish(self, generated: Sequence[int]) -> CacheReport:
+        use = CacheUse(
+            mode=AUTO, ref=None, reused_tokens=0, reason=self._reason, skipped=[], stored=None, stored_tokens=0,
+            store_reason=self._reason,
+        )
+        return CacheReport(use=use, written_tokens=0)
 
 
 def _start_from_ref(
-    store: CacheStore, model: Model, ref: str, prompt: Sequence[int], trim: int | None, held: int
-) -> CacheStart:
-    model = as_caching_model(model)
+    store: CacheStore, model: CachingModel[C], ref: str, prompt: Sequence[int], trim: int | None, max_positions: int
+) -> RequestCache[C]:
     cached, cache = store.load(
-        ref, model.cache_identity(), model.load_cache, room=_room(model, held), check=model.cache_problem
+        ref, model.cache_identity(), model.load_cache, room=_room(model, max_positions), check=model.cache_problem
     )
     usable = cached if trim is None else cached[:trim]
     matched = common_prefix(usable, prompt)
@@ -241,18 +298,17 @@ def _start_from_ref(
             "or use cache: \"auto\".",
             field="params.cache",
         )
-    # The cache says how far it can be cut back.
-    reused = model.reusable_tokens(cache, at_most_all_but_last(matched, prompt))
+    reused = model.reusable_tokens(cache, at_most_all_but_last(matched, prompt))  # the cache says how far back it cuts
     model.crop_cache(cache, reused)
-    use = _use("ref", ref=ref, reused=reused)
-    return CacheStart(cache=cache, reused=reused, use=use, written=store.take_pending_writes(ref))
+    return RequestCache(
+        store, model, prompt, cache, mode="ref", ref=ref, reused=reused, written=store.take_pending_writes(ref)
+    )
 
 
-def _start_auto(store: CacheStore, model: Model, prompt: Sequence[int], held: int) -> CacheStart:
-    if not getattr(model, "supports_cache", False):
-        reason = f"the {model.info.backend} backend keeps no KV cache"
-        return CacheStart(cache=None, reused=0, use=_use(AUTO, reason=reason, store_reason=reason))
-    model = as_caching_model(model)
+def _start_auto(
+    store: CacheStore, model: CachingModel[C], prompt: Sequence[int], max_positions: int
+) -> RequestCache[C]:
+    """From the stored cache that gives the most of ``prompt`` and is worth loading; else a fresh one."""
     identity = model.cache_identity()
     candidates, skipped = store.candidates(identity)
     ranked = sorted(candidates, key=lambda c: (-_reusable(c, prompt), len(c.tokens)))
@@ -261,7 +317,7 @@ def _start_auto(store: CacheStore, model: Model, prompt: Sequence[int], held: in
             continue
         try:
             cached, cache = store.load(
-                candidate.ref, identity, model.load_cache, room=_room(model, held), check=model.cache_problem
+                candidate.ref, identity, model.load_cache, room=_room(model, max_positions), check=model.cache_problem
             )
         except RpcError as exc:  # damaged, or deleted by another worker since it was listed
             skipped.append(SkippedCache(ref=candidate.ref, reason=exc.message))
@@ -271,19 +327,21 @@ def _start_auto(store: CacheStore, model: Model, prompt: Sequence[int], held: in
         if not _worth_loading(reused, len(cached)):
             continue
         model.crop_cache(cache, reused)
-        return CacheStart(cache=cache, reused=reused, use=_use(AUTO, ref=candidate.ref, reused=reused, skipped=skipped))
-    use = _use(AUTO, reason=_why_nothing_reused(candidates, skipped, prompt), skipped=skipped)
-    return CacheStart(cache=model.new_cache(), reused=0, use=use)
+        return RequestCache(
+            store, model, prompt, cache, mode=AUTO, ref=candidate.ref, reused=reused, skipped=skipped
+        )
+    reason = _why_nothing_reused(candidates, skipped, prompt)
+    return RequestCache(store, model, prompt, model.new_cache(), mode=AUTO, reason=reason, skipped=skipped)
 
 
-def _room(model: CachingModel, held: int) -> Callable[[TensorEntry], int]:
-    """The room to read a stored cache with, for a request whose cache will hold at most ``held`` positions."""
-    return lambda entry: model.cache_room(entry, held)
+def _room(model: CachingModel[Any], max_positions: int) -> Callable[[TensorEntry], int]:
+    """The room to read a stored cache with, for a request whose cache will hold at most ``max_positions``."""
+    return lambda entry: model.cache_room(entry, max_positions)
 
 
 def _reusable(candidate: Candidate, prompt: Sequence[int]) -> int:
-    """How much of ``prompt`` a stored cache can give: the prefix they share, but never the
-    last prompt token (always fed), and only as far as the cache can be cut back."""
+    """How much of ``prompt`` a stored cache can give, by its listing: the prefix they share
+    (at_most_all_but_last), as far back as the cache can be cut."""
     return cut_point(candidate.resume_points, at_most_all_but_last(common_prefix(candidate.tokens, prompt), prompt))
 
 
@@ -317,11 +375,3 @@ def _auto_ref(identity: Identity, sequence: Sequence[int]) -> str:
     digest = hashlib.sha256(msgspec.json.encode(identity))
     digest.update(msgspec.json.encode(list(sequence)))
     return AUTO_PREFIX + digest.hexdigest()[:24]
-
-
-def _use(mode: str, *, ref: str | None = None, reused: int = 0, reason: str | None = None,
-         skipped: list[SkippedCache] | None = None, store_reason: str | None = None) -> CacheUse:
-    return CacheUse(
-        mode=mode, ref=ref, reused_tokens=reused, reason=reason, skipped=skipped or [],
-        stored=None, stored_tokens=0, store_reason=store_reason,
-    )

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from protocol.errors import ErrorKind, RpcError
 from protocol.methods import GenerateParams, JsonObjectFormat, JsonSchemaFormat, NamedToolChoice
 from worker.backends.base import Model
 
-COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+COMPACT_JSON: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
 def output_constraint(model: Model, params: GenerateParams) -> OutputConstraint | None:
@@ -94,7 +97,7 @@ def grammar_for(
         from worker.tool_calls import forced_grammar
 
         only = params.tool_choice.function.name if isinstance(params.tool_choice, NamedToolChoice) else None
-        grammar = forced_grammar(tool_format, params.tools, only, parallel=params.parallel_tool_calls)
+        grammar = forced_grammar(tool_format, params.tools or [], only, parallel=params.parallel_tool_calls)
         return grammar, "params.tool_choice"
     if isinstance(fmt, JsonSchemaFormat):
         field = "params.response_format.json_schema.schema"

@@ -115,7 +115,7 @@ async def run(load: dict, questions: list[str], max_tokens: int) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m worker.demo", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--backend", default="transformers", help="backend to load (default: transformers)")
     parser.add_argument("--model", default="default", help="model directory or .gguf file (default: SmolLM2)")
     parser.add_argument("--question", action="append", help="ask this (repeatable); default: two questions")

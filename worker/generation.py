@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Literal, Protocol
 
 import msgspec
 from collections.abc import Callable, Sequence
@@ -23,7 +23,16 @@ from protocol.methods import (
     ToolCall,
     Usage,
 )
-from worker.backends.base import EngineDelta, EngineModel, Model, StreamedDecoding, StreamEnd
+from worker.backends.base import (
+    Decoding,
+    DraftingDecoding,
+    DraftingModel,
+    EngineDelta,
+    EngineModel,
+    Model,
+    StreamedDecoding,
+    StreamEnd,
+)
 from worker.constraints import OutputConstraint
 from worker.streaming import IncrementalDetokenizer, StopMatcher
 from worker.tool_calls import call_reader, for_template, request_tools
@@ -91,14 +100,27 @@ def check_vocabulary(model: Model, tokens: Sequence[int], field: str) -> None:
             )
 
 
-class CacheStart(msgspec.Struct, frozen=True):
-    """Where a generate starts: ``cache`` covers the prompt's first ``reused`` tokens
-    (a fresh cache when ``reused`` is 0; None for a backend that keeps no cache)."""
+class CacheReport(msgspec.Struct, frozen=True):
+    """What a generate's result says of its cache."""
 
-    cache: Any
+    use: CacheUse  # the result's ``cache``
+    written_tokens: int  # its ``usage.cache_write_tokens``
+
+
+class CacheLifecycle(Protocol):
+    """The KV cache one generate runs on, from start to result (worker/caching.py makes it):
+    the prompt's first ``reused`` tokens come from it, the decoding runs on it, and once the
+    generation ends it stores what the request asks and says what the result reports."""
+
     reused: int
-    use: CacheUse  # what the result reports; auto fills in what it stored afterwards
-    written: int = 0  # tokens the prefill that made the cache computed (reported once)
+
+    def start(self, params: GenerateParams, constraint: OutputConstraint | None) -> Decoding:
+        """The decoding of the prompt, on this cache."""
+        ...
+
+    def finish(self, generated: Sequence[int]) -> CacheReport:
+        """After the last token (``generated``: the tokens chosen): store, and report."""
+        ...
 
 
 def prompt_tokens(model: Model, params: GenerateParams) -> list[int]:
@@ -171,8 +193,10 @@ def check_draft(model: Model, params: GenerateParams) -> None:
     draft = params.draft
     if draft is None:
         return
-    drafting = getattr(model, "drafting", None)  # optional (DraftingModel)
-    refused = f"The {model.info.backend} backend does not draft tokens; leave out 'draft'." if drafting is None else drafting()
+    if isinstance(model, DraftingModel):
+        refused = model.drafting()
+    else:
+        refused = f"The {model.info.backend} backend does not draft tokens; leave out 'draft'."
     if refused is not None:
         raise RpcError(ErrorKind.UNSUPPORTED, refused, field="params.draft")
     if draft.ngram_min > draft.ngram_max:
@@ -199,9 +223,8 @@ class Generation:
         send_chunk: SendChunk,
         queued_ms: float,
         acked: Callable[[], int] = lambda: -1,
-        start: CacheStart | None = None,
+        cache: CacheLifecycle | None = None,
         started: float | None = None,
-        after: Callable[[GenerateResult], None] = lambda result: None,
         constraint: OutputConstraint | None = None,
         streamed: StreamedDecoding | None = None,
     ) -> None:
@@ -211,23 +234,24 @@ class Generation:
         self._params = params
         self._is_cancelled = is_cancelled
         self._queued_ms = queued_ms
-        self._start = start
+        self._cache = cache
         self._started = started or time.perf_counter()
-        self._after = after
         detokenizer = None if streamed is not None else IncrementalDetokenizer(model.detokenize, prompt)
         self._stream = _Stream(
-            model, params, request_id, len(prompt), start.reused if start else 0, send_chunk, acked, detokenizer
+            model, params, request_id, len(prompt), cache.reused if cache else 0, send_chunk, acked, detokenizer
         )
         self._first_token_at: float | None = None
         self._stop: StopReason | None = None
         self._streamed = streamed
         if streamed is not None:
-            self.decoding: Any = streamed
-            return
-        extra: dict[str, Any] = {"cache": start.cache} if start and start.cache is not None else {}
-        if constraint is not None:
-            extra["constraint"] = constraint
-        self.decoding = model.start(prompt, params, **extra)
+            self.decoding: Decoding = streamed
+        elif cache is not None:
+            self.decoding = cache.start(params, constraint)
+        else:
+            self.decoding = model.start(prompt, params, constraint=constraint)
+        # With a draft, the decoding is a DraftingDecoding (check_draft refused any other model).
+        drafting = self.decoding if params.draft is not None else None
+        self._drafting = drafting if isinstance(drafting, DraftingDecoding) else None
 
     def feed(self, max_tokens: int) -> None:
         """A chunk of the prompt; the first token once the prompt is in."""
@@ -255,7 +279,7 @@ class Generation:
             self._stop = self._stream.push(token)
             if self._stop is None and len(self._stream.tokens) >= self._params.max_tokens:
                 self._stop = _reason("max_tokens")
-            if self._params.draft is None or not self.decoding.has_next():
+            if self._drafting is None or not self._drafting.has_next():
                 return
 
     def _take_deltas(self, decoding: StreamedDecoding) -> None:
@@ -304,7 +328,9 @@ class Generation:
             self._streamed.close()
 
     def finish(self) -> GenerateResult:
-        assert self.done
+        assert self.done  # which sets _stop for a cancel
+        stop = self._stop
+        assert stop is not None
         self.close()
         if self._streamed is not None:  # the counts as the engine's last events gave them
             self._stream.counts(self._streamed.prompt_tokens, self._streamed.cached_tokens or 0)
@@ -313,36 +339,33 @@ class Generation:
         first = self._first_token_at or finished
         decode_s = finished - first
         tokens = self._stream.tokens
-        start = self._start
+        report = self._cache.finish(tokens) if self._cache is not None else None
         calls = self._stream.tool_calls
-        drafted = self._params.draft is not None  # then the decoding is a DraftingDecoding (check_draft)
-        made_calls = any(call.error is None for call in calls) and self._stop.kind in ("eos", "stop_string")
-        result = GenerateResult(
+        made_calls = any(call.error is None for call in calls) and stop.kind in ("eos", "stop_string")
+        return GenerateResult(
             text=self._stream.text,
             tokens=tokens,
             content=self._stream.content,
             tool_calls=calls,
-            finish_reason="tool_calls" if made_calls else _FINISH_REASONS[self._stop.kind],
-            stop_reason=self._stop,
+            finish_reason="tool_calls" if made_calls else _FINISH_REASONS[stop.kind],
+            stop_reason=stop,
             usage=Usage(
                 prompt_tokens=self._stream.prompt_tokens,
                 completion_tokens=self._stream.generated,
                 cache_read_tokens=self._stream.cache_read_tokens,
-                cache_write_tokens=start.written if start else 0,
+                cache_write_tokens=report.written_tokens if report else 0,
             ),
-            cache=start.use if start else self._engine_cache_use(),
+            cache=report.use if report else self._engine_cache_use(),
             timings=Timings(
                 queued_ms=self._queued_ms,
                 prompt_ms=(first - self._started) * 1000.0,
                 decode_ms=decode_s * 1000.0,
                 total_ms=(finished - self._started) * 1000.0,
                 tokens_per_second=(self._stream.generated - 1) / decode_s if decode_s > 0 and self._stream.generated > 1 else 0.0,
-                draft_tokens=self.decoding.drafted_tokens if drafted else 0,
-                draft_accepted_tokens=self.decoding.accepted_tokens if drafted else 0,
+                draft_tokens=self._drafting.drafted_tokens if self._drafting else 0,
+                draft_accepted_tokens=self._drafting.accepted_tokens if self._drafting else 0,
             ),
         )
-        self._after(result)
-        return result
 
 
 class EnginePrefill:
@@ -362,7 +385,7 @@ class EnginePrefill:
         cls, model: EngineModel, params: PrefillParams, *, request_id: int | str, is_cancelled: Callable[[], bool]
     ) -> EnginePrefill:
         started = time.perf_counter()
-        backend = model.info.backend  # type: ignore[attr-defined]
+        backend = model.info.backend
         if params.cache != "auto" or params.base is not None or params.trim_to_tokens is not None:
             field = "params.cache" if params.cache != "auto" else "params.base" if params.base else "params.trim_to_tokens"
             raise RpcError(
@@ -381,7 +404,7 @@ class EnginePrefill:
         decoding = model.submit(one, add_generation_prompt=params.add_generation_prompt)
         generation = Generation(
             model, one, [], request_id=request_id, is_cancelled=is_cancelled, send_chunk=lambda chunk: None,
-            queued_ms=0.0, started=started, streamed=decoding,  # type: ignore[arg-type]
+            queued_ms=0.0, started=started, streamed=decoding,
         )
         return cls(generation, started)
 
@@ -428,7 +451,7 @@ def cancelled_before_start(queued_ms: float) -> GenerateResult:
     )
 
 
-def _reason(kind: str, *, token: int | None = None, stop: str | None = None) -> StopReason:
+def _reason(kind: StopKind, *, token: int | None = None, stop: str | None = None) -> StopReason:
     return StopReason(kind=kind, token=token, stop=stop)
 
 
@@ -442,14 +465,17 @@ def _engine_stop(end: StreamEnd, tokens: list[int]) -> StopReason:
     return _reason("eos", token=tokens[-1] if tokens else None)
 
 
-_FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_tokens": "length", "cancelled": "cancelled"}
+StopKind = Literal["eos", "stop_string", "max_tokens", "cancelled"]
+_FINISH_REASONS: dict[StopKind, Literal["stop", "length", "cancelled"]] = {
+    "eos": "stop", "stop_string": "stop", "max_tokens": "length", "cancelled": "cancelled",
+}
 
 
 class _Stream:
     """Token ids in; stable text deltas out as chunks; the final text is their concatenation.
 
     With a ``stream_window``, at most that many chunks are out past the last one the host
-    acknowledged; the text of later tokens is held, merged into one chunk, until an ack
+    acknowledged; the text of later tokens waits unsent, merged into one chunk, until an ack
     makes room (the stream's reader is slow) or the generation ends. The generation itself
     never waits for a slow reader, and neither do the requests decoding beside it."""
 
@@ -479,7 +505,7 @@ class _Stream:
         self._window = params.stream_window
         self._acked = acked
         self._sent = 0  # chunks sent
-        self._held: _Unsent | None = None
+        self._unsent: _Unsent | None = None
         self.tokens: list[int] = []
         self.generated = 0  # tokens generated: len(tokens), unless an engine gave no ids
         self._made_calls: list[ToolCall] = []
@@ -527,8 +553,8 @@ class _Stream:
         return None
 
     def finish(self) -> None:
-        """Emit what was held back (unless a stop string ended the text), and every chunk a
-        slow reader's window held: the stream is whole before the result."""
+        """Emit what was held back (unless a stop string ended the text), and what a slow
+        reader's window left unsent: the stream is whole before the result."""
         if not self._stopped:
             text, stop = self._stops.push(self._detok.flush() if self._detok else "")
             tail = text + ("" if stop is not None else self._stops.flush())
@@ -538,7 +564,7 @@ class _Stream:
             content, calls = self._calls.finish()
             if content or calls:
                 self._emit("", [], content, calls)
-        self._send_held(force=True)
+        self._send_unsent(force=True)
 
     def _emit(
         self, text: str, tokens: list[int], content: str | None = None, calls: Sequence[ToolCall] = ()
@@ -551,31 +577,31 @@ class _Stream:
         self._made_calls += calls
         if self._send is None:
             return
-        held = self._held or _Unsent()
-        held.texts.append(text)
-        held.tokens += tokens
-        held.contents.append(content)
-        held.calls += calls
-        self._held = held
-        self._send_held(force=False)
+        unsent = self._unsent or _Unsent()
+        unsent.texts.append(text)
+        unsent.tokens += tokens
+        unsent.contents.append(content)
+        unsent.calls += calls
+        self._unsent = unsent
+        self._send_unsent(force=False)
 
-    def _send_held(self, *, force: bool) -> None:
-        if self._held is None or self._send is None:
+    def _send_unsent(self, *, force: bool) -> None:
+        if self._unsent is None or self._send is None:
             return
         if not force and self._window is not None and self._sent - (self._acked() + 1) >= self._window:
             return
-        held, self._held = self._held, None
+        unsent, self._unsent = self._unsent, None
         self._send(
             GenerateChunk(
                 id=self._request_id,
                 index=self._sent,
-                text="".join(held.texts),
-                tokens=held.tokens,
+                text="".join(unsent.texts),
+                tokens=unsent.tokens,
                 generated_tokens=self.generated,
                 prompt_tokens=self.prompt_tokens,
                 cache_read_tokens=self.cache_read_tokens,
-                content="".join(held.contents),
-                tool_calls=held.calls,
+                content="".join(unsent.contents),
+                tool_calls=unsent.calls,
             )
         )
         self._sent += 1

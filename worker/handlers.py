@@ -7,7 +7,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
 import msgspec
 
@@ -40,7 +40,7 @@ from protocol.methods import (
 from protocol.framing import Framing
 from worker import __version__
 from worker.backends import Registry
-from worker.backends.base import EngineModel, Model, SideThreadModel
+from worker.backends.base import CachingModel, CheckingBackend, EngineModel, Model, SideThreadModel
 
 if TYPE_CHECKING:
     from worker.caching import Prefill
@@ -121,13 +121,12 @@ class Handlers:
 
     def load(self, ctx: Context, params: LoadParams) -> ModelInfo:
         backend = self._registry.get(params.backend)
-        check = getattr(backend, "check", None)  # before unloading: a typo leaves the current model working
-        if check is not None:
-            check(params, data_dir=self._data_dir)
+        if isinstance(backend, CheckingBackend):  # before unloading: a typo leaves the current model working
+            backend.check(params, data_dir=self._data_dir)
         self.unload(ctx, NoParams())
         started = time.perf_counter()
         model = backend.load(params, data_dir=self._data_dir)
-        if getattr(model, "supports_cache", False):
+        if isinstance(model, CachingModel):
             self._prepare_restores(model)
         self._model = model
         log.info(
@@ -135,7 +134,7 @@ class Handlers:
         )
         return model.info
 
-    def _prepare_restores(self, model: Model) -> None:
+    def _prepare_restores(self, model: CachingModel[Any]) -> None:
         """Import the cache modules now, not in the first request that uses a cache, and fill
         the memory for restoring this model's largest stored cache (CacheStore.reserve_for)."""
         import worker.caching  # noqa: F401
@@ -173,7 +172,7 @@ class Handlers:
     def generate(self, ctx: Context, params: GenerateParams) -> Generation:
         """The generation, ready for the scheduler to feed and step (nothing computed yet; on
         an engine, the request is sent)."""
-        from worker.caching import finish_generate, start_generate
+        from worker.caching import start_generate
 
         def send_chunk(chunk: GenerateChunk) -> None:
             ctx.send_notification("generate/chunk", chunk)
@@ -189,7 +188,6 @@ class Handlers:
         prompt = prompt_tokens(model, params)
         constraint = output_constraint(model, params)
         check_draft(model, params)
-        start = start_generate(self._store(), model, params, prompt)
         return Generation(
             model,
             params,
@@ -199,9 +197,8 @@ class Handlers:
             send_chunk=send_chunk,
             acked=ctx.acked,
             queued_ms=ctx.queued_ms,
-            start=start,
+            cache=start_generate(self._store(), model, params, prompt),
             started=started,
-            after=lambda result: finish_generate(self._store(), model, start, prompt, result),
             constraint=constraint,
         )
 

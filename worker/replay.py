@@ -97,7 +97,7 @@ async def replay(path: str | Path, *, timeout: float = 30.0) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker.replay", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m worker.replay", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("transcripts", nargs="+", type=Path)
     args = parser.parse_args(argv)
     failed = 0

@@ -280,16 +280,16 @@ class Scheduler(Generic[J]):
             feeding = None  # a step alone first: chunks beside steps are sized from its time
         before, started = feeding.decoding.prompt_left if feeding else 0, self._clock()
         in_step = feeding is not None and bool(decoding) and feeding.model.chunks_in_step
-        if in_step:
+        if in_step and feeding is not None:
             chunk = (feeding.decoding, self.costs.chunk_tokens(len(decoding), before))
             stepped = carried = self._guarded([*decoding, feeding], lambda: self._step(decoding, chunk))
         else:
             fed = feeding is not None and self._guarded([feeding], lambda: self._feed(feeding, beside=len(decoding)))
             stepped = bool(decoding) and self._guarded(decoding, lambda: self._step(decoding))
             carried = fed and stepped
-        if carried:  # a round that fed a chunk beside running streams: what it took
+        if carried and feeding is not None:  # a round that fed a chunk beside running streams: what it took
             self.costs.chunk_fed(len(decoding), before - feeding.decoding.prompt_left, self._clock() - started)
-        if in_step and stepped:
+        if in_step and stepped and feeding is not None:
             self._guarded([feeding], feeding.fed)
         if stepped:
             for task in decoding:  # each takes its token; one that fails there fails alone

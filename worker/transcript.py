@@ -64,7 +64,7 @@ class Recorder:
         self._t0 = time.perf_counter()
         self._write(msgspec.json.encode(Header(transcript=FORMAT_VERSION, worker_version=worker_version, args=args)))
 
-    def record_in(self, body: bytes, framing: str) -> None:
+    def record_in(self, body: bytes, framing: Literal["ndjson", "lsp"]) -> None:
         try:
             entry = Entry(t=self._now(), dir="in", msg=msgspec.json.decode(body), framing=framing)
         except msgspec.DecodeError:
@@ -103,7 +103,7 @@ class Recorder:
             self._written += len(line) + 1
 
 
-def read(path: str) -> tuple[Header, list[Entry]]:
+def read(path: str | os.PathLike[str]) -> tuple[Header, list[Entry]]:
     with open(path, "rb") as file:
         lines = file.read().splitlines()
     header = msgspec.json.decode(lines[0], type=Header)

@@ -94,8 +94,9 @@ class Registry:
 def _plugin_entry_points() -> list[tuple[str, str]]:
     """(name, "module:attr") for each backend that an installed distribution declares.
 
-    importlib.metadata costs ~50 ms to import, a third of the start-up budget,
-    so it is used only when some distribution's entry_points.txt names the group.
+    importlib.metadata is slow to import, a large share of the start-up time (bench/README.md,
+    "Figures behind constants"), so it is used only when some distribution's
+    entry_points.txt names the group.
     """
     marker = f"[{ENTRY_POINT_GROUP}]"
     for entry in sys.path:

@@ -11,13 +11,19 @@ chunks of the size it chooses, then advances it one token per ``Model.step``,
 together with the other requests decoding at the same time. A backend that can
 compute several sequences in one pass does so in ``step``; one that cannot steps
 them one after another, and the requests still take turns, step by step.
+
+What a backend may do beyond that is a capability of its own, a ``runtime_checkable``
+Protocol the worker tests with ``isinstance``: :class:`CachingModel` (KV caches the
+worker stores and reuses), :class:`DraftingModel` (``draft``), :class:`EngineModel`
+(another program computes the model), :class:`SideThreadModel` and
+:class:`CheckingBackend`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 import msgspec
 
@@ -29,20 +35,25 @@ from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo,
 PREFILL_CHUNK_TOKENS = 256
 
 if TYPE_CHECKING:  # the container is imported only where caches are used
-    from worker.constraints import GrammarTokenizer
+    from worker.constraints import GrammarTokenizer, OutputConstraint
     from worker.kvcache.container import Header, Identity, LoadedCache, TensorEntry
+    from worker.kvcache.store import StorableCache
+
+# A caching model's own cache type: what its cache methods take and its decodings extend.
+CacheT = TypeVar("CacheT", bound="StorableCache")
+CacheT_co = TypeVar("CacheT_co", bound="StorableCache", covariant=True)
 
 
 class Model(Protocol):
-    """A loaded model. Only the model thread calls ``step`` and feeds decodings; ``tokenize``,
-    ``detokenize`` and ``render`` may be called from the reader and text lanes at the same
-    time and must be safe for that."""
+    """A loaded model. Only the model lane's thread starts, feeds and steps decodings;
+    ``tokenize``, ``detokenize`` and ``render`` may be called from the reader and text lanes
+    at the same time and must be safe for that."""
 
     info: ModelInfo
     eos_token_ids: frozenset[int]
     chunks_in_step: bool  # whether ``step`` can feed a prompt chunk in the same pass
     # The vocabulary for grammars that constrain output; None: this model's output cannot be
-    # constrained. A model with one also takes ``constraint=`` (an OutputConstraint) in ``start``.
+    # constrained (and ``start`` is never given a constraint).
     grammar_tokenizer: GrammarTokenizer | None
 
     def tokenize(self, text: str, *, add_special_tokens: bool) -> list[int]: ...
@@ -63,8 +74,11 @@ class Model(Protocol):
         when the model has no chat template."""
         ...
 
-    def start(self, prompt: Sequence[int], params: GenerateParams | None) -> Decoding:
-        """A generation of ``params`` continuing ``prompt``; nothing is computed yet."""
+    def start(
+        self, prompt: Sequence[int], params: GenerateParams | None, *, constraint: OutputConstraint | None = None
+    ) -> Decoding:
+        """A generation of ``params`` continuing ``prompt``; nothing is computed yet. ``constraint``:
+        the tokens each choice may take (only for a model with a ``grammar_tokenizer``)."""
         ...
 
     def step(self, decodings: Sequence[Decoding], chunk: tuple[Decoding, int] | None = None) -> None:
@@ -77,9 +91,12 @@ class Model(Protocol):
 
 
 class Decoding(Protocol):
-    """One sequence on its way through the model (only the model thread touches it)."""
+    """One sequence on its way through the model (only the model lane's thread touches it)."""
 
-    prompt_left: int  # prompt tokens not fed yet
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens not fed yet."""
+        ...
 
     def feed(self, max_tokens: int) -> None:
         """Feed the next at most ``max_tokens`` (at least one) prompt tokens. A backend may
@@ -91,17 +108,21 @@ class Decoding(Protocol):
         ...
 
 
+@runtime_checkable
 class DraftingModel(Model, Protocol):
     """A model whose generations can draft tokens and check them in a step (``params.draft``).
-    Optional: the worker refuses ``draft`` for a model without ``drafting``."""
+    Optional: the worker refuses ``draft`` for a model that is not one."""
 
     def drafting(self) -> str | None:
         """None when a generation may draft tokens; else why it may not."""
         ...
 
-    def start(self, prompt: Sequence[int], params: GenerateParams | None) -> DraftingDecoding: ...
+    def start(
+        self, prompt: Sequence[int], params: GenerateParams | None, *, constraint: OutputConstraint | None = None
+    ) -> DraftingDecoding: ...
 
 
+@runtime_checkable
 class DraftingDecoding(Decoding, Protocol):
     """A decoding of a ``DraftingModel`` whose params have a ``draft``: ``next_token`` may be
     called again while ``has_next``."""
@@ -115,38 +136,39 @@ class DraftingDecoding(Decoding, Protocol):
         ...
 
 
-class CachingModel(Model, Protocol):
-    """A model whose KV cache lm-worker can store and reuse (``supports_cache = True``)."""
-
-    supports_cache: bool
+@runtime_checkable
+class CachingModel(Model, Protocol[CacheT]):
+    """A model whose KV cache lm-worker can store and reuse; its caches are ``CacheT``s, which
+    the cache store can write (StorableCache). Optional: a model that is not one refuses
+    ``cache`` refs and prefill, and auto reuses nothing with it."""
 
     def cache_identity(self) -> Identity:
         """Everything a stored cache must match to be valid for this model."""
         ...
 
-    def new_cache(self) -> Any: ...
+    def new_cache(self) -> CacheT: ...
 
-    def extend_cache(self, tokens: Sequence[int], cache: Any) -> None:
+    def extend_cache(self, tokens: Sequence[int], cache: CacheT) -> None:
         """Compute ``tokens`` past what ``cache`` covers, in place, all at once."""
         ...
 
-    def cached_tokens(self, cache: Any) -> int:
+    def cached_tokens(self, cache: CacheT) -> int:
         """How many positions ``cache`` covers."""
         ...
 
-    def reusable_tokens(self, cache: Any, tokens: int) -> int:
+    def reusable_tokens(self, cache: CacheT, tokens: int) -> int:
         """The longest prefix, of at most ``tokens`` positions, that ``cache`` can be cut back to
         (a cache of recurrent state can be cut back only to the positions it kept it at)."""
         ...
 
-    def crop_cache(self, cache: Any, keep_tokens: int) -> None:
+    def crop_cache(self, cache: CacheT, keep_tokens: int) -> None:
         """Keep the first ``keep_tokens`` positions: a length that ``reusable_tokens`` gave."""
         ...
 
-    def cache_room(self, entry: TensorEntry, held: int) -> int:
+    def cache_room(self, entry: TensorEntry, max_positions: int, /) -> int:
         """Positions of room to grow to leave after a stored key or value tensor's positions
         when its file is read (container.load), for a request whose cache will hold at most
-        ``held`` positions: a restored cache is always fed further."""
+        ``max_positions``: a restored cache is always fed further."""
         ...
 
     def cache_problem(self, header: Header) -> str | None:
@@ -154,16 +176,26 @@ class CachingModel(Model, Protocol):
         computes (container.layout_problem), or None; asked before its tensors are read."""
         ...
 
-    def load_cache(self, loaded: LoadedCache) -> Any:
+    def load_cache(self, loaded: LoadedCache) -> CacheT:
         """A cache object of a verified KVC2 file read into memory (with the room that
         ``cache_room`` asked for)."""
         ...
 
-    def start(self, prompt: Sequence[int], params: GenerateParams | None, cache: Any = None) -> Decoding:
+    def start(
+        self, prompt: Sequence[int], params: GenerateParams | None, cache: CacheT | None = None, *,
+        constraint: OutputConstraint | None = None,
+    ) -> CachingDecoding[CacheT]:
         """As Model.start; ``cache`` (a fresh one if None) covers a prefix of ``prompt`` shorter
         than the whole of it, and the decoding extends it in place (``decoding.cache``).
         ``params`` None: a prefill, which only feeds the prompt."""
         ...
+
+
+class CachingDecoding(Decoding, Protocol[CacheT_co]):
+    """A decoding of a ``CachingModel``: the cache it extends."""
+
+    @property
+    def cache(self) -> CacheT_co: ...
 
 
 class EngineDelta(msgspec.Struct, frozen=True):
@@ -183,11 +215,11 @@ class StreamEnd(msgspec.Struct, frozen=True):
     error: RpcError | None = None  # for "error": what broke the request
 
 
-class StreamedDecoding(Protocol):
+class StreamedDecoding(Decoding, Protocol):
     """A request running on an engine (another program computes it): its prompt is never fed
-    (``prompt_left`` is 0), and what it produces arrives as deltas, any number per step."""
+    (``prompt_left`` is 0, ``feed`` and ``next_token`` are never called), and what it produces
+    arrives as deltas, any number per step."""
 
-    prompt_left: int
     prompt_tokens: int  # as the engine counted them, once its stream has said
     cached_tokens: int | None  # prompt tokens the engine's prefix cache supplied; None until said
     exact: bool  # whether every delta so far came with its token ids
@@ -203,7 +235,7 @@ class StreamedDecoding(Protocol):
 
 
 @runtime_checkable
-class EngineModel(Protocol):
+class EngineModel(Model, Protocol):
     """A model another program serves (the openai backend): it takes a generate request whole,
     its prompt as given, and the engine resolves the prompt, samples, and keeps its own cache.
     ``Model.step`` waits until some of the decodings has received something."""
@@ -233,13 +265,19 @@ class Backend(Protocol):
         Must be cheap: capabilities calls it, before any heavy import."""
         ...
 
-    def check(self, params: LoadParams, *, data_dir: Path) -> None:
-        """Raises ``RpcError`` for load params that cannot work, found cheaply (a model path
-        that does not exist, an unknown device). The worker calls it before it unloads the
-        model it has; a backend without this method is not checked first."""
-        ...
-
     def load(self, params: LoadParams, *, data_dir: Path) -> Model:
         """Raises ``RpcError`` with a precise kind when the model cannot be loaded.
         ``data_dir`` is where the worker keeps converted models and other state."""
+        ...
+
+
+@runtime_checkable
+class CheckingBackend(Backend, Protocol):
+    """A backend that can tell cheaply that load params cannot work. Optional: a backend that
+    is not one is not checked before the loaded model is unloaded."""
+
+    def check(self, params: LoadParams, *, data_dir: Path) -> None:
+        """Raises ``RpcError`` for load params that cannot work, found cheaply (a model path
+        that does not exist, an unknown device). The worker calls it before it unloads the
+        model it has, so that a typo leaves that model working."""
         ...

@@ -12,12 +12,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo, SpecialToken, Tool, ToolCallSupport
 
 BOS, EOS = 256, 257
 _SPECIAL_TEXT = {BOS: "<s>", EOS: "</s>"}
 CONTEXT_LENGTH = 1 << 20
+
+if TYPE_CHECKING:
+    from worker.constraints import OutputConstraint
 
 
 class EchoModel:
@@ -76,7 +80,10 @@ class EchoModel:
             text += "<|im_start|>assistant\n"
         return text, self.tokenize(text, add_special_tokens=True)
 
-    def start(self, prompt: Sequence[int], params: GenerateParams | None) -> EchoDecoding:
+    def start(
+        self, prompt: Sequence[int], params: GenerateParams | None, *, constraint: OutputConstraint | None = None
+    ) -> EchoDecoding:
+        assert constraint is None, "no grammar_tokenizer: the worker never constrains the echo"
         return EchoDecoding(prompt, self._delay_s)
 
     chunks_in_step = False

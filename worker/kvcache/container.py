@@ -34,7 +34,7 @@ import re
 import struct
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -43,8 +43,8 @@ import msgspec
 
 from worker.files import NotRegularFile, open_regular
 
-try:  # ISA-L's CRC-32 is zlib's, computed about five times as fast (carry-less multiplies)
-    from isal.isal_zlib import crc32
+try:  # ISA-L's CRC-32 is zlib's, computed several times as fast (carry-less multiplies)
+    from isal.isal_zlib import crc32  # pyright: ignore[reportUnknownVariableType] (its stub leaves data untyped)
 except ImportError:  # a platform without its wheels
     from zlib import crc32
 
@@ -231,7 +231,8 @@ def _align(n: int) -> int:
 
 
 def _c_strides(shape: Iterable[int], itemsize: int) -> list[int]:
-    strides, step = [], itemsize
+    strides: list[int] = []
+    step = itemsize
     for size in reversed(list(shape)):
         strides.append(step)
         step *= size
@@ -321,7 +322,7 @@ def remove_stale_temporaries(directory: str | os.PathLike[str], target_suffix: s
     in ``target_suffix`` are left alone."""
     import fcntl
 
-    removed = []
+    removed: list[str] = []
     try:
         candidates = [entry for entry in os.scandir(directory) if entry.name.startswith(".")]
     except OSError:
@@ -345,8 +346,11 @@ def remove_stale_temporaries(directory: str | os.PathLike[str], target_suffix: s
     return removed
 
 
-def _layout(contents: Contents, tensors, views, *, data_start: int) -> Header:
-    entries, offset = [], data_start
+def _layout(
+    contents: Contents, tensors: list[tuple[TensorSpec, memoryview]], views: list[memoryview], *, data_start: int
+) -> Header:
+    entries: list[TensorEntry] = []
+    offset = data_start
     for (spec, _), view in zip(tensors, views, strict=True):
         itemsize = DTYPE_SIZES[spec.dtype]
         if view.nbytes != math.prod(spec.shape) * itemsize:
@@ -393,7 +397,7 @@ def read_header(path: str | os.PathLike[str]) -> Header:
 
 
 @contextlib.contextmanager
-def _open_regular(path: str | os.PathLike[str]) -> Iterator[int]:
+def _open_regular(path: str | os.PathLike[str]) -> Generator[int]:
     """A descriptor of ``path`` if it is a regular file (following symbolic links). Opening
     never blocks (a FIFO named like a cache would wait for a writer forever) and anything
     that is not a regular file is refused as not a cache."""
@@ -445,7 +449,7 @@ class LoadedCache:
         self.shapes = [region.shape for region in regions]
         self._mapping = mapping
         view = memoryview(mapping)
-        self.tensors = []
+        self.tensors: list[memoryview] = []
         for region in regions:
             tensor = view[region.start : region.start + region.nbytes]
             if mapping is _reserve.buffer:
@@ -517,7 +521,8 @@ def load(
 def _regions(header: Header, room: Callable[[TensorEntry], int] | None) -> list[Region]:
     """Where each tensor goes in memory: one after another, aligned, key and value tensors
     with the spare room ``room`` asks for after each head's positions."""
-    regions, start = [], 0
+    regions: list[Region] = []
+    start = 0
     for entry in header.tensors:
         spare = room(entry) if room is not None and entry.kind in ("key", "value") else 0
         if spare > 0:
@@ -547,9 +552,8 @@ def _anonymous(size: int) -> mmap.mmap:
 class _Reserve:
     """Memory filled in ahead of the restores to come (``reserve``). A virtual machine that
     hands freed memory back to its host (free page reporting) makes the first touch of new
-    memory slow: 190-220 ms for the 90 MiB of a 2,048-token SmolLM2 cache, measured after
-    another process had freed its memory, against ~10 ms to copy the file into it. Memory
-    the worker filled at ``load`` and keeps costs nothing to write again. One restore at a
+    memory slow, many times the copy of the file into it (bench/README.md, "Figures behind
+    constants"). Memory the worker filled at ``load`` and keeps costs nothing to write again. One restore at a
     time holds it: the next finds it free once every tensor of the last is gone."""
 
     def __init__(self) -> None:
@@ -616,11 +620,14 @@ def _read_into(path: str | os.PathLike[str], fd: int, views: list[memoryview], o
     return done
 
 
-def _read_and_check(path, fd: int, header: Header, buffer: mmap.mmap, regions: list[Region], header_end: int) -> None:
+def _read_and_check(
+    path: str | os.PathLike[str], fd: int, header: Header, buffer: mmap.mmap, regions: list[Region], header_end: int
+) -> None:
     """Read each tensor (with the padding before it) and check it: its place in file order,
     the padding, its CRC-32. Tensors are read and checked on several threads (reads and the
     CRC let go of the GIL); the first failure in file order is the one reported."""
-    position, placed, failure = header_end, [], None
+    position, failure = header_end, None
+    placed: list[tuple[int, TensorEntry, Region]] = []
     for entry, region in zip(header.tensors, regions):
         if entry.offset % ALIGNMENT or entry.offset < position:
             failure = f"tensor {entry.name}: bad offset {entry.offset}"
@@ -739,7 +746,7 @@ def manifest_problem(header: Header) -> str | None:
             return f"layer {layer.index}: a sliding window goes with sliding layers, and only with them"
         if layer.sliding_window is not None and layer.sliding_window < 1:
             return f"layer {layer.index}: sliding window {layer.sliding_window}"
-    states = set()
+    states: set[tuple[int, int, int]] = set()
     for state in header.states:
         if not 0 <= state.layer < len(kinds) or kinds[state.layer] not in _STATE_KINDS:
             return f"a state of layer {state.layer}, which keeps no linear-attention state"
@@ -754,7 +761,9 @@ def manifest_problem(header: Header) -> str | None:
         for i, kind in enumerate(kinds)
     ):
         return "a linear-attention layer has no state at the end of the sequence"
-    seen, names, used_states = set(), set(), set()
+    seen: set[tuple[int | str | None, ...]] = set()
+    names: set[str] = set()
+    used_states: set[tuple[int, int, int | None]] = set()
     for entry in header.tensors:
         where = f"tensor {entry.name}"
         if entry.name in names:

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol, Self, TypeVar, cast
 
 from protocol.errors import ErrorKind, RpcError
 from protocol.methods import CacheInfo, SkippedCache
@@ -59,11 +59,14 @@ class StorableCache(Protocol):
         """The prefix lengths it can be cut back to; None when any."""
         ...
 
-    def copy(self) -> StorableCache: ...
+    def copy(self) -> Self: ...
 
     def to_file(self) -> tuple[list[LayerEntry], list[StateEntry], list[tuple[TensorSpec, memoryview]]]:
         """Its layers, states and tensors as a file holds them; raises UnsupportedCache."""
         ...
+
+
+C = TypeVar("C", bound=StorableCache)
 
 
 class _MemoryCache:
@@ -92,7 +95,8 @@ class CacheStore:
         self.memory_max_bytes = memory_max_bytes  # and memory:// caches beyond this
         self._memory: dict[str, _MemoryCache] = {}
         self._pending_writes: dict[str, int] = {}  # tokens a prefill computed, reported by the next generate
-        self._headers: dict[str, tuple[tuple[int, int], Header]] = {}  # ref -> ((inode, size), header)
+        # ref -> ((inode, size, mtime_ns, ctime_ns), header)
+        self._headers: dict[str, tuple[tuple[int, int, int, int], Header]] = {}
         self._lock = threading.Lock()
         container.remove_stale_temporaries(directory, SUFFIX)
 
@@ -182,7 +186,7 @@ class CacheStore:
         """Delete the least recently used disk caches until the directory fits max_bytes."""
         if self.max_bytes is None:
             return
-        files = []
+        files: list[tuple[float, int, Path]] = []
         for path in self._files():
             try:
                 info = path.lstat()
@@ -206,9 +210,9 @@ class CacheStore:
     # --- reading ------------------------------------------------------------------
 
     def load(
-        self, ref: str, identity: Identity, restore: Callable[[LoadedCache], Any], *, field: str = "params.cache",
+        self, ref: str, identity: Identity, restore: Callable[[LoadedCache], C], *, field: str = "params.cache",
         room: Callable[[TensorEntry], int] | None = None, check: Callable[[Header], str | None] | None = None,
-    ) -> tuple[list[int], Any]:
+    ) -> tuple[list[int], C]:
         """The tokens a cache covers and a cache object of them that the caller may change;
         ``restore`` turns a verified file into that object (the model's own cache type), read
         with the ``room`` to grow and the model's ``check`` of its header that container.load take."""
@@ -222,7 +226,8 @@ class CacheStore:
             except IdentityMismatch as exc:
                 raise _mismatch(ref, exc, field) from exc
             entry.last_used = time.time()
-            return list(entry.tokens), entry.cache.copy()
+            # Saved by a model of this identity, so of the type ``restore`` makes.
+            return list(entry.tokens), cast(C, entry.cache.copy())
         path = self._path(ref)
         try:
             loaded = container.load(path, identity, room=room, check=check)
@@ -255,7 +260,7 @@ class CacheStore:
                 Candidate(ref, e.tokens, e.cache.resume_points()) for ref, e in self._memory.items()
                 if e.identity == identity
             ]
-        skipped = []
+        skipped: list[SkippedCache] = []
         for path in self._files():
             ref = path.name[: -len(SUFFIX)]
             try:
@@ -316,7 +321,7 @@ class CacheStore:
 
     def list(self) -> list[CacheInfo]:
         refs = list(self._memory) + [p.name[: -len(SUFFIX)] for p in self._files()]
-        infos = []
+        infos: list[CacheInfo] = []
         for ref in refs:
             try:
                 infos.append(self.info(ref))

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -49,6 +49,9 @@ from protocol.methods import (
 from worker.backends.base import EngineDelta, StreamEnd
 from worker.backends.openai.engine import Engine, EngineAddress, EngineStatusError, EventStream
 from worker.tool_calls import template_dict
+
+if TYPE_CHECKING:
+    from worker.constraints import OutputConstraint
 
 # The model lane waits this long at most for any stream to receive something before it looks
 # at cancels and new requests again.
@@ -243,7 +246,9 @@ class OpenAIModel:
             body["add_generation_prompt"] = False  # vLLM's chat endpoint
         return EngineDecoding(self._engine, path, body, self._arrived, params)
 
-    def start(self, prompt: Sequence[int], params: GenerateParams | None) -> EngineDecoding:
+    def start(
+        self, prompt: Sequence[int], params: GenerateParams | None, *, constraint: OutputConstraint | None = None
+    ) -> EngineDecoding:
         raise AssertionError("an engine's requests are sent whole (submit)")
 
     def _request(self, params: GenerateParams) -> tuple[str, dict[str, Any]]:

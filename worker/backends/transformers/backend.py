@@ -224,8 +224,6 @@ class TransformersModel:
 
     # --- generation -------------------------------------------------------------------
 
-    supports_cache = True
-
     def cache_identity(self) -> Identity:
         return self._identity
 
