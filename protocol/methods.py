@@ -126,6 +126,23 @@ class LoadParams(Params):
     base_url: Annotated[str, Meta(min_length=1, max_length=2048)] | None = None
     api_key_env: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     stall_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 120.0
+    # Send load/progress notifications as the load goes through its long stages.
+    progress: bool = False
+
+
+# The stages of a load that can take long, in the order a load goes through them; a load
+# reports those it has work in (a converted model, a built kernel, remembered digests: none).
+LoadStage = Literal["building_kernel", "dequantizing", "hashing", "quantizing"]
+
+
+class LoadProgress(Result):
+    """params of the load/progress notification: a stage of a load, as it goes."""
+
+    id: RequestId  # the load request's id
+    stage: LoadStage
+    done: int  # of total, in unit
+    total: int
+    unit: Literal["steps", "tensors", "bytes"]
 
 
 class UnloadResult(Result):
@@ -481,4 +498,5 @@ HOST_NOTIFICATIONS: dict[str, type[Params]] = {
 WORKER_NOTIFICATIONS: dict[str, type[Result]] = {
     "generate/chunk": GenerateChunk,
     "prefill/progress": PrefillProgress,
+    "load/progress": LoadProgress,
 }

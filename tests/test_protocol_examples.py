@@ -5,7 +5,7 @@ An example is a fenced block with lines `→ {request}` (sent to the worker) and
 (what the worker writes, in order). The line just before the block says how to run it:
 
     <!-- example: [worker flags] [load=echo|load=echo:DELAY_MS] [model=tinydoc] [cache-dir=kvdoc]
-                  [plugin=slow] [gap=SECONDS] [per-request] [stdout-next] [slow] -->
+                  [data-dir=NAME] [plugin=slow] [gap=SECONDS] [per-request] [stdout-next] [slow] -->
 
 - a `→` line is sent once every `←` line above it has arrived (so the block shows what a host
   saw before it sent each line); `gap` waits that long before a `→` line that follows another;
@@ -14,7 +14,8 @@ An example is a fenced block with lines `→ {request}` (sent to the worker) and
 - `load=echo` loads the echo backend first (its answer is not part of the example);
   `model=tinydoc` builds the tiny model in a directory named tinydoc and stands it in for
   `/tmp/tinydoc`, `cache-dir=kvdoc` gives a cache directory that stands in for `/tmp/kvdoc`
-  (kept for the examples after it), `plugin=slow` installs a backend that sleeps 1 s in `load`;
+  (kept for the examples after it), `data-dir=NAME` gives the worker a data directory of the
+  example's own, empty, `plugin=slow` installs a backend that sleeps 1 s in `load`;
 - `stdout-next`: the expected output is the next fenced block (a worker's stdout, or one message
   pretty-printed as JSON); `slow`: the example needs the default model (the slow tier);
 - `per-request`: each request's messages are compared in order, not how the requests' messages
@@ -143,7 +144,7 @@ def test_every_example_says_how_it_is_run():
     [pytest.param(e, marks=[pytest.mark.slow] if "slow" in options(e)[1] else []) for e in EXAMPLES],
     ids=[f"line-{e.line}" for e in EXAMPLES],
 )
-async def test_the_example_is_what_the_worker_answers(example: Example, places: dict[str, Path]):
+async def test_the_example_is_what_the_worker_answers(example: Example, places: dict[str, Path], tmp_path: Path):
     flags, named = options(example)
 
     def local(text: str) -> str:
@@ -153,6 +154,8 @@ async def test_the_example_is_what_the_worker_answers(example: Example, places: 
 
     if "cache-dir" in named:
         flags += ["--cache-dir", str(places["/tmp/kvdoc"])]
+    if "data-dir" in named:
+        flags += ["--data-dir", str(tmp_path / named["data-dir"])]
     env = dict(TORCH_ENV)
     if named.get("plugin") == "slow":
         places["plugins"].mkdir(exist_ok=True)

@@ -43,6 +43,7 @@ import type {
   GenerateParams,
   GenerateResult,
   LoadParams,
+  LoadProgress,
   MessageToolCall,
   Tool,
   ToolCall,
@@ -66,6 +67,8 @@ export interface LmWorkerProviderSettings {
   workerOptions?: WorkerOptions;
   /** The rest of `load`'s params (`backend`, `dtype`, `quantization`, …); the model id is `model`. */
   load?: Omit<LoadParams, "model">;
+  /** Sees the stages of a long load of a model (the first load of "default" converts it), as `LmWorker.load`'s `onProgress`. */
+  onLoadProgress?: (progress: LoadProgress) => void;
 }
 
 /** `providerOptions.lmWorker` of a call. */
@@ -110,7 +113,7 @@ export function createLmWorker(settings: LmWorkerProviderSettings = {}): LmWorke
     return started;
   };
   const languageModel = (modelId = "default"): LanguageModelV4 =>
-    new LmWorkerLanguageModel(modelId, { model: modelId, ...settings.load }, worker);
+    new LmWorkerLanguageModel(modelId, { model: modelId, ...settings.load }, worker, settings.onLoadProgress);
   const provider = Object.assign(languageModel, {
     specificationVersion: "v4" as const,
     languageModel,
@@ -151,6 +154,7 @@ class LmWorkerLanguageModel implements LanguageModelV4 {
     readonly modelId: string,
     private readonly load: LoadParams,
     private readonly worker: () => Promise<LmWorker>,
+    private readonly onLoadProgress?: (progress: LoadProgress) => void,
   ) {}
 
   async doGenerate(options: LanguageModelV4CallOptions): Promise<LanguageModelV4GenerateResult> {
@@ -208,7 +212,7 @@ class LmWorkerLanguageModel implements LanguageModelV4 {
   ): Promise<{ stream: GenerateStream; timestamp: Date }> {
     const worker = await untilAborted(this.worker(), signal);
     const stream = await ModelSlot.of(worker)
-      .send(this.load, signal, () => worker.generate(params, { signal }))
+      .send(this.load, signal, () => worker.generate(params, { signal }), this.onLoadProgress)
       .catch((error: unknown) => {
         throw loadError(error, this.modelId, this.load);
       });
@@ -251,20 +255,25 @@ class ModelSlot {
   }
 
   /** Call `send` once `load`'s model is the worker's, loading it unless it is, or is being, loaded. */
-  async send<T>(load: LoadParams, signal: AbortSignal | undefined, send: () => T): Promise<T> {
+  async send<T>(
+    load: LoadParams,
+    signal: AbortSignal | undefined,
+    send: () => T,
+    onProgress?: (progress: LoadProgress) => void,
+  ): Promise<T> {
     const key = slotKey(load);
     await untilAborted(this.asked, signal);
     for (;;) {
-      if (this.key !== key) this.switchTo(load, key);
+      if (this.key !== key) this.switchTo(load, key, onProgress);
       await untilAborted(this.loading, signal);
       // Another call may have switched models meanwhile: send only while the model is still this one.
       if (this.key === key) return send();
     }
   }
 
-  private switchTo(load: LoadParams, key: string): void {
+  private switchTo(load: LoadParams, key: string, onProgress?: (progress: LoadProgress) => void): void {
     this.key = key;
-    const loading = this.loading.catch(() => {}).then(() => this.worker.load(load));
+    const loading = this.loading.catch(() => {}).then(() => this.worker.load(load, { onProgress }));
     loading.catch(() => {
       if (this.key === key) this.key = undefined; // the next call tries the load again
     });

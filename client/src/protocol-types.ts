@@ -82,6 +82,8 @@ export interface LoadParams {
   api_key_env?: string | null;
   /** exclusiveMinimum 0; maximum 3600. Default `120`. */
   stall_timeout_s?: number;
+  /** Default `false`. */
+  progress?: boolean;
 }
 
 export interface UnloadResult {
@@ -408,6 +410,15 @@ export interface PrefillProgress {
   cache_read_tokens: number;
 }
 
+/** params of the load/progress notification: a stage of a load, as it goes. */
+export interface LoadProgress {
+  id: number | string;
+  stage: "building_kernel" | "dequantizing" | "hashing" | "quantizing";
+  done: number;
+  total: number;
+  unit: "bytes" | "steps" | "tensors";
+}
+
 export interface AckParams {
   id: number | string;
   /** minimum 0. */
@@ -453,6 +464,7 @@ export type MethodName = keyof Methods;
 export interface WorkerNotifications {
   "generate/chunk": GenerateChunk;
   "prefill/progress": PrefillProgress;
+  "load/progress": LoadProgress;
 }
 
 /** Notifications the host sends to the worker: method → params. */

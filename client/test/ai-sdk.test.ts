@@ -26,7 +26,14 @@ import {
 import { z } from "zod";
 
 import { createLmWorker, lmWorker, type LmWorkerProvider } from "../src/ai-sdk.js";
-import { LmWorker, RpcError, WorkerExitedError, type ChatMessage, type WorkerRestart } from "../src/index.js";
+import {
+  LmWorker,
+  RpcError,
+  WorkerExitedError,
+  type ChatMessage,
+  type LoadProgress,
+  type WorkerRestart,
+} from "../src/index.js";
 import { python, tinyModel, workerEnv } from "./support.js";
 
 // The tests check warnings themselves; the AI SDK would also print them.
@@ -414,6 +421,15 @@ describe("the AI SDK provider with the tiny model", () => {
     assert.equal(typeof text, "string");
     assert.equal(lmWorker(modelDir).provider, "lm-worker");
     await lmWorker.close();
+  });
+
+  test("onLoadProgress sees the stages of the model's load, each up to its total", async () => {
+    const seen: LoadProgress[] = [];
+    await using own = createLmWorker({ workerOptions: workerOptions(), onLoadProgress: (p) => seen.push(p) });
+    await generateText({ model: own(modelDir), prompt: "Hi", maxOutputTokens: 2 });
+    const quantizing = seen.filter((p) => p.stage === "quantizing");
+    assert.deepEqual(quantizing.map((p) => p.done), [0, 15], JSON.stringify(seen));
+    assert.ok(seen.every((p) => p.total === seen.find((q) => q.stage === p.stage)!.total));
   });
 
   // Last: these leave the worker without a model; the next call would load it again.

@@ -33,7 +33,7 @@ export function createLmWorker(settings = {}) {
         }
         return started;
     };
-    const languageModel = (modelId = "default") => new LmWorkerLanguageModel(modelId, { model: modelId, ...settings.load }, worker);
+    const languageModel = (modelId = "default") => new LmWorkerLanguageModel(modelId, { model: modelId, ...settings.load }, worker, settings.onLoadProgress);
     const provider = Object.assign(languageModel, {
         specificationVersion: "v4",
         languageModel,
@@ -66,13 +66,15 @@ class LmWorkerLanguageModel {
     modelId;
     load;
     worker;
+    onLoadProgress;
     specificationVersion = "v4";
     provider = PROVIDER;
     supportedUrls = {};
-    constructor(modelId, load, worker) {
+    constructor(modelId, load, worker, onLoadProgress) {
         this.modelId = modelId;
         this.load = load;
         this.worker = worker;
+        this.onLoadProgress = onLoadProgress;
     }
     async doGenerate(options) {
         const { params, warnings } = toGenerateParams(options);
@@ -125,7 +127,7 @@ class LmWorkerLanguageModel {
     async start(params, signal) {
         const worker = await untilAborted(this.worker(), signal);
         const stream = await ModelSlot.of(worker)
-            .send(this.load, signal, () => worker.generate(params, { signal }))
+            .send(this.load, signal, () => worker.generate(params, { signal }), this.onLoadProgress)
             .catch((error) => {
             throw loadError(error, this.modelId, this.load);
         });
@@ -164,21 +166,21 @@ class ModelSlot {
         return slot;
     }
     /** Call `send` once `load`'s model is the worker's, loading it unless it is, or is being, loaded. */
-    async send(load, signal, send) {
+    async send(load, signal, send, onProgress) {
         const key = slotKey(load);
         await untilAborted(this.asked, signal);
         for (;;) {
             if (this.key !== key)
-                this.switchTo(load, key);
+                this.switchTo(load, key, onProgress);
             await untilAborted(this.loading, signal);
             // Another call may have switched models meanwhile: send only while the model is still this one.
             if (this.key === key)
                 return send();
         }
     }
-    switchTo(load, key) {
+    switchTo(load, key, onProgress) {
         this.key = key;
-        const loading = this.loading.catch(() => { }).then(() => this.worker.load(load));
+        const loading = this.loading.catch(() => { }).then(() => this.worker.load(load, { onProgress }));
         loading.catch(() => {
             if (this.key === key)
                 this.key = undefined; // the next call tries the load again
