@@ -333,7 +333,8 @@ class GenerateChunk(Result):
     generated_tokens: int
     prompt_tokens: int
     cache_read_tokens: int
-    content: str  # the part of text outside tool calls (all of it for a request without tools)
+    content: str  # the part of text outside tool calls and the model's thinking
+    reasoning: str  # the part of text inside the thinking markers the chat template declares, without them
     tool_calls: list[ToolCall]  # the calls this chunk completed
 
 
@@ -348,6 +349,7 @@ class Usage(Result):
     completion_tokens: int
     cache_read_tokens: int
     cache_write_tokens: int
+    reasoning_tokens: int  # of completion_tokens, those of the model's thinking (its markers included)
 
 
 class Timings(Result):
@@ -381,7 +383,8 @@ class CacheUse(Result):
 class GenerateResult(Result):
     text: str
     tokens: list[int]
-    content: str  # text outside tool calls (all of text for a request without tools)
+    content: str  # text outside tool calls and the model's thinking
+    reasoning: str  # the model's thinking, without its markers ("" for a model whose template declares none)
     tool_calls: list[ToolCall]  # every call the model made, in order
     finish_reason: Literal["stop", "length", "cancelled", "tool_calls"]
     stop_reason: StopReason

@@ -44,6 +44,15 @@ def tiny_model_dir(tiny_models: Callable[[str], Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_thinking_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama test model (the same weights) with a reasoning model's chat template:
+    its generation prompt opens the thinking (<think>)."""
+    from worker.backends.transformers.tiny_model import THINKING_CHATML, build
+
+    return build(tmp_path_factory.mktemp("tiny-thinking"), chat_template=THINKING_CHATML)
+
+
+@pytest.fixture(scope="session")
 def tiny_gguf(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama test model as a .gguf file (loads read and dequantize it)."""
     from worker.backends.transformers.tiny_model import write_gguf

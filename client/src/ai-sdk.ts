@@ -491,9 +491,11 @@ function unsupportedFile(): never {
 // --- the answer ----------------------------------------------------------------------------
 
 function toContent(result: GenerateResult): LanguageModelV4Content[] {
-  // Whitespace alone (the line breaks between calls) is no text part.
+  // The model's thinking first (it comes before the answer); whitespace alone (the line
+  // breaks between calls) is no text part.
+  const reasoning: LanguageModelV4Content[] = result.reasoning ? [{ type: "reasoning", text: result.reasoning }] : [];
   const content: LanguageModelV4Content[] = result.content.trim() ? [{ type: "text", text: result.content }] : [];
-  return [...content, ...result.tool_calls.map(toToolCallPart)];
+  return [...reasoning, ...content, ...result.tool_calls.map(toToolCallPart)];
 }
 
 /**
@@ -523,8 +525,11 @@ function toUsage(result: GenerateResult | undefined): LanguageModelV4Usage {
       cacheRead: usage?.cache_read_tokens,
       cacheWrite: result && inputTokensWritten(result),
     },
-    // The worker does not tell reasoning tokens apart: all of them count as text.
-    outputTokens: { total: usage?.completion_tokens, text: usage?.completion_tokens, reasoning: undefined },
+    outputTokens: {
+      total: usage?.completion_tokens,
+      text: usage && usage.completion_tokens - usage.reasoning_tokens,
+      reasoning: usage?.reasoning_tokens,
+    },
     ...(usage && { raw: { ...usage } }),
   };
 }
@@ -556,8 +561,9 @@ function responseId(stream: GenerateStream): string {
 }
 
 /**
- * The stream's parts after its head: text as it comes (outside tool calls), each tool call
- * once complete, then `finish`. A worker error becomes an `error` part and a `finish` with
+ * The stream's parts after its head: the model's thinking and text as they come (outside
+ * tool calls; a thinking part ends where text begins), each tool call once complete, then
+ * `finish`. A worker error becomes an `error` part and a `finish` with
  * finish reason "error"; an abort ends it with the abort's reason, as a fetch body does.
  */
 async function* streamParts(
@@ -568,6 +574,8 @@ async function* streamParts(
 ): AsyncGenerator<LanguageModelV4StreamPart, undefined> {
   const textId = "text";
   let textOpen = false;
+  let thoughts = 0; // reasoning parts begun
+  let reasoningOpen = false;
   let blank = ""; // whitespace before any text (the line breaks between calls): no text part unless text follows
   let result: GenerateResult | undefined;
   try {
@@ -577,6 +585,15 @@ async function* streamParts(
       if (next.done) break;
       const chunk = next.value;
       if (includeRaw) yield { type: "raw", rawValue: chunk };
+      if (chunk.reasoning) {
+        if (!reasoningOpen) yield { type: "reasoning-start", id: `reasoning-${++thoughts}` };
+        reasoningOpen = true;
+        yield { type: "reasoning-delta", id: `reasoning-${thoughts}`, delta: chunk.reasoning };
+      }
+      if (reasoningOpen && chunk.content.trim() !== "") {
+        yield { type: "reasoning-end", id: `reasoning-${thoughts}` };
+        reasoningOpen = false;
+      }
       if (!textOpen && chunk.content.trim() === "") {
         blank += chunk.content;
       } else {
@@ -594,6 +611,7 @@ async function* streamParts(
     if (signal.aborted) throw error;
     yield { type: "error", error: callError(error, "generate", params) };
   }
+  if (reasoningOpen) yield { type: "reasoning-end", id: `reasoning-${thoughts}` };
   if (textOpen) yield { type: "text-end", id: textId };
   yield {
     type: "finish",

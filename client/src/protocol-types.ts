@@ -263,6 +263,7 @@ export interface GenerateResult {
   text: string;
   tokens: number[];
   content: string;
+  reasoning: string;
   tool_calls: ToolCall[];
   finish_reason: "cancelled" | "length" | "stop" | "tool_calls";
   stop_reason: StopReason;
@@ -291,6 +292,7 @@ export interface Usage {
   completion_tokens: number;
   cache_read_tokens: number;
   cache_write_tokens: number;
+  reasoning_tokens: number;
 }
 
 export interface Timings {
@@ -399,6 +401,7 @@ export interface GenerateChunk {
   prompt_tokens: number;
   cache_read_tokens: number;
   content: string;
+  reasoning: string;
   tool_calls: ToolCall[];
 }
 

@@ -3,6 +3,7 @@
 // the tiny transformers model (random weights: gibberish, but constrained output still parses).
 
 import assert from "node:assert/strict";
+import { execFileSync } from "node:child_process";
 import { mkdtemp, rm } from "node:fs/promises";
 import { createServer } from "node:http";
 import type { AddressInfo } from "node:net";
@@ -446,6 +447,47 @@ describe("the AI SDK provider with the tiny model", () => {
       assert.match(error.message, /no config\.json/);
       return true;
     });
+  });
+});
+
+describe("the AI SDK provider with a reasoning model", () => {
+  let lm: LmWorkerProvider;
+  let modelDir: string;
+  before(async () => {
+    // The tiny model with a reasoning model's chat template: its generation prompt opens the
+    // thinking (<think>), and its random weights never close it.
+    modelDir = await mkdtemp(join(tmpdir(), "lm-worker-thinking-"));
+    execFileSync(python(), ["-m", "worker.backends.transformers.tiny_model", modelDir, "--thinking"], {
+      env: workerEnv(),
+      timeout: 300_000,
+    });
+    lm = createLmWorker({ workerOptions: workerOptions() });
+  });
+  after(async () => {
+    await lm.close();
+    await rm(modelDir, { recursive: true, force: true });
+  });
+
+  test("streamText streams the thinking as reasoning parts and counts its tokens; generateText returns it as reasoning", async () => {
+    const streamed = streamText({ model: lm(modelDir), prompt: "the cat sat on the mat", maxOutputTokens: 6 });
+    const parts = [];
+    for await (const part of streamed.fullStream) parts.push(part);
+    const kinds = parts.map((part) => part.type).filter((type) => /^(reasoning|text)-/.test(type));
+    assert.equal(kinds[0], "reasoning-start");
+    assert.equal(kinds.at(-1), "reasoning-end");
+    assert.ok(!kinds.some((kind) => kind.startsWith("text-")), kinds.join());
+    const thought = parts.flatMap((part) => (part.type === "reasoning-delta" ? [part.text] : [])).join("");
+    assert.ok(thought.length > 0);
+    const step = await streamed.finalStep;
+    assert.equal(step.reasoningText, thought);
+    assert.equal(step.text, "");
+    assert.deepEqual(step.usage.outputTokenDetails, { textTokens: 0, reasoningTokens: 6 });
+
+    const generated = await generateText({ model: lm(modelDir), prompt: "the cat sat on the mat", maxOutputTokens: 6 });
+    assert.deepEqual(generated.reasoning.map((part) => part.type), ["reasoning"]);
+    assert.equal(generated.reasoningText, thought); // greedy: the same thinking
+    assert.equal(generated.text, "");
+    assert.equal(generated.usage.outputTokenDetails.reasoningTokens, 6);
   });
 });
 

@@ -30,6 +30,7 @@ PREFILL_CHUNK_TOKENS = 256
 
 if TYPE_CHECKING:  # the container is imported only where caches are used
     from worker.constraints import GrammarTokenizer
+    from worker.reasoning import Markers
     from worker.kvcache.container import Header, Identity, LoadedCache, TensorEntry
 
 
@@ -113,6 +114,14 @@ class DraftingDecoding(Decoding, Protocol):
         """Whether another token can be chosen before the next step: a step that checked
         drafted tokens gives one more for each one the previous choice took."""
         ...
+
+
+class ReasoningModel(Model, Protocol):
+    """A model whose chat template declares the markers its thinking goes between. Optional:
+    the worker splits a generation's text into ``content`` and ``reasoning`` for a model with
+    ``reasoning_markers`` that are not None (worker/reasoning.py)."""
+
+    reasoning_markers: Markers | None
 
 
 class CachingModel(Model, Protocol):

@@ -231,6 +231,7 @@ export interface GenerateResult {
     text: string;
     tokens: number[];
     content: string;
+    reasoning: string;
     tool_calls: ToolCall[];
     finish_reason: "cancelled" | "length" | "stop" | "tool_calls";
     stop_reason: StopReason;
@@ -256,6 +257,7 @@ export interface Usage {
     completion_tokens: number;
     cache_read_tokens: number;
     cache_write_tokens: number;
+    reasoning_tokens: number;
 }
 export interface Timings {
     queued_ms: number;
@@ -352,6 +354,7 @@ export interface GenerateChunk {
     prompt_tokens: number;
     cache_read_tokens: number;
     content: string;
+    reasoning: string;
     tool_calls: ToolCall[];
 }
 /** params of the prefill/progress notification, sent after each chunk of a long prefill. */

@@ -25,7 +25,7 @@ import msgspec
 
 from protocol.errors import ErrorKind, RpcError
 from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo, SpecialToken, Tool
-from worker import prompt_lookup, tool_calls
+from worker import prompt_lookup, reasoning, tool_calls
 from worker.backends.base import PREFILL_CHUNK_TOKENS
 from worker.constraints import GrammarTokenizer
 
@@ -162,6 +162,7 @@ class TransformersModel:
             load_time_ms=(time.perf_counter() - started) * 1000.0,
         )
         self.grammar_tokenizer = GrammarTokenizer(tokenizer, self.eos_token_ids)
+        self.reasoning_markers = reasoning.markers(getattr(tokenizer, "chat_template", None))
         self._cache_tensors = self._one_position_cache()
 
     def prepare_side_thread(self) -> None:

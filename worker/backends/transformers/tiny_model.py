@@ -1,6 +1,6 @@
 """Build the tiny offline test models: a byte-level BPE tokenizer and a small random model.
 
-    python -m worker.backends.transformers.tiny_model DIR [--family llama|gemma3|qwen3_5] [--gguf FILE]
+    python -m worker.backends.transformers.tiny_model DIR [--family llama|gemma3|qwen3_5] [--thinking] [--gguf FILE]
 
 One model per family of cache layers the worker supports:
 
@@ -34,6 +34,16 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# A reasoning model's template (as Qwen3's thinking ones and DeepSeek-R1's): the generation
+# prompt opens the thinking, and earlier answers are rendered without theirs.
+THINKING_CHATML = (
+    "{% for message in messages %}{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip() %}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}"
+)
 CONTEXT_LENGTH = 2048
 _WORDS = "the cat dog sat on mat a red blue sun moon river stone runs sings and but is was hello world one two".split()
 _WORDS += ["café", "naïve", "über", "日本", "こんにちは", "🙂", "🎉", "Ωmega"]
@@ -53,7 +63,10 @@ FAMILIES = ("llama", "gemma3", "qwen3_5")
 SLIDING_WINDOW = 16
 
 
-def build(directory: str | os.PathLike[str], *, seed: int = 0, vocab_size: int = 512, family: str = "llama") -> Path:
+def build(
+    directory: str | os.PathLike[str], *, seed: int = 0, vocab_size: int = 512, family: str = "llama",
+    chat_template: str = CHATML,
+) -> Path:
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # tokenizer training stays deterministic
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -80,7 +93,7 @@ def build(directory: str | os.PathLike[str], *, seed: int = 0, vocab_size: int =
         eos_token=EOS,
         pad_token=PAD,
         unk_token=PAD,
-        chat_template=CHATML,
+        chat_template=chat_template,
         model_max_length=CONTEXT_LENGTH,
     )
     torch.manual_seed(seed)
@@ -173,9 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--family", choices=FAMILIES, default="llama")
+    parser.add_argument("--thinking", action="store_true", help="a reasoning model's chat template (<think>)")
     parser.add_argument("--gguf", metavar="FILE", help="also write the model as a .gguf file (llama only)")
     args = parser.parse_args(argv)
-    print(build(args.directory, seed=args.seed, family=args.family))
+    template = THINKING_CHATML if args.thinking else CHATML
+    print(build(args.directory, seed=args.seed, family=args.family, chat_template=template))
     if args.gguf:
         print(write_gguf(args.directory, args.gguf))
     return 0
