@@ -126,6 +126,23 @@ class LoadParams(Params, frozen=True):
     base_url: Annotated[str, Meta(min_length=1, max_length=2048)] | None = None
     api_key_env: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     stall_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 120.0
+    # Send load/progress notifications as the load goes through its long stages.
+    progress: bool = False
+
+
+# The stages of a load that can take long, in the order a load goes through them; a load
+# reports those it has work in (a converted model, a built kernel, remembered digests: none).
+LoadStage = Literal["building_kernel", "dequantizing", "hashing", "quantizing"]
+
+
+class LoadProgress(Result):
+    """params of the load/progress notification: a stage of a load, as it goes."""
+
+    id: RequestId  # the load request's id
+    stage: LoadStage
+    done: int  # of total, in unit
+    total: int
+    unit: Literal["steps", "tensors", "bytes"]
 
 
 class UnloadResult(Result):
@@ -316,7 +333,8 @@ class GenerateChunk(Result):
     generated_tokens: int
     prompt_tokens: int
     cache_read_tokens: int
-    content: str  # the part of text outside tool calls (all of it for a request without tools)
+    content: str  # the part of text outside tool calls and the model's thinking
+    reasoning: str  # the part of text inside the thinking markers the chat template declares, without them
     tool_calls: list[ToolCall]  # the calls this chunk completed
 
 
@@ -331,6 +349,7 @@ class Usage(Result):
     completion_tokens: int
     cache_read_tokens: int
     cache_write_tokens: int
+    reasoning_tokens: int  # of completion_tokens, those of the model's thinking (its markers included)
 
 
 class Timings(Result):
@@ -364,7 +383,8 @@ class CacheUse(Result):
 class GenerateResult(Result):
     text: str
     tokens: list[int]
-    content: str  # text outside tool calls (all of text for a request without tools)
+    content: str  # text outside tool calls and the model's thinking
+    reasoning: str  # the model's thinking, without its markers ("" for a model whose template declares none)
     tool_calls: list[ToolCall]  # every call the model made, in order
     finish_reason: Literal["stop", "length", "cancelled", "tool_calls"]
     stop_reason: StopReason
@@ -481,4 +501,5 @@ HOST_NOTIFICATIONS: dict[str, type[Params]] = {
 WORKER_NOTIFICATIONS: dict[str, type[Result]] = {
     "generate/chunk": GenerateChunk,
     "prefill/progress": PrefillProgress,
+    "load/progress": LoadProgress,
 }

@@ -43,6 +43,23 @@ def tiny_model_dir(tiny_models: Callable[[str], Path]) -> Path:
     return tiny_models("llama")
 
 
+@pytest.fixture(scope="session")
+def tiny_thinking_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama test model (the same weights) with a reasoning model's chat template:
+    its generation prompt opens the thinking (<think>)."""
+    from worker.backends.transformers.tiny_model import THINKING_CHATML, build
+
+    return build(tmp_path_factory.mktemp("tiny-thinking"), chat_template=THINKING_CHATML)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama test model as a .gguf file (loads read and dequantize it)."""
+    from worker.backends.transformers.tiny_model import write_gguf
+
+    return write_gguf(tiny_model_dir, tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf")
+
+
 # Every family of cache layers: full attention, sliding window, linear attention; then (slow
 # tier) the default SmolLM2.
 CACHE_MODELS = ["llama", "gemma3", "qwen3_5", pytest.param("default", marks=pytest.mark.slow)]

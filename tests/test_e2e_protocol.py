@@ -124,6 +124,7 @@ async def test_generate_streams_chunks_that_concatenate_to_the_final_text(echo_w
         "completion_tokens": len(prompt.encode()) + 1,  # the echoed bytes, then EOS
         "cache_read_tokens": 0,
         "cache_write_tokens": 0,
+        "reasoning_tokens": 0,
     }
     assert result["finish_reason"] == "stop" and result["stop_reason"]["kind"] == "eos"
 

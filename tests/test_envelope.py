@@ -317,7 +317,7 @@ def test_encode_result_always_carries_result_even_when_none(msg_id, result):
 def test_encode_result_encodes_structs():
     chunk = GenerateChunk(
         id=1, index=0, text="é", tokens=[195, 169], generated_tokens=2, prompt_tokens=3, cache_read_tokens=0,
-        content="é", tool_calls=[],
+        content="é", reasoning="", tool_calls=[],
     )
     decoded = json.loads(encode_result(1, chunk))
     assert decoded["result"]["text"] == "é" and decoded["result"]["tokens"] == [195, 169]

@@ -4,8 +4,8 @@ drift from the code.
 An example is a fenced block with lines `→ {request}` (sent to the worker) and `← {message}`
 (what the worker writes, in order). The line just before the block says how to run it:
 
-    <!-- example: [worker flags] [load=echo|load=echo:DELAY_MS] [model=tinydoc] [cache-dir=kvdoc]
-                  [plugin=slow] [gap=SECONDS] [per-request] [stdout-next] [slow] -->
+    <!-- example: [worker flags] [load=echo|load=echo:DELAY_MS] [model=tinydoc|tinythink] [cache-dir=kvdoc]
+                  [data-dir=NAME] [plugin=slow] [gap=SECONDS] [per-request] [stdout-next] [slow] -->
 
 - a `→` line is sent once every `←` line above it has arrived (so the block shows what a host
   saw before it sent each line); `gap` waits that long before a `→` line that follows another;
@@ -13,8 +13,10 @@ An example is a fenced block with lines `→ {request}` (sent to the worker) and
   `(a new worker, started with the same command line)` starts another worker;
 - `load=echo` loads the echo backend first (its answer is not part of the example);
   `model=tinydoc` builds the tiny model in a directory named tinydoc and stands it in for
-  `/tmp/tinydoc`, `cache-dir=kvdoc` gives a cache directory that stands in for `/tmp/kvdoc`
-  (kept for the examples after it), `plugin=slow` installs a backend that sleeps 1 s in `load`;
+  `/tmp/tinydoc` (`model=tinythink`: the same with a reasoning model's chat template, for
+  `/tmp/tinythink`), `cache-dir=kvdoc` gives a cache directory that stands in for `/tmp/kvdoc`
+  (kept for the examples after it), `data-dir=NAME` gives the worker a data directory of the
+  example's own, empty, `plugin=slow` installs a backend that sleeps 1 s in `load`;
 - `stdout-next`: the expected output is the next fenced block (a worker's stdout, or one message
   pretty-printed as JSON); `slow`: the example needs the default model (the slow tier);
 - `per-request`: each request's messages are compared in order, not how the requests' messages
@@ -124,13 +126,17 @@ def matches_json(expected: Any, actual: Any) -> bool:
 
 
 @pytest.fixture(scope="module")
-def places(tmp_path_factory: pytest.TempPathFactory, tiny_models) -> dict[str, Path]:
-    """Where the examples' /tmp/tinydoc and /tmp/kvdoc are, shared by the examples in order."""
+def places(tmp_path_factory: pytest.TempPathFactory, tiny_models, tiny_thinking_model) -> dict[str, Path]:
+    """Where the examples' /tmp/tinydoc, /tmp/tinythink and /tmp/kvdoc are, shared by the examples in order."""
     import shutil
 
     root = tmp_path_factory.mktemp("protocol-examples")
     shutil.copytree(tiny_models("llama"), root / "tinydoc")
-    return {"/tmp/tinydoc": root / "tinydoc", "/tmp/kvdoc": root / "kvdoc", "plugins": root / "plugins"}
+    shutil.copytree(tiny_thinking_model, root / "tinythink")
+    return {
+        "/tmp/tinydoc": root / "tinydoc", "/tmp/tinythink": root / "tinythink", "/tmp/kvdoc": root / "kvdoc",
+        "plugins": root / "plugins",
+    }
 
 
 def test_every_example_says_how_it_is_run():
@@ -143,16 +149,18 @@ def test_every_example_says_how_it_is_run():
     [pytest.param(e, marks=[pytest.mark.slow] if "slow" in options(e)[1] else []) for e in EXAMPLES],
     ids=[f"line-{e.line}" for e in EXAMPLES],
 )
-async def test_the_example_is_what_the_worker_answers(example: Example, places: dict[str, Path]):
+async def test_the_example_is_what_the_worker_answers(example: Example, places: dict[str, Path], tmp_path: Path):
     flags, named = options(example)
 
     def local(text: str) -> str:
-        for doc_path in ("/tmp/tinydoc", "/tmp/kvdoc"):
+        for doc_path in ("/tmp/tinydoc", "/tmp/tinythink", "/tmp/kvdoc"):
             text = text.replace(doc_path, str(places[doc_path]))
         return text
 
     if "cache-dir" in named:
         flags += ["--cache-dir", str(places["/tmp/kvdoc"])]
+    if "data-dir" in named:
+        flags += ["--data-dir", str(tmp_path / named["data-dir"])]
     env = dict(TORCH_ENV)
     if named.get("plugin") == "slow":
         places["plugins"].mkdir(exist_ok=True)

@@ -37,7 +37,9 @@ def test_every_method_and_notification_has_its_files():
     index = load("index.json")
     for entry in index["methods"].values():
         assert (SCHEMAS / entry["params"]).is_file() and (SCHEMAS / entry["result"]).is_file()
-    assert set(index["notifications"]) == {"generate/chunk", "prefill/progress", "$/cancelRequest", "generate/ack", "exit"}
+    assert set(index["notifications"]) == {
+        "generate/chunk", "prefill/progress", "load/progress", "$/cancelRequest", "generate/ack", "exit"
+    }
 
 
 def test_the_index_names_every_error_kind_with_its_code():

@@ -140,6 +140,7 @@ def check_stream(result: dict, chunks: list[dict], tokenizer, *, prompt_tokens: 
         "completion_tokens": len(result["tokens"]),
         "cache_read_tokens": 0,
         "cache_write_tokens": 0,
+        "reasoning_tokens": 0,
     }
 
 

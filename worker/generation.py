@@ -34,6 +34,7 @@ from worker.backends.base import (
     StreamEnd,
 )
 from worker.constraints import OutputConstraint
+from worker.reasoning import ReasoningSplitter, splitter_for
 from worker.streaming import IncrementalDetokenizer, StopMatcher
 from worker.tool_calls import call_reader, for_template, request_tools
 
@@ -238,7 +239,8 @@ class Generation:
         self._started = started or time.perf_counter()
         detokenizer = None if streamed is not None else IncrementalDetokenizer(model.detokenize, prompt)
         self._stream = _Stream(
-            model, params, request_id, len(prompt), cache.reused if cache else 0, send_chunk, acked, detokenizer
+            model, params, request_id, len(prompt), cache.reused if cache else 0, send_chunk, acked, detokenizer,
+            None if streamed is not None else splitter_for(model, prompt),
         )
         self._first_token_at: float | None = None
         self._stop: StopReason | None = None
@@ -346,6 +348,7 @@ class Generation:
             text=self._stream.text,
             tokens=tokens,
             content=self._stream.content,
+            reasoning=self._stream.reasoning,
             tool_calls=calls,
             finish_reason="tool_calls" if made_calls else _FINISH_REASONS[stop.kind],
             stop_reason=stop,
@@ -354,6 +357,7 @@ class Generation:
                 completion_tokens=self._stream.generated,
                 cache_read_tokens=self._stream.cache_read_tokens,
                 cache_write_tokens=report.written_tokens if report else 0,
+                reasoning_tokens=self._stream.reasoning_tokens,
             ),
             cache=report.use if report else self._engine_cache_use(),
             timings=Timings(
@@ -439,10 +443,11 @@ def cancelled_before_start(queued_ms: float) -> GenerateResult:
         text="",
         tokens=[],
         content="",
+        reasoning="",
         tool_calls=[],
         finish_reason="cancelled",
         stop_reason=_reason("cancelled"),
-        usage=Usage(prompt_tokens=0, completion_tokens=0, cache_read_tokens=0, cache_write_tokens=0),
+        usage=Usage(prompt_tokens=0, completion_tokens=0, cache_read_tokens=0, cache_write_tokens=0, reasoning_tokens=0),
         timings=Timings(
             queued_ms=queued_ms, prompt_ms=0.0, decode_ms=0.0, total_ms=0.0, tokens_per_second=0.0,
             draft_tokens=0, draft_accepted_tokens=0,
@@ -489,8 +494,10 @@ class _Stream:
         send_chunk: SendChunk,
         acked: Callable[[], int],
         detokenizer: IncrementalDetokenizer | None,
+        reasoning: ReasoningSplitter | None = None,
     ) -> None:
-        """``detokenizer`` None: the text comes with the tokens (an engine's deltas, push_delta)."""
+        """``detokenizer`` None: the text comes with the tokens (an engine's deltas, push_delta).
+        ``reasoning`` None: no text is thinking (worker/reasoning.py)."""
         self._eos = model.eos_token_ids
         self._detok = detokenizer
         self._stops = StopMatcher(params.stop)
@@ -500,6 +507,9 @@ class _Stream:
         self.cache_read_tokens = cache_read_tokens
         self._pieces: list[str] = []
         self._contents: list[str] = []
+        self._reasoning = reasoning
+        self._reasonings: list[str] = []
+        self.reasoning_tokens = 0
         self._calls = call_reader(params, model.info.tool_calls)
         self._stopped = False
         self._window = params.stream_window
@@ -521,6 +531,10 @@ class _Stream:
     @property
     def content(self) -> str:
         return "".join(self._contents)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self._reasonings)
 
     @property
     def tool_calls(self) -> list[ToolCall]:
@@ -558,8 +572,8 @@ class _Stream:
         if not self._stopped:
             text, stop = self._stops.push(self._detok.flush() if self._detok else "")
             tail = text + ("" if stop is not None else self._stops.flush())
-            if tail:
-                self._emit(tail, [])
+            if tail or (self._reasoning is not None and self._reasoning.holding):
+                self._emit(tail, [], final=True)
         if self._calls is not None:
             content, calls = self._calls.finish()
             if content or calls:
@@ -567,13 +581,18 @@ class _Stream:
         self._send_unsent(force=True)
 
     def _emit(
-        self, text: str, tokens: list[int], content: str | None = None, calls: Sequence[ToolCall] = ()
+        self, text: str, tokens: list[int], content: str | None = None, calls: Sequence[ToolCall] = (),
+        *, final: bool = False,
     ) -> None:
-        """``text`` goes through the tool-call reader, when there is one, for ``content`` and ``calls``."""
+        """``text`` goes through the reasoning splitter and the tool-call reader, when there are
+        ones, for ``reasoning``, ``content`` and ``calls`` (``final``: the splitter's last text)."""
         self._pieces.append(text)
+        reasoning = ""
         if content is None:
-            content, calls = self._calls.feed(text) if self._calls else (text, ())
+            answer, reasoning = self._split(text, tokens, final=final)
+            content, calls = self._calls.feed(answer) if self._calls else (answer, ())
         self._contents.append(content)
+        self._reasonings.append(reasoning)
         self._made_calls += calls
         if self._send is None:
             return
@@ -581,9 +600,24 @@ class _Stream:
         unsent.texts.append(text)
         unsent.tokens += tokens
         unsent.contents.append(content)
+        unsent.reasonings.append(reasoning)
         unsent.calls += calls
         self._unsent = unsent
         self._send_unsent(force=False)
+
+    def _split(self, text: str, tokens: list[int], *, final: bool) -> tuple[str, str]:
+        """The answer and the thinking in ``text``; ``tokens`` count as thinking when any of
+        their text is."""
+        if self._reasoning is None:
+            return text, ""
+        split = self._reasoning.push(text)
+        answer, reasoning = split.content, split.reasoning
+        if final:
+            rest = self._reasoning.flush()
+            answer, reasoning = answer + rest.content, reasoning + rest.reasoning
+        if split.thinking:
+            self.reasoning_tokens += len(tokens)
+        return answer, reasoning
 
     def _send_unsent(self, *, force: bool) -> None:
         if self._unsent is None or self._send is None:
@@ -601,6 +635,7 @@ class _Stream:
                 prompt_tokens=self.prompt_tokens,
                 cache_read_tokens=self.cache_read_tokens,
                 content="".join(unsent.contents),
+                reasoning="".join(unsent.reasonings),
                 tool_calls=unsent.calls,
             )
         )
@@ -613,4 +648,5 @@ class _Unsent(msgspec.Struct):
     texts: list[str] = []
     tokens: list[int] = []
     contents: list[str] = []
+    reasonings: list[str] = []
     calls: list[ToolCall] = []

@@ -38,7 +38,7 @@ from protocol.methods import (
     UnloadResult,
 )
 from protocol.framing import Framing
-from worker import __version__
+from worker import __version__, load_progress
 from worker.backends import Registry
 from worker.backends.base import CachingModel, CheckingBackend, EngineModel, Model, SideThreadModel
 
@@ -125,7 +125,9 @@ class Handlers:
             backend.check(params, data_dir=self._data_dir)
         self.unload(ctx, NoParams())
         started = time.perf_counter()
-        model = backend.load(params, data_dir=self._data_dir)
+        send = (lambda progress: ctx.send_notification("load/progress", progress)) if params.progress else None
+        with load_progress.reporting(send, ctx.id):
+            model = backend.load(params, data_dir=self._data_dir)
         if isinstance(model, CachingModel):
             self._prepare_restores(model)
         self._model = model

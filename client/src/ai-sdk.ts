@@ -43,6 +43,7 @@ import type {
   GenerateParams,
   GenerateResult,
   LoadParams,
+  LoadProgress,
   MessageToolCall,
   Tool,
   ToolCall,
@@ -66,6 +67,8 @@ export interface LmWorkerProviderSettings {
   workerOptions?: WorkerOptions;
   /** The rest of `load`'s params (`backend`, `dtype`, `quantization`, …); the model id is `model`. */
   load?: Omit<LoadParams, "model">;
+  /** Sees the stages of a long load of a model (the first load of "default" converts it), as `LmWorker.load`'s `onProgress`. */
+  onLoadProgress?: (progress: LoadProgress) => void;
 }
 
 /** `providerOptions.lmWorker` of a call. */
@@ -110,7 +113,7 @@ export function createLmWorker(settings: LmWorkerProviderSettings = {}): LmWorke
     return started;
   };
   const languageModel = (modelId = "default"): LanguageModelV4 =>
-    new LmWorkerLanguageModel(modelId, { model: modelId, ...settings.load }, worker);
+    new LmWorkerLanguageModel(modelId, { model: modelId, ...settings.load }, worker, settings.onLoadProgress);
   const provider = Object.assign(languageModel, {
     specificationVersion: "v4" as const,
     languageModel,
@@ -151,6 +154,7 @@ class LmWorkerLanguageModel implements LanguageModelV4 {
     readonly modelId: string,
     private readonly load: LoadParams,
     private readonly worker: () => Promise<LmWorker>,
+    private readonly onLoadProgress?: (progress: LoadProgress) => void,
   ) {}
 
   async doGenerate(options: LanguageModelV4CallOptions): Promise<LanguageModelV4GenerateResult> {
@@ -208,7 +212,7 @@ class LmWorkerLanguageModel implements LanguageModelV4 {
   ): Promise<{ stream: GenerateStream; timestamp: Date }> {
     const worker = await untilAborted(this.worker(), signal);
     const stream = await ModelSlot.of(worker)
-      .send(this.load, signal, () => worker.generate(params, { signal }))
+      .send(this.load, signal, () => worker.generate(params, { signal }), this.onLoadProgress)
       .catch((error: unknown) => {
         throw loadError(error, this.modelId, this.load);
       });
@@ -251,20 +255,25 @@ class ModelSlot {
   }
 
   /** Call `send` once `load`'s model is the worker's, loading it unless it is, or is being, loaded. */
-  async send<T>(load: LoadParams, signal: AbortSignal | undefined, send: () => T): Promise<T> {
+  async send<T>(
+    load: LoadParams,
+    signal: AbortSignal | undefined,
+    send: () => T,
+    onProgress?: (progress: LoadProgress) => void,
+  ): Promise<T> {
     const key = slotKey(load);
     await untilAborted(this.asked, signal);
     for (;;) {
-      if (this.key !== key) this.switchTo(load, key);
+      if (this.key !== key) this.switchTo(load, key, onProgress);
       await untilAborted(this.loading, signal);
       // Another call may have switched models meanwhile: send only while the model is still this one.
       if (this.key === key) return send();
     }
   }
 
-  private switchTo(load: LoadParams, key: string): void {
+  private switchTo(load: LoadParams, key: string, onProgress?: (progress: LoadProgress) => void): void {
     this.key = key;
-    const loading = this.loading.catch(() => {}).then(() => this.worker.load(load));
+    const loading = this.loading.catch(() => {}).then(() => this.worker.load(load, { onProgress }));
     loading.catch(() => {
       if (this.key === key) this.key = undefined; // the next call tries the load again
     });
@@ -482,9 +491,11 @@ function unsupportedFile(): never {
 // --- the answer ----------------------------------------------------------------------------
 
 function toContent(result: GenerateResult): LanguageModelV4Content[] {
-  // Whitespace alone (the line breaks between calls) is no text part.
+  // The model's thinking first (it comes before the answer); whitespace alone (the line
+  // breaks between calls) is no text part.
+  const reasoning: LanguageModelV4Content[] = result.reasoning ? [{ type: "reasoning", text: result.reasoning }] : [];
   const content: LanguageModelV4Content[] = result.content.trim() ? [{ type: "text", text: result.content }] : [];
-  return [...content, ...result.tool_calls.map(toToolCallPart)];
+  return [...reasoning, ...content, ...result.tool_calls.map(toToolCallPart)];
 }
 
 /**
@@ -514,8 +525,11 @@ function toUsage(result: GenerateResult | undefined): LanguageModelV4Usage {
       cacheRead: usage?.cache_read_tokens,
       cacheWrite: result && inputTokensWritten(result),
     },
-    // The worker does not tell reasoning tokens apart: all of them count as text.
-    outputTokens: { total: usage?.completion_tokens, text: usage?.completion_tokens, reasoning: undefined },
+    outputTokens: {
+      total: usage?.completion_tokens,
+      text: usage && usage.completion_tokens - usage.reasoning_tokens,
+      reasoning: usage?.reasoning_tokens,
+    },
     ...(usage && { raw: { ...usage } }),
   };
 }
@@ -547,8 +561,9 @@ function responseId(stream: GenerateStream): string {
 }
 
 /**
- * The stream's parts after its head: text as it comes (outside tool calls), each tool call
- * once complete, then `finish`. A worker error becomes an `error` part and a `finish` with
+ * The stream's parts after its head: the model's thinking and text as they come (outside
+ * tool calls; a thinking part ends where text begins), each tool call once complete, then
+ * `finish`. A worker error becomes an `error` part and a `finish` with
  * finish reason "error"; an abort ends it with the abort's reason, as a fetch body does.
  */
 async function* streamParts(
@@ -559,6 +574,8 @@ async function* streamParts(
 ): AsyncGenerator<LanguageModelV4StreamPart, undefined> {
   const textId = "text";
   let textOpen = false;
+  let thoughts = 0; // reasoning parts begun
+  let reasoningOpen = false;
   let blank = ""; // whitespace before any text (the line breaks between calls): no text part unless text follows
   let result: GenerateResult | undefined;
   try {
@@ -568,6 +585,15 @@ async function* streamParts(
       if (next.done) break;
       const chunk = next.value;
       if (includeRaw) yield { type: "raw", rawValue: chunk };
+      if (chunk.reasoning) {
+        if (!reasoningOpen) yield { type: "reasoning-start", id: `reasoning-${++thoughts}` };
+        reasoningOpen = true;
+        yield { type: "reasoning-delta", id: `reasoning-${thoughts}`, delta: chunk.reasoning };
+      }
+      if (reasoningOpen && chunk.content.trim() !== "") {
+        yield { type: "reasoning-end", id: `reasoning-${thoughts}` };
+        reasoningOpen = false;
+      }
       if (!textOpen && chunk.content.trim() === "") {
         blank += chunk.content;
       } else {
@@ -585,6 +611,7 @@ async function* streamParts(
     if (signal.aborted) throw error;
     yield { type: "error", error: callError(error, "generate", params) };
   }
+  if (reasoningOpen) yield { type: "reasoning-end", id: `reasoning-${thoughts}` };
   if (textOpen) yield { type: "text-end", id: textId };
   yield {
     type: "finish",

@@ -22,6 +22,7 @@ import type {
   MethodName,
   Methods,
   PrefillParams,
+  LoadProgress,
   PrefillProgress,
   PrefillResult,
   WorkerNotifications,
@@ -113,7 +114,8 @@ export class LmWorker {
   private readonly restartLimit: { maxRestarts: number; withinMs: number } | null;
   private readonly pending = new Map<number, Pending>();
   private readonly streams = new Map<number, GenerateStream>();
-  private readonly progress = new Map<number, (progress: PrefillProgress) => void>();
+  // onProgress of a load or a prefill, by request id: each sees its own method's notifications.
+  private readonly progress = new Map<number, (progress: LoadProgress & PrefillProgress) => void>();
   private readonly listeners = new Map<string, Set<(params: unknown) => void>>();
   private nextId = 1;
   // The process now, and what belongs to it alone.
@@ -173,8 +175,20 @@ export class LmWorker {
     return this.request(method, params, options?.signal).promise as Promise<Result<M>>;
   }
 
-  load(params: Params<"load">, options?: CallOptions): Promise<Result<"load">> {
-    return this.call("load", params, options);
+  /**
+   * Load a model, replacing any loaded one. `onProgress` (which sets the load's `progress`)
+   * sees the stages of a long load (the attention kernel built, a gguf's tensors dequantized,
+   * the weights hashed and quantized), each from `done: 0` up to its `total`, a few times a
+   * second at most.
+   */
+  load(
+    params: Params<"load">,
+    options: CallOptions & { onProgress?: (progress: LoadProgress) => void } = {},
+  ): Promise<Result<"load">> {
+    const asked = options.onProgress ? { ...params, progress: true } : params;
+    const { id, promise } = this.request("load", asked, options.signal);
+    this.watchProgress(id, promise, options.onProgress);
+    return promise as Promise<Result<"load">>;
   }
 
   unload(options?: CallOptions): Promise<Result<"unload">> {
@@ -211,12 +225,20 @@ export class LmWorker {
     options: CallOptions & { onProgress?: (progress: PrefillProgress) => void } = {},
   ): Promise<PrefillResult> {
     const { id, promise } = this.request("prefill", params, options.signal);
-    if (options.onProgress) {
-      this.progress.set(id, options.onProgress);
-      const forget = () => this.progress.delete(id);
-      promise.then(forget, forget);
-    }
+    this.watchProgress(id, promise, options.onProgress);
     return promise as Promise<PrefillResult>;
+  }
+
+  private watchProgress(
+    id: number,
+    answered: Promise<unknown>,
+    onProgress: ((progress: LoadProgress & PrefillProgress) => void) | undefined,
+  ): void {
+    if (onProgress) {
+      this.progress.set(id, onProgress);
+      const forget = () => this.progress.delete(id);
+      answered.then(forget, forget);
+    }
   }
 
   /**
@@ -525,8 +547,8 @@ export class LmWorker {
     if (method === "generate/chunk") {
       const chunk = params as GenerateChunk;
       this.streams.get(chunk.id as number)?.push(chunk);
-    } else if (method === "prefill/progress") {
-      const progress = params as PrefillProgress;
+    } else if (method === "prefill/progress" || method === "load/progress") {
+      const progress = params as LoadProgress & PrefillProgress;
       this.progress.get(progress.id as number)?.(progress);
     }
     for (const listener of this.listeners.get(method) ?? []) {

@@ -82,6 +82,8 @@ export interface LoadParams {
   api_key_env?: string | null;
   /** exclusiveMinimum 0; maximum 3600. Default `120`. */
   stall_timeout_s?: number;
+  /** Default `false`. */
+  progress?: boolean;
 }
 
 export interface UnloadResult {
@@ -261,6 +263,7 @@ export interface GenerateResult {
   text: string;
   tokens: number[];
   content: string;
+  reasoning: string;
   tool_calls: ToolCall[];
   finish_reason: "cancelled" | "length" | "stop" | "tool_calls";
   stop_reason: StopReason;
@@ -289,6 +292,7 @@ export interface Usage {
   completion_tokens: number;
   cache_read_tokens: number;
   cache_write_tokens: number;
+  reasoning_tokens: number;
 }
 
 export interface Timings {
@@ -397,6 +401,7 @@ export interface GenerateChunk {
   prompt_tokens: number;
   cache_read_tokens: number;
   content: string;
+  reasoning: string;
   tool_calls: ToolCall[];
 }
 
@@ -406,6 +411,15 @@ export interface PrefillProgress {
   processed_tokens: number;
   total_tokens: number;
   cache_read_tokens: number;
+}
+
+/** params of the load/progress notification: a stage of a load, as it goes. */
+export interface LoadProgress {
+  id: number | string;
+  stage: "building_kernel" | "dequantizing" | "hashing" | "quantizing";
+  done: number;
+  total: number;
+  unit: "bytes" | "steps" | "tensors";
 }
 
 export interface AckParams {
@@ -453,6 +467,7 @@ export type MethodName = keyof Methods;
 export interface WorkerNotifications {
   "generate/chunk": GenerateChunk;
   "prefill/progress": PrefillProgress;
+  "load/progress": LoadProgress;
 }
 
 /** Notifications the host sends to the worker: method → params. */

@@ -3,6 +3,7 @@
 // the tiny transformers model (random weights: gibberish, but constrained output still parses).
 
 import assert from "node:assert/strict";
+import { execFileSync } from "node:child_process";
 import { mkdtemp, rm } from "node:fs/promises";
 import { createServer } from "node:http";
 import type { AddressInfo } from "node:net";
@@ -26,7 +27,14 @@ import {
 import { z } from "zod";
 
 import { createLmWorker, lmWorker, type LmWorkerProvider } from "../src/ai-sdk.js";
-import { LmWorker, RpcError, WorkerExitedError, type ChatMessage, type WorkerRestart } from "../src/index.js";
+import {
+  LmWorker,
+  RpcError,
+  WorkerExitedError,
+  type ChatMessage,
+  type LoadProgress,
+  type WorkerRestart,
+} from "../src/index.js";
 import { python, tinyModel, workerEnv } from "./support.js";
 
 // The tests check warnings themselves; the AI SDK would also print them.
@@ -416,6 +424,15 @@ describe("the AI SDK provider with the tiny model", () => {
     await lmWorker.close();
   });
 
+  test("onLoadProgress sees the stages of the model's load, each up to its total", async () => {
+    const seen: LoadProgress[] = [];
+    await using own = createLmWorker({ workerOptions: workerOptions(), onLoadProgress: (p) => seen.push(p) });
+    await generateText({ model: own(modelDir), prompt: "Hi", maxOutputTokens: 2 });
+    const quantizing = seen.filter((p) => p.stage === "quantizing");
+    assert.deepEqual(quantizing.map((p) => p.done), [0, 15], JSON.stringify(seen));
+    assert.ok(seen.every((p) => p.total === seen.find((q) => q.stage === p.stage)!.total));
+  });
+
   // Last: these leave the worker without a model; the next call would load it again.
   test("an unknown model is a NoSuchModelError and a model that fails to load a LoadSettingError, the RpcError their cause", async () => {
     await assert.rejects(generateText({ model: lm(join(cacheDir, "no-such-model")), prompt: "x" }), (error: unknown) => {
@@ -430,6 +447,47 @@ describe("the AI SDK provider with the tiny model", () => {
       assert.match(error.message, /no config\.json/);
       return true;
     });
+  });
+});
+
+describe("the AI SDK provider with a reasoning model", () => {
+  let lm: LmWorkerProvider;
+  let modelDir: string;
+  before(async () => {
+    // The tiny model with a reasoning model's chat template: its generation prompt opens the
+    // thinking (<think>), and its random weights never close it.
+    modelDir = await mkdtemp(join(tmpdir(), "lm-worker-thinking-"));
+    execFileSync(python(), ["-m", "worker.backends.transformers.tiny_model", modelDir, "--thinking"], {
+      env: workerEnv(),
+      timeout: 300_000,
+    });
+    lm = createLmWorker({ workerOptions: workerOptions() });
+  });
+  after(async () => {
+    await lm.close();
+    await rm(modelDir, { recursive: true, force: true });
+  });
+
+  test("streamText streams the thinking as reasoning parts and counts its tokens; generateText returns it as reasoning", async () => {
+    const streamed = streamText({ model: lm(modelDir), prompt: "the cat sat on the mat", maxOutputTokens: 6 });
+    const parts = [];
+    for await (const part of streamed.fullStream) parts.push(part);
+    const kinds = parts.map((part) => part.type).filter((type) => /^(reasoning|text)-/.test(type));
+    assert.equal(kinds[0], "reasoning-start");
+    assert.equal(kinds.at(-1), "reasoning-end");
+    assert.ok(!kinds.some((kind) => kind.startsWith("text-")), kinds.join());
+    const thought = parts.flatMap((part) => (part.type === "reasoning-delta" ? [part.text] : [])).join("");
+    assert.ok(thought.length > 0);
+    const step = await streamed.finalStep;
+    assert.equal(step.reasoningText, thought);
+    assert.equal(step.text, "");
+    assert.deepEqual(step.usage.outputTokenDetails, { textTokens: 0, reasoningTokens: 6 });
+
+    const generated = await generateText({ model: lm(modelDir), prompt: "the cat sat on the mat", maxOutputTokens: 6 });
+    assert.deepEqual(generated.reasoning.map((part) => part.type), ["reasoning"]);
+    assert.equal(generated.reasoningText, thought); // greedy: the same thinking
+    assert.equal(generated.text, "");
+    assert.equal(generated.usage.outputTokenDetails.reasoningTokens, 6);
   });
 });
 

@@ -17,6 +17,7 @@ import {
   WorkerExitedError,
   WorkerStartError,
   type GenerateChunk,
+  type LoadProgress,
   type WorkerRestart,
 } from "../src/index.js";
 import { python, tinyModel, workerEnv } from "./support.js";
@@ -468,4 +469,32 @@ describe("with the tiny transformers model", () => {
     assert.deepEqual(cached.tokens, plain.tokens);
     assert.equal(cached.usage.cache_read_tokens, 600);
   });
+});
+
+test("a load of a gguf reports its stages through onProgress, each up to its total, before it answers", async () => {
+  const dir = await mkdtemp(join(tmpdir(), "lm-worker-gguf-"));
+  const gguf = join(dir, "tiny.gguf");
+  execFileSync(
+    python(),
+    ["-c", "import sys; from worker.backends.transformers.tiny_model import write_gguf; write_gguf(sys.argv[1], sys.argv[2])", await tinyModel(), gguf],
+    { env: workerEnv(), timeout: 120_000 },
+  );
+  // A data directory of its own: the kernel is built and the file hashed here.
+  const worker = await start({ env: { ...workerEnv(), LM_WORKER_DATA_DIR: join(dir, "data") } });
+  try {
+    const seen: LoadProgress[] = [];
+    const loaded = await worker.load({ model: gguf }, { onProgress: (progress) => seen.push(progress) });
+    assert.equal(loaded.quantization, "int8");
+    const stages = [...new Set(seen.map((p) => p.stage))];
+    assert.deepEqual(stages, ["building_kernel", "dequantizing", "hashing", "quantizing"]);
+    for (const stage of stages) {
+      const reports = seen.filter((p) => p.stage === stage);
+      assert.equal(reports[0].done, 0);
+      assert.equal(reports.at(-1)!.done, reports.at(-1)!.total);
+      assert.ok(reports.every((p, i) => i === 0 || p.done >= reports[i - 1].done));
+    }
+  } finally {
+    await worker.close();
+    rmSync(dir, { recursive: true, force: true });
+  }
 });

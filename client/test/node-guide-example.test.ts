@@ -6,9 +6,9 @@ import { test } from "node:test";
 
 import { runDocExample } from "./support.js";
 
-test("the Node guide's example runs as written: its second turn starts from the first, a break cancels", async () => {
+test("the Node guide's example runs as written: its load reports progress, its second turn starts from the first, a break cancels", async () => {
   const stdout = await runDocExample("docs/NODE.md");
-  assert.match(stdout, /^loaded .*: transformers, context 2048 tokens$/m);
+  assert.match(stdout, /^quantizing: 0 of 15 tensors\nquantizing: 15 of 15 tensors\n(.*\n)*loaded .*: transformers, context 2048 tokens$/m);
   assert.match(stdout, /stored as auto-[0-9a-f]{24}$/m);
   const reused = /\[(\d+) of (\d+) prompt tokens from the cache\]/.exec(stdout);
   assert.ok(reused && Number(reused[1]) > 0, stdout);

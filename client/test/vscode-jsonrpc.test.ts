@@ -282,7 +282,7 @@ test("cancelling a queued generate through its CancellationToken resolves it emp
     assert.equal(b.finish_reason, "cancelled");
     assert.equal(b.text, "");
     assert.deepEqual(b.tokens, []);
-    assert.deepEqual(b.usage, { prompt_tokens: 0, completion_tokens: 0, cache_read_tokens: 0, cache_write_tokens: 0 });
+    assert.deepEqual(b.usage, { prompt_tokens: 0, completion_tokens: 0, cache_read_tokens: 0, cache_write_tokens: 0, reasoning_tokens: 0 });
     assert.equal(b.cache, null);
     assert.ok(chunks.every((c) => c.id === chunks[0]!.id), "the queued generate sent no chunk");
   }, ["--max-batch", "1"]);

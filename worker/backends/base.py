@@ -36,6 +36,7 @@ PREFILL_CHUNK_TOKENS = 256
 
 if TYPE_CHECKING:  # the container is imported only where caches are used
     from worker.constraints import GrammarTokenizer, OutputConstraint
+    from worker.reasoning import Markers
     from worker.kvcache.container import Header, Identity, LoadedCache, TensorEntry
     from worker.kvcache.store import StorableCache
 
@@ -134,6 +135,15 @@ class DraftingDecoding(Decoding, Protocol):
         """Whether another token can be chosen before the next step: a step that checked
         drafted tokens gives one more for each one the previous choice took."""
         ...
+
+
+@runtime_checkable
+class ReasoningModel(Model, Protocol):
+    """A model whose chat template declares the markers its thinking goes between. Optional:
+    the worker splits a generation's text into ``content`` and ``reasoning`` for a model with
+    ``reasoning_markers`` that are not None (worker/reasoning.py)."""
+
+    reasoning_markers: Markers | None
 
 
 @runtime_checkable

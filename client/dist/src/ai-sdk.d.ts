@@ -9,7 +9,7 @@
  */
 import type { LanguageModelV4, ProviderV4 } from "@ai-sdk/provider";
 import { LmWorker, type WorkerOptions } from "./client.js";
-import type { GenerateParams, LoadParams } from "./protocol-types.js";
+import type { GenerateParams, LoadParams, LoadProgress } from "./protocol-types.js";
 export interface LmWorkerProviderSettings {
     /** A running worker to use; the provider neither starts nor closes it. */
     worker?: LmWorker;
@@ -21,6 +21,8 @@ export interface LmWorkerProviderSettings {
     workerOptions?: WorkerOptions;
     /** The rest of `load`'s params (`backend`, `dtype`, `quantization`, …); the model id is `model`. */
     load?: Omit<LoadParams, "model">;
+    /** Sees the stages of a long load of a model (the first load of "default" converts it), as `LmWorker.load`'s `onProgress`. */
+    onLoadProgress?: (progress: LoadProgress) => void;
 }
 /** `providerOptions.lmWorker` of a call. */
 export interface LmWorkerCallOptions {

@@ -33,7 +33,7 @@ export function createLmWorker(settings = {}) {
         }
         return started;
     };
-    const languageModel = (modelId = "default") => new LmWorkerLanguageModel(modelId, { model: modelId, ...settings.load }, worker);
+    const languageModel = (modelId = "default") => new LmWorkerLanguageModel(modelId, { model: modelId, ...settings.load }, worker, settings.onLoadProgress);
     const provider = Object.assign(languageModel, {
         specificationVersion: "v4",
         languageModel,
@@ -66,13 +66,15 @@ class LmWorkerLanguageModel {
     modelId;
     load;
     worker;
+    onLoadProgress;
     specificationVersion = "v4";
     provider = PROVIDER;
     supportedUrls = {};
-    constructor(modelId, load, worker) {
+    constructor(modelId, load, worker, onLoadProgress) {
         this.modelId = modelId;
         this.load = load;
         this.worker = worker;
+        this.onLoadProgress = onLoadProgress;
     }
     async doGenerate(options) {
         const { params, warnings } = toGenerateParams(options);
@@ -125,7 +127,7 @@ class LmWorkerLanguageModel {
     async start(params, signal) {
         const worker = await untilAborted(this.worker(), signal);
         const stream = await ModelSlot.of(worker)
-            .send(this.load, signal, () => worker.generate(params, { signal }))
+            .send(this.load, signal, () => worker.generate(params, { signal }), this.onLoadProgress)
             .catch((error) => {
             throw loadError(error, this.modelId, this.load);
         });
@@ -164,21 +166,21 @@ class ModelSlot {
         return slot;
     }
     /** Call `send` once `load`'s model is the worker's, loading it unless it is, or is being, loaded. */
-    async send(load, signal, send) {
+    async send(load, signal, send, onProgress) {
         const key = slotKey(load);
         await untilAborted(this.asked, signal);
         for (;;) {
             if (this.key !== key)
-                this.switchTo(load, key);
+                this.switchTo(load, key, onProgress);
             await untilAborted(this.loading, signal);
             // Another call may have switched models meanwhile: send only while the model is still this one.
             if (this.key === key)
                 return send();
         }
     }
-    switchTo(load, key) {
+    switchTo(load, key, onProgress) {
         this.key = key;
-        const loading = this.loading.catch(() => { }).then(() => this.worker.load(load));
+        const loading = this.loading.catch(() => { }).then(() => this.worker.load(load, { onProgress }));
         loading.catch(() => {
             if (this.key === key)
                 this.key = undefined; // the next call tries the load again
@@ -380,9 +382,11 @@ function unsupportedFile() {
 }
 // --- the answer ----------------------------------------------------------------------------
 function toContent(result) {
-    // Whitespace alone (the line breaks between calls) is no text part.
+    // The model's thinking first (it comes before the answer); whitespace alone (the line
+    // breaks between calls) is no text part.
+    const reasoning = result.reasoning ? [{ type: "reasoning", text: result.reasoning }] : [];
     const content = result.content.trim() ? [{ type: "text", text: result.content }] : [];
-    return [...content, ...result.tool_calls.map(toToolCallPart)];
+    return [...reasoning, ...content, ...result.tool_calls.map(toToolCallPart)];
 }
 /**
  * A malformed call (not JSON, an unknown tool) keeps its raw text as the input, so that the
@@ -409,8 +413,11 @@ function toUsage(result) {
             cacheRead: usage?.cache_read_tokens,
             cacheWrite: result && inputTokensWritten(result),
         },
-        // The worker does not tell reasoning tokens apart: all of them count as text.
-        outputTokens: { total: usage?.completion_tokens, text: usage?.completion_tokens, reasoning: undefined },
+        outputTokens: {
+            total: usage?.completion_tokens,
+            text: usage && usage.completion_tokens - usage.reasoning_tokens,
+            reasoning: usage?.reasoning_tokens,
+        },
         ...(usage && { raw: { ...usage } }),
     };
 }
@@ -439,13 +446,16 @@ function responseId(stream) {
     return `generate-${stream.id}`;
 }
 /**
- * The stream's parts after its head: text as it comes (outside tool calls), each tool call
- * once complete, then `finish`. A worker error becomes an `error` part and a `finish` with
+ * The stream's parts after its head: the model's thinking and text as they come (outside
+ * tool calls; a thinking part ends where text begins), each tool call once complete, then
+ * `finish`. A worker error becomes an `error` part and a `finish` with
  * finish reason "error"; an abort ends it with the abort's reason, as a fetch body does.
  */
 async function* streamParts(stream, params, signal, includeRaw) {
     const textId = "text";
     let textOpen = false;
+    let thoughts = 0; // reasoning parts begun
+    let reasoningOpen = false;
     let blank = ""; // whitespace before any text (the line breaks between calls): no text part unless text follows
     let result;
     try {
@@ -457,6 +467,16 @@ async function* streamParts(stream, params, signal, includeRaw) {
             const chunk = next.value;
             if (includeRaw)
                 yield { type: "raw", rawValue: chunk };
+            if (chunk.reasoning) {
+                if (!reasoningOpen)
+                    yield { type: "reasoning-start", id: `reasoning-${++thoughts}` };
+                reasoningOpen = true;
+                yield { type: "reasoning-delta", id: `reasoning-${thoughts}`, delta: chunk.reasoning };
+            }
+            if (reasoningOpen && chunk.content.trim() !== "") {
+                yield { type: "reasoning-end", id: `reasoning-${thoughts}` };
+                reasoningOpen = false;
+            }
             if (!textOpen && chunk.content.trim() === "") {
                 blank += chunk.content;
             }
@@ -478,6 +498,8 @@ async function* streamParts(stream, params, signal, includeRaw) {
             throw error;
         yield { type: "error", error: callError(error, "generate", params) };
     }
+    if (reasoningOpen)
+        yield { type: "reasoning-end", id: `reasoning-${thoughts}` };
     if (textOpen)
         yield { type: "text-end", id: textId };
     yield {

@@ -9,7 +9,7 @@
  */
 import { WorkerExitedError } from "./errors.js";
 import { type Framing } from "./framing.js";
-import type { CapabilitiesResult, GenerateChunk, GenerateParams, GenerateResult, LoadParams, MethodName, Methods, PrefillParams, PrefillProgress, PrefillResult, WorkerNotifications } from "./protocol-types.js";
+import type { CapabilitiesResult, GenerateChunk, GenerateParams, GenerateResult, LoadParams, MethodName, Methods, PrefillParams, LoadProgress, PrefillProgress, PrefillResult, WorkerNotifications } from "./protocol-types.js";
 export interface WorkerOptions {
     /** The Python to run; else $LM_WORKER_PYTHON, this package's .venv, or the one `lm-worker setup` made. */
     python?: string;
@@ -108,7 +108,15 @@ export declare class LmWorker {
     get pendingRequests(): number;
     /** Call a method by name; params and result are typed from the protocol's schemas. */
     call<M extends MethodName>(method: M, ...args: OptionalParams<M>): Promise<Result<M>>;
-    load(params: Params<"load">, options?: CallOptions): Promise<Result<"load">>;
+    /**
+     * Load a model, replacing any loaded one. `onProgress` (which sets the load's `progress`)
+     * sees the stages of a long load (the attention kernel built, a gguf's tensors dequantized,
+     * the weights hashed and quantized), each from `done: 0` up to its `total`, a few times a
+     * second at most.
+     */
+    load(params: Params<"load">, options?: CallOptions & {
+        onProgress?: (progress: LoadProgress) => void;
+    }): Promise<Result<"load">>;
     unload(options?: CallOptions): Promise<Result<"unload">>;
     tokenize(params: Params<"tokenize">, options?: CallOptions): Promise<Result<"tokenize">>;
     detokenize(params: Params<"detokenize">, options?: CallOptions): Promise<Result<"detokenize">>;
@@ -120,6 +128,7 @@ export declare class LmWorker {
     prefill(params: PrefillParams, options?: CallOptions & {
         onProgress?: (progress: PrefillProgress) => void;
     }): Promise<PrefillResult>;
+    private watchProgress;
     /**
      * Start a generation: iterate the returned stream for chunks, in order, and await its
      * `result` for the final answer. Aborting `signal`, `stream.cancel()` or leaving a

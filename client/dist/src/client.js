@@ -21,6 +21,7 @@ export class LmWorker {
     restartLimit;
     pending = new Map();
     streams = new Map();
+    // onProgress of a load or a prefill, by request id: each sees its own method's notifications.
     progress = new Map();
     listeners = new Map();
     nextId = 1;
@@ -75,8 +76,17 @@ export class LmWorker {
         const [params, options] = args;
         return this.request(method, params, options?.signal).promise;
     }
-    load(params, options) {
-        return this.call("load", params, options);
+    /**
+     * Load a model, replacing any loaded one. `onProgress` (which sets the load's `progress`)
+     * sees the stages of a long load (the attention kernel built, a gguf's tensors dequantized,
+     * the weights hashed and quantized), each from `done: 0` up to its `total`, a few times a
+     * second at most.
+     */
+    load(params, options = {}) {
+        const asked = options.onProgress ? { ...params, progress: true } : params;
+        const { id, promise } = this.request("load", asked, options.signal);
+        this.watchProgress(id, promise, options.onProgress);
+        return promise;
     }
     unload(options) {
         return this.call("unload", undefined, options);
@@ -102,12 +112,15 @@ export class LmWorker {
     /** Compute and store a prompt's KV cache; `onProgress` sees each chunk of a long one. */
     prefill(params, options = {}) {
         const { id, promise } = this.request("prefill", params, options.signal);
-        if (options.onProgress) {
-            this.progress.set(id, options.onProgress);
-            const forget = () => this.progress.delete(id);
-            promise.then(forget, forget);
-        }
+        this.watchProgress(id, promise, options.onProgress);
         return promise;
+    }
+    watchProgress(id, answered, onProgress) {
+        if (onProgress) {
+            this.progress.set(id, onProgress);
+            const forget = () => this.progress.delete(id);
+            answered.then(forget, forget);
+        }
     }
     /**
      * Start a generation: iterate the returned stream for chunks, in order, and await its
@@ -389,7 +402,7 @@ export class LmWorker {
             const chunk = params;
             this.streams.get(chunk.id)?.push(chunk);
         }
-        else if (method === "prefill/progress") {
+        else if (method === "prefill/progress" || method === "load/progress") {
             const progress = params;
             this.progress.get(progress.id)?.(progress);
         }

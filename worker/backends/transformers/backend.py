@@ -26,7 +26,7 @@ import msgspec
 
 from protocol.errors import ErrorKind, RpcError
 from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo, SpecialToken, Tool
-from worker import prompt_lookup, tool_calls
+from worker import prompt_lookup, reasoning, tool_calls
 from worker.files import is_regular
 from worker.backends.base import PREFILL_CHUNK_TOKENS
 from worker.constraints import GrammarTokenizer
@@ -85,11 +85,12 @@ class TransformersBackend:
         from worker.backends.transformers import hf_compat  # before transformers: it keeps the hub offline
 
         device = params.device
-        path = _model_path(params.model, data_dir)
         dtype, quantization = resolve_weights(params)
         # Quantized products give each row the numbers it gets alone; exact attention makes
         # the rest of a position's arithmetic as independent of the chunk it is in.
+        # (Built before a shipped model is converted: a load's stages come in one order.)
         attention = hf_compat.ATTENTION if quantization == "none" else _exact_attention(data_dir)
+        path = _model_path(params.model, data_dir)
         model, tokenizer = _load_pretrained(path, dtype, device, params.trust_remote_code, attention)
         identity = _identity(path, model, tokenizer, dtype, quantization, data_dir / "digests")
         if quantization != "none":
@@ -163,6 +164,7 @@ class TransformersModel:
             load_time_ms=(time.perf_counter() - started) * 1000.0,
         )
         self.grammar_tokenizer = GrammarTokenizer(tokenizer, self.eos_token_ids)
+        self.reasoning_markers = reasoning.markers(getattr(tokenizer, "chat_template", None))
         self._cache_tensors = self._one_position_cache()
 
     def prepare_side_thread(self) -> None:
@@ -471,7 +473,7 @@ def _identity(path: Path, model, tokenizer, dtype: str, quantization: str, memo_
     weights and tokenizer files (a .gguf file holds both), the chat template, and the
     whole configuration. Digests of big files are remembered (worker.fingerprint)."""
     from worker.backends.transformers import hf_compat
-    from worker.fingerprint import files_sha256
+    from worker.fingerprint import combined_sha256, digests
     from worker.kvcache.container import Identity
     from worker.backends.transformers.torch_adapter import TorchCache
 
@@ -482,11 +484,12 @@ def _identity(path: Path, model, tokenizer, dtype: str, quantization: str, memo_
     template = getattr(tokenizer, "chat_template", None)
     kinds = set(TorchCache(config).kinds) - {"none"}
     heads = getattr(config, "num_attention_heads", None) or 0  # a model of linear layers alone has none
+    known = digests([*weights, *tokenizer_files], memo_dir)  # one "hashing" stage of a load
     return Identity(
         model_id=path.name,  # the directory or file name: a copied model keeps its caches
-        weights_sha256=files_sha256(weights, memo_dir),
-        tokenizer_sha256=files_sha256(
-            tokenizer_files, memo_dir, extra=f"{type(tokenizer).__name__}\0{template if isinstance(template, str) else ''}"
+        weights_sha256=combined_sha256(weights, known),
+        tokenizer_sha256=combined_sha256(
+            tokenizer_files, known, extra=f"{type(tokenizer).__name__}\0{template if isinstance(template, str) else ''}"
         ),
         rope_theta=hf_compat.rope_theta(config),
         config_sha256=hf_compat.config_digest(config),

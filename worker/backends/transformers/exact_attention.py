@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from worker import load_progress
 from worker.files import is_regular
 
 log = logging.getLogger(__name__)
@@ -182,7 +183,16 @@ def _build(directory: Path, again: bool = False) -> Path:
 
 def _compile(command: list[str]) -> subprocess.CompletedProcess:
     """Run the compiler in a process group of its own, all of which is killed at the timeout
-    (a compiler's own children, cc1 and as, would otherwise run on)."""
+    (a compiler's own children, cc1 and as, would otherwise run on). A load sees it as a
+    stage of one step, over when the compiler is, whatever it said."""
+    report = load_progress.stage("building_kernel", 1, "steps")
+    try:
+        return _run_compiler(command)
+    finally:
+        report(1)
+
+
+def _run_compiler(command: list[str]) -> subprocess.CompletedProcess:
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as process:
         try:

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import torch
 
+from worker import load_progress
+
 GROUP = 32
 KERNEL_DTYPE = torch.bfloat16
 _INT4_ROW_BLOCK = 64  # rows of a packed int4 weight that the CPU kernel keeps together
@@ -87,14 +89,18 @@ def quantize(model: torch.nn.Module, scheme: str) -> int:
     """Replace the model's linears, in place, by ``scheme``'s; how many were replaced.
     The model must be on the CPU."""
     dtype = next(model.parameters()).dtype
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
-                kind = Int4Linear if scheme == "int4" and _fits_int4(child) else Int8Linear
-                setattr(parent, name, kind(child, dtype))
-                replaced += 1
-    return replaced
+    linears = [
+        (parent, name, child)
+        for parent in list(model.modules())
+        for name, child in list(parent.named_children())
+        if type(child) is torch.nn.Linear
+    ]
+    report = load_progress.stage("quantizing", len(linears), "tensors")
+    for replaced, (parent, name, child) in enumerate(linears, 1):
+        kind = Int4Linear if scheme == "int4" and _fits_int4(child) else Int8Linear
+        setattr(parent, name, kind(child, dtype))
+        report(replaced)
+    return len(linears)
 
 
 def fused(linears: list[torch.nn.Module]):

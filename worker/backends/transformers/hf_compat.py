@@ -15,10 +15,12 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # gguf conversion draws raw tqdm bar
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from transformers import DynamicCache  # noqa: E402
+from transformers import DynamicCache, modeling_gguf_pytorch_utils  # noqa: E402
 from transformers.integrations import sdpa_attention  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
 from transformers.modeling_utils import AttentionInterface  # noqa: E402
+
+from worker import load_progress  # noqa: E402
 
 VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
 
@@ -382,3 +384,19 @@ def make_serializable(model: torch.nn.Module) -> None:
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
         quantizer.remove_quantization_config(model)
+
+
+def _gguf_tensors(tensors, **tqdm_options):
+    """transformers' loop over a gguf file's tensors, each dequantized in its body (it draws a
+    tqdm bar over them): a load's "dequantizing" stage, a tensor at a time."""
+    report = load_progress.stage("dequantizing", len(tensors), "tensors")
+    done = 0
+    for tensor in tensors:
+        yield tensor
+        done += 1
+        report(done)
+
+
+# Where a version's gguf loading loops otherwise, its load shows no dequantizing stage.
+if getattr(modeling_gguf_pytorch_utils, "tqdm", None) is not None:
+    modeling_gguf_pytorch_utils.tqdm = _gguf_tensors

@@ -1,6 +1,6 @@
 """Build the tiny offline test models: a byte-level BPE tokenizer and a small random model.
 
-    python -m worker.backends.transformers.tiny_model DIR [--family llama|gemma3|qwen3_5]
+    python -m worker.backends.transformers.tiny_model DIR [--family llama|gemma3|qwen3_5] [--thinking] [--gguf FILE]
 
 One model per family of cache layers the worker supports:
 
@@ -34,6 +34,16 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# A reasoning model's template (as Qwen3's thinking ones and DeepSeek-R1's): the generation
+# prompt opens the thinking, and earlier answers are rendered without theirs.
+THINKING_CHATML = (
+    "{% for message in messages %}{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip() %}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}"
+)
 CONTEXT_LENGTH = 2048
 _WORDS = "the cat dog sat on mat a red blue sun moon river stone runs sings and but is was hello world one two".split()
 _WORDS += ["café", "naïve", "über", "日本", "こんにちは", "🙂", "🎉", "Ωmega"]
@@ -53,7 +63,10 @@ FAMILIES = ("llama", "gemma3", "qwen3_5")
 SLIDING_WINDOW = 16
 
 
-def build(directory: str | os.PathLike[str], *, seed: int = 0, vocab_size: int = 512, family: str = "llama") -> Path:
+def build(
+    directory: str | os.PathLike[str], *, seed: int = 0, vocab_size: int = 512, family: str = "llama",
+    chat_template: str = CHATML,
+) -> Path:
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # tokenizer training stays deterministic
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -80,7 +93,7 @@ def build(directory: str | os.PathLike[str], *, seed: int = 0, vocab_size: int =
         eos_token=EOS,
         pad_token=PAD,
         unk_token=PAD,
-        chat_template=CHATML,
+        chat_template=chat_template,
         model_max_length=CONTEXT_LENGTH,
     )
     torch.manual_seed(seed)
@@ -90,6 +103,57 @@ def build(directory: str | os.PathLike[str], *, seed: int = 0, vocab_size: int =
     model.save_pretrained(out)
     fast.save_pretrained(out)
     return out
+
+
+def write_gguf(model_dir: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """The tiny ``llama`` model of ``model_dir`` as a .gguf file of float32 tensors, laid out
+    as llama.cpp's converter writes one (its tokenizer as a GPT-2 BPE, query and key rows
+    permuted), so that a load reads and dequantizes it as it does a downloaded gguf."""
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig
+
+    source = Path(model_dir)
+    config = AutoConfig.from_pretrained(source)
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    described = json.loads((source / "tokenizer.json").read_text())
+    vocab = sorted(described["model"]["vocab"].items(), key=lambda item: item[1])
+    special = set(SPECIAL_TOKENS)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([token for token, _ in vocab])
+    writer.add_token_types([gguf.TokenType.CONTROL if token in special else gguf.TokenType.NORMAL for token, _ in vocab])
+    writer.add_token_merges([" ".join(merge) if isinstance(merge, list) else merge for merge in described["model"]["merges"]])
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    writer.add_pad_token_id(config.pad_token_id)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(CHATML)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    for name, tensor in load_file(source / "model.safetensors").items():
+        base, suffix = name.rsplit(".", 1)
+        gguf_name = f"{names.get_name(base)}.{suffix}"
+        if gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config.num_attention_heads if "attn_q" in gguf_name else config.num_key_value_heads
+            tensor = tensor.reshape(heads, 2, tensor.shape[0] // heads // 2, *tensor.shape[1:]).swapaxes(1, 2).reshape(tensor.shape)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(tensor, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(out)
 
 
 def _config(family: str, tokenizer):
@@ -122,8 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--family", choices=FAMILIES, default="llama")
+    parser.add_argument("--thinking", action="store_true", help="a reasoning model's chat template (<think>)")
+    parser.add_argument("--gguf", metavar="FILE", help="also write the model as a .gguf file (llama only)")
     args = parser.parse_args(argv)
-    print(build(args.directory, seed=args.seed, family=args.family))
+    template = THINKING_CHATML if args.thinking else CHATML
+    print(build(args.directory, seed=args.seed, family=args.family, chat_template=template))
+    if args.gguf:
+        print(write_gguf(args.directory, args.gguf))
     return 0
 
 
