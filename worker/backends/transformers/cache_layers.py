@@ -81,7 +81,7 @@ class KeysAndValues:
 class WideCopy:
     """A full-attention layer's keys and values in a wider dtype (float64 for WIDE_ATTENTION),
     made from the buffers whose memory starts at ``source``, correct for their first ``valid``
-    positions and with room for ``capacity``."""
+    positions, with room to grow as the buffers have."""
 
     __slots__ = ("source", "valid", "keys", "values")
 
