@@ -324,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from worker.backends.transformers.shipped import converted_path, default_data_dir
+    from worker.backends.transformers.shipped import converted_path
+    from worker.data_dir import default_data_dir
 
     model_dir = converted_path(default_data_dir())
     print(

@@ -24,7 +24,8 @@ LIBS = ROOT / "bench" / "out" / "grammar-libs"
 sys.path.insert(0, str(ROOT))
 
 from tests.json_schemas import SCHEMAS  # noqa: E402
-from worker.backends.transformers.shipped import converted_path, default_data_dir  # noqa: E402
+from worker.backends.transformers.shipped import converted_path  # noqa: E402
+from worker.data_dir import default_data_dir  # noqa: E402
 
 CASES = {
     "nested_object": (SCHEMAS["nested_object"], {"user": {"id": 123, "address": {"city": "New York", "zip": "10011"}}}),

@@ -192,25 +192,26 @@ def test_fused_projections_equal_the_separate_linears_bit_for_bit(sizes):
 def test_appended_positions_grow_in_place_and_cut_back_like_transformers_layers(tiny_model_dir: Path):
     from transformers import AutoConfig
 
-    from worker.backends.transformers import hf_compat
+    from worker.backends.transformers import cache_layers
 
-    cache = hf_compat.new_cache(AutoConfig.from_pretrained(tiny_model_dir))
+    cache = cache_layers.new_cache(AutoConfig.from_pretrained(tiny_model_dir))
     layer = cache.layers[0]
+    assert isinstance(layer, cache_layers.FullAttentionLayer)
     reference = []
     for step in range(70):  # past the first buffer's room
         keys = torch.full((1, 2, 1, 4), float(step))
         reference.append(keys)
-        all_keys, _ = layer.update(keys, -keys)
+        all_keys, _ = cache.update(keys, -keys, 0)  # as transformers' forward appends
         assert torch.equal(all_keys, torch.cat(reference, dim=-2))
     held = layer.keys
-    hf_compat.keep_positions(layer, 10)
-    layer.update(torch.full((1, 2, 1, 4), 99.0), torch.zeros(1, 2, 1, 4))
+    layer.keep_first(10)
+    layer.update_and_fetch(torch.full((1, 2, 1, 4), 99.0), torch.zeros(1, 2, 1, 4))
     assert layer.keys.shape[-2] == 11 and float(layer.keys[0, 0, 10, 0]) == 99.0
     assert torch.equal(layer.keys[..., :10, :], torch.cat(reference[:10], dim=-2))
     assert held.data_ptr() == layer.keys.data_ptr()  # the same buffer: nothing was copied
-    copied = hf_compat.new_cache(AutoConfig.from_pretrained(tiny_model_dir)).layers[0]
-    hf_compat.set_positions(copied, layer.keys.clone(), layer.values.clone(), 11)
-    copied.update(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4))  # a tensor from elsewhere moves into a buffer
+    copied = cache_layers.new_cache(AutoConfig.from_pretrained(tiny_model_dir)).layers[0]
+    copied.restore(layer.keys.clone(), layer.values.clone(), 11)
+    copied.update_and_fetch(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4))  # a tensor from elsewhere moves into a buffer
     assert copied.keys.shape[-2] == 12 and torch.equal(copied.keys[..., :11, :], layer.keys)
 
 
@@ -220,28 +221,28 @@ def test_the_wide_copy_of_a_layer_equals_its_positions_through_appends_cuts_and_
     the copy it reads is exactly the positions converted."""
     from transformers import AutoConfig
 
-    from worker.backends.transformers import hf_compat
+    from worker.backends.transformers import cache_layers
 
-    layer = hf_compat.new_cache(AutoConfig.from_pretrained(tiny_model_dir)).layers[0]
+    layer = cache_layers.new_cache(AutoConfig.from_pretrained(tiny_model_dir)).layers[0]
 
     def check() -> None:
-        keys, values = hf_compat.wide_positions(layer, torch.float64)
+        keys, values = layer.wide_state(torch.float64)
         assert torch.equal(keys, layer.keys.double()) and torch.equal(values, layer.values.double())
 
     for step in range(300):  # past the first buffers' room
-        layer.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+        layer.update_and_fetch(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
         if step % 7 == 0:
             check()
     check()
     for keep in (290, 17, 0):  # cut back, then new positions where old ones were
-        hf_compat.keep_positions(layer, keep)
-        layer.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
+        layer.keep_first(keep)
+        layer.update_and_fetch(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
         check()
-    hf_compat.set_positions(layer, torch.randn(1, 2, 40, 4), torch.randn(1, 2, 40, 4), 40)
+    layer.restore(torch.randn(1, 2, 40, 4), torch.randn(1, 2, 40, 4), 40)
     check()
-    layer.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+    layer.update_and_fetch(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
     check()
-    hf_compat.drop_spare_room(layer)
+    layer.compact()
     check()
 
 

@@ -192,7 +192,7 @@ def test_a_cache_read_with_room_grows_into_it_without_moving_its_positions(tiny_
     loaded = load(path, identity(model), room=room_of(model, held=len(ids) - 1))
     restored = TorchCache.from_file(loaded, model.config, "cpu")
     places = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in restored.kv.layers]
-    assert all(layer.growth_buffers[0].shape[-2] == len(ids) - 1 for layer in restored.kv.layers)
+    assert all(layer.capacity == len(ids) - 1 for layer in restored.kv.layers)
     for fed in (ids[-4:-1], ids[-1:]):
         with torch.inference_mode():
             logits = restored.feed(model, torch.tensor([fed]))
@@ -224,7 +224,7 @@ def test_extending_a_cache_on_the_cpu_reads_grouped_heads_in_place_with_the_same
     import torch
     from transformers.integrations import sdpa_attention
 
-    from worker.backends.transformers import hf_compat
+    from worker.backends.transformers import cache_layers, hf_compat
 
     model, tokenizer = tiny_hf
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped heads
@@ -235,7 +235,7 @@ def test_extending_a_cache_on_the_cpu_reads_grouped_heads_in_place_with_the_same
 
     def extend(use_gqa_in_sdpa) -> tuple[torch.Tensor, int]:
         monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", use_gqa_in_sdpa)
-        cache = hf_compat.new_cache(model.config)
+        cache = cache_layers.new_cache(model.config)
         with torch.inference_mode():
             hf_compat.forward(model, ids[:, :6], cache)
             copies.clear()
@@ -246,3 +246,36 @@ def test_extending_a_cache_on_the_cpu_reads_grouped_heads_in_place_with_the_same
     stock, stock_copies = extend(hf_compat._stock_use_gqa_in_sdpa)
     assert (in_place_copies, stock_copies) == (0, 2 * model.config.num_hidden_layers)
     assert torch.equal(in_place, stock)
+
+
+def test_a_hybrid_layers_cache_cut_back_to_a_checkpoint_continues_as_it_did():
+    """A layer with both full attention and linear-attention states (Falcon-H1's, transformers'
+    "hybrid" layer type) is one of lm-worker's own layers: its keys, values and states cut back
+    to a checkpoint and continue with the same logits, and a copy holds the same."""
+    import torch
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    from worker.backends.transformers.cache_layers import FullAndLinearLayer
+    from worker.backends.transformers.torch_adapter import TorchCache
+
+    torch.manual_seed(0)
+    config = FalconH1Config(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
+        mamba_chunk_size=8, vocab_size=100,
+    )
+    model = FalconH1ForCausalLM(config).eval()
+    ids = torch.randint(0, 100, (1, 20))
+    cache = TorchCache(config)
+    assert cache.kinds == ["full+linear"] * 2 and all(isinstance(layer, FullAndLinearLayer) for layer in cache.kv.layers)
+    with torch.inference_mode():
+        cache.feed(model, ids[:, :10])
+        cache.checkpoint()
+        first = cache.feed(model, ids[:, 10:])
+        twin = cache.copy()
+        assert cache.resume_points() == [0, 10, 20]
+        cache.crop(10)
+        assert all(layer.state[0].shape[-2] == 10 for layer in cache.kv.layers)
+        again = cache.feed(model, ids[:, 10:])
+    assert torch.equal(first, again)
+    assert twin.nbytes == cache.nbytes

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TRANSFORMERS_PACKAGE = ROOT / "worker" / "backends" / "transformers"
 HEAVY = {"torch", "transformers"}
-# Modules outside the package that still import one of HEAVY, each with the reason; the list
-# is exact, so a module that stops doing so must leave it too.
-KNOWN_OUTSIDE = {
-    "worker/tool_calls.py": "reads calls with transformers' streaming response parser",
-}
 
 
 def imported_top_levels(path: Path) -> set[str]:
@@ -35,7 +32,26 @@ def test_only_the_transformers_package_imports_torch_or_transformers():
         for path in sources("protocol", "worker")
         if TRANSFORMERS_PACKAGE not in path.parents and imported_top_levels(path) & HEAVY
     }
-    assert outside.keys() == KNOWN_OUTSIDE.keys(), f"imports of torch or transformers outside the package: {outside}"
+    assert outside == {}, f"imports of torch or transformers outside the package: {outside}"
+
+
+def test_reading_tool_calls_of_every_format_loads_neither_torch_nor_transformers():
+    """What a generate with tools runs on a backend without torch (echo): the call reader."""
+    program = (
+        "import sys\n"
+        "from protocol.methods import Tool, ToolFunction\n"
+        "from worker.tool_calls import ToolCallReader\n"
+        "tools = [Tool(function=ToolFunction(name='f'))]\n"
+        "for format, text in [('hermes', '<tool_call>{\"name\": \"f\"}</tool_call>'),\n"
+        "                     ('llama3_json', '{\"name\": \"f\", \"parameters\": {}}'),\n"
+        "                     ('functiongemma', '<start_function_call>call:f{}<end_function_call>')]:\n"
+        "    reader = ToolCallReader(format, tools)\n"
+        "    reader.feed(text); reader.finish()\n"
+        "    assert [call.name for call in reader.calls] == ['f'], reader.calls\n"
+        "print(sorted(HEAVY & set(sys.modules)))\n".replace("HEAVY", repr(HEAVY))
+    )
+    done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, "[]"), done.stderr
 
 
 def test_protocol_imports_nothing_of_the_worker():

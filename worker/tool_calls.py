@@ -12,8 +12,8 @@ recognizes the call formats of the common templates from the template's source:
 A template that does not render tools (SmolLM2, Gemma 3) gets them from the worker instead, as a
 system message in the ``hermes`` format, which is also the format read back.
 
-Calls are read with transformers' streaming response parser, driven by one response template
-per format, so that each call is reported as soon as its closing delimiter arrives.
+Calls are read as the text streams (call_text.py), each reported as soon as its closing
+delimiter arrives.
 """
 
 from __future__ import annotations
@@ -27,43 +27,8 @@ import msgspec
 
 from protocol.errors import ErrorKind, RpcError
 from protocol.methods import ChatMessage, GenerateParams, NamedToolChoice, Tool, ToolCall, ToolCallSupport
+from worker.call_text import FORMATS, Call, CallSplitter
 
-# transformers response templates; only the generated text is parsed (an empty prefix), so the
-# start anchor, which finds the assistant message in a whole conversation, is never searched.
-_CONTENT = {"content": "text", "content_args": {"strip": False}}
-_JSON_BODY = {"content": "json", "content_args": {"allow_non_json": True}, "repeats": True}
-_RESPONSE_TEMPLATES: dict[str, dict[str, Any]] = {
-    "hermes": {
-        "start_anchor": "<|im_start|>assistant\n",
-        "fields": {"content": _CONTENT, "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", **_JSON_BODY}},
-    },
-    "llama3_json": {
-        "start_anchor": "<|start_header_id|>assistant<|end_header_id|>\n\n",
-        "fields": {
-            "content": _CONTENT,
-            # A call is the whole answer: from its opening brace to the end.
-            "tool_calls": {"open_pattern": r'^\s*(?:<\|python_tag\|>)?\s*(?=\{\s*"name")', **_JSON_BODY},
-        },
-    },
-    "functiongemma": {
-        "start_anchor": "<start_of_turn>model\n",
-        "fields": {
-            "content": _CONTENT,
-            "tool_calls": {
-                "open_pattern": r"<start_function_call>call:(?P<name>[^{\s]+)",
-                "close": "<end_function_call>",
-                "content": "json",
-                "content_args": {
-                    "unquoted_keys": True,
-                    "string_delims": [["<escape>", "<escape>"]],
-                    "allow_non_json": True,
-                },
-                "transform": {"name": "{name}", "arguments": "{content}"},
-                "repeats": True,
-            },
-        },
-    },
-}
 # Formats whose calls are JSON throughout, so that a grammar can force them.
 _FORCEABLE = {"hermes", "llama3_json"}
 
@@ -183,42 +148,29 @@ class ToolCallReader:
     """Generated text in, piece by piece; out: the text outside calls, and each call once whole."""
 
     def __init__(self, format: str, tools: Sequence[Tool]) -> None:
-        from transformers.utils.chat_parsing import ResponseParser
-
-        self._close = _RESPONSE_TEMPLATES[format]["fields"]["tool_calls"].get("close")
+        self._close = FORMATS[format].close
         self._names = {tool.function.name for tool in tools}
-        self._parser = ResponseParser(_RESPONSE_TEMPLATES[format], prefix="")
-        self._raw = ""
+        self._splitter = CallSplitter(format)
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        return self._read(self._parser.feed(text))
+        return self._read(*self._splitter.feed(text))
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        return self._read(self._parser.finalize()[1])
+        return self._read(*self._splitter.finish())
 
-    def _read(self, events: list[dict[str, Any]]) -> tuple[str, list[ToolCall]]:
-        content, calls = [], []
-        for event in events:
-            if event["field"] == "content":
-                if event["type"] == "region_chunk":
-                    content.append(event["text"])
-            elif event["type"] == "region_open":
-                self._raw = ""
-            elif event["type"] == "region_chunk":
-                self._raw += event["text"]
-            elif event["type"] == "region_close":
-                calls.extend(self._calls(event["value"]))
+    def _read(self, content: str, found: list[Call]) -> tuple[str, list[ToolCall]]:
+        calls = [call for each in found for call in self._calls(each)]
         self.calls.extend(calls)
-        return "".join(content), calls
+        return content, calls
 
-    def _calls(self, value: Any) -> list[ToolCall]:
-        if isinstance(value, list) and value:  # several calls in one region
-            return [self._call(item) for item in value]
-        return [self._call(value)]
+    def _calls(self, found: Call) -> list[ToolCall]:
+        if isinstance(found.value, list) and found.value:  # several calls in one region
+            return [self._call(found.body, item) for item in found.value]
+        return [self._call(found.body, found.value)]
 
-    def _call(self, value: Any) -> ToolCall:
-        raw = self._raw.strip()
+    def _call(self, body: str, value: Any) -> ToolCall:
+        raw = body.strip()
         if not isinstance(value, dict) and self._close is not None:
             raw, value = _cut_in_close(raw, self._close, value)
         if not isinstance(value, dict):

@@ -4,8 +4,9 @@ transformers' forward is written for every case (prompts, masks, padding, hooks,
 cache classes); one decode step of a small model on a CPU spends more time in that
 generality than in arithmetic (bench/README.md has the profile). This step computes
 the same layers for one new token per sequence (and, for the scheduler, a chunk of a
-joining prompt in the same pass), with the model's own weights and rotary embedding, and keeps the keys and values in the same cache layers that
-transformers' forward fills: a prompt prefilled by transformers is continued here,
+joining prompt in the same pass), with the model's own weights and rotary embedding,
+and keeps the keys and values in the same cache layers that transformers' forward fills
+(cache_layers.FullAttentionLayer): a prompt prefilled by transformers is continued here,
 and a cache written here is stored, restored and extended like any other.
 
 What differs from transformers' decode step, and why:
@@ -109,7 +110,7 @@ class DecodeStep:
         self._kv_heads = config.num_key_value_heads
         self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // self._heads
         self._scaling = self._head_dim**-0.5
-        self._attention = config._attn_implementation
+        self._attention = hf_compat.attention_implementation(config)
 
     def __call__(self, tokens: Sequence[int], caches: Sequence) -> torch.Tensor:
         """Logits of the next position of each sequence, shape (len(tokens), vocab); each
@@ -143,13 +144,11 @@ class DecodeStep:
             for cache, n in zip(caches, lengths):
                 rows = slice(first, first + n)
                 first += n
-                # (1, kv_heads, n, dim), as transformers' layers hold them
+                # (1, kv_heads, n, dim), as the layers hold them (cache_layers.FullAttentionLayer)
                 cached = cache.kv.layers[index]
-                keys, values = hf_compat.append_positions(
-                    cached, k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
-                )
+                keys, values = cached.update_and_fetch(k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None])
                 if self._attention == hf_compat.WIDE_ATTENTION:
-                    keys, values = hf_compat.wide_positions(cached, torch.float64)
+                    keys, values = cached.wide_state(torch.float64)
                 if n == 1:
                     query = q[rows].view(kv_heads, groups, dim)
                     attended = hf_compat.one_query_attention(query, keys[0], values[0], self._scaling, self._attention)

@@ -7,15 +7,16 @@ transformers backend: importing this module imports torch and transformers.
 from __future__ import annotations
 
 import os
-import types
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
 os.environ.setdefault("TQDM_DISABLE", "1")  # gguf conversion draws raw tqdm bars on stderr
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from transformers import DynamicCache, modeling_gguf_pytorch_utils  # noqa: E402
+from transformers import DynamicCache, cache_utils, modeling_gguf_pytorch_utils  # noqa: E402
 from transformers.integrations import sdpa_attention  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
 from transformers.modeling_utils import AttentionInterface  # noqa: E402
@@ -194,104 +195,16 @@ for _name in (ATTENTION, WIDE_ATTENTION, EXACT_ATTENTION):
     AttentionMaskInterface.register(_name, sdpa_mask)
 
 
-def new_cache(config: transformers.PretrainedConfig) -> DynamicCache:
-    """A cache with the model's layer kinds, whose sliding-window layers keep every position.
-
-    transformers keeps only the window in a sliding layer, which cannot be cut back past it.
-    Recording the past keeps every position while the layer still hands attention exactly
-    the window it would otherwise keep (the same tensors, so the same results, bit for bit)."""
-    cache = DynamicCache(config=config)
-    for layer in cache.layers:
-        if type(layer).__name__ == "DynamicSlidingWindowLayer":
-            layer.activate_past_recording()
-        elif type(layer).__name__ == "DynamicLayer":
-            layer.update = types.MethodType(_update_in_place, layer)
-    return cache
-
-
-def _update_in_place(layer, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
-    """DynamicLayer.update without its copy of the whole cache at every step."""
-    return append_positions(layer, keys, values)
-
-
-def append_positions(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Append positions to a full-attention layer; its keys and values, all positions.
-
-    transformers' DynamicLayer concatenates, which copies the whole cache at every decode
-    step (90 MB a step at 2,000 positions of SmolLM2). Here the positions live in buffers
-    with room to grow (by half again, at least 256 positions), and ``layer.keys`` and
-    ``layer.values`` are views of their used part; cutting back (keep_positions) keeps them
-    views, and tensors set from elsewhere (set_positions) move into new buffers at the next
-    append."""
-    if not layer.is_initialized:
-        layer.lazy_initialization(keys, values)
-    held = layer.keys.shape[-2] if layer.keys.dim() == 4 else 0
-    total = held + keys.shape[-2]
-    buffers = getattr(layer, "growth_buffers", None)
-    if buffers is None or buffers[0].shape[-2] < total or not _starts(layer.keys, buffers[0]):
-        capacity = growth_capacity(total)
-        buffers = tuple(
-            new.new_empty((*new.shape[:-2], capacity, new.shape[-1])) for new in (keys, values)
-        )
-        if held:
-            buffers[0][..., :held, :] = layer.keys
-            buffers[1][..., :held, :] = layer.values
-        layer.growth_buffers = buffers
-    buffers[0][..., held:total, :] = keys
-    buffers[1][..., held:total, :] = values
-    layer.keys, layer.values = buffers[0][..., :total, :], buffers[1][..., :total, :]
-    return layer.keys, layer.values
-
-
-def growth_capacity(positions: int) -> int:
-    """How many positions a buffer with room to grow is made for, holding ``positions``."""
-    return max(positions * 3 // 2, positions + 256)
-
-
-def wide_positions(layer, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """A full-attention layer's keys and values in ``dtype`` (float64 for WIDE_ATTENTION).
-
-    Converting every position at every step costs more than the attention itself at a few
-    thousand positions; so a copy in ``dtype`` is kept beside the layer's buffers and only
-    positions appended since are converted. The copy holds for the buffers it was made
-    from (``layer.keys`` starting the same memory): cut back by keep_positions, its valid
-    part shrinks; keys and values set from elsewhere (set_positions) or moved into larger
-    buffers are converted again, once."""
-    keys, values = layer.keys, layer.values
-    total = keys.shape[-2]
-    copy = getattr(layer, "wide_copy", None)
-    if copy is None or copy["source"] != keys.data_ptr() or copy["keys"].shape[-2] < total:
-        capacity = growth_capacity(total)
-        copy = {
-            "source": keys.data_ptr(), "valid": 0,
-            **{name: new.new_empty((*new.shape[:-2], capacity, new.shape[-1]), dtype=dtype)
-               for name, new in (("keys", keys), ("values", values))},
-        }
-        layer.wide_copy = copy
-    valid = copy["valid"]
-    if valid < total:
-        copy["keys"][..., valid:total, :] = keys[..., valid:total, :]
-        copy["values"][..., valid:total, :] = values[..., valid:total, :]
-        copy["valid"] = total
-    return copy["keys"][..., :total, :], copy["values"][..., :total, :]
-
-
-def _starts(view: torch.Tensor, buffer: torch.Tensor) -> bool:
-    """Whether ``view`` is the first positions of ``buffer``."""
-    return view.data_ptr() == buffer.data_ptr() and view.stride() == buffer.stride()
-
-
-def drop_spare_room(layer) -> None:
-    """Keys and values in tensors of their own size (a copy kept for later holds no spare room,
-    nor a wide copy: wide_positions makes it again when the cache is used)."""
-    if getattr(layer, "growth_buffers", None) is not None:
-        layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
-        layer.growth_buffers = None
-    layer.wide_copy = None
-
+# transformers' cache layer classes that lm-worker's own extend (cache_layers.py); their
+# constructors and fields are the same in every supported version.
+DynamicLayer = cache_utils.DynamicLayer
+DynamicSlidingWindowLayer = cache_utils.DynamicSlidingWindowLayer
+LinearAttentionLayer = cache_utils.LinearAttentionLayer
+LinearAttentionAndFullAttentionLayer = cache_utils.LinearAttentionAndFullAttentionLayer
+LinearAttentionAndSlidingWindowAttentionLayer = cache_utils.LinearAttentionAndSlidingWindowAttentionLayer
 
 # transformers' cache layer classes, by the kind of state they keep (torch_adapter explains each).
-_LAYER_KINDS = {
+LAYER_KINDS = {
     "DynamicLayer": "full",
     "DynamicSlidingWindowLayer": "sliding",  # sliding_attention and chunked_attention
     "LinearAttentionLayer": "linear",  # conv and linear_attention
@@ -302,45 +215,38 @@ _LAYER_KINDS = {
 
 
 def layer_kind(layer) -> str:
-    """The kind of a cache layer; "other" for a class lm-worker does not know."""
-    return _LAYER_KINDS.get(type(layer).__name__, "other")
+    """The kind of one of transformers' cache layers; "other" for a class lm-worker does not know."""
+    return LAYER_KINDS.get(type(layer).__name__, "other")
 
 
-def keep_positions(layer, keep: int) -> None:
-    """Cut a full or (recording) sliding layer back to its first ``keep`` positions."""
-    layer.keys = layer.keys[..., :keep, :]
-    layer.values = layer.values[..., :keep, :]
-    if hasattr(layer, "cumulative_length"):
-        layer.cumulative_length = keep
-    copy = getattr(layer, "wide_copy", None)
-    if copy is not None:  # the positions past keep will be written anew
-        copy["valid"] = min(copy["valid"], keep)
+def new_cache(config: transformers.PretrainedConfig, own: Callable[[str, Any], Any]) -> DynamicCache:
+    """transformers' cache for the model, each layer replaced by ``own(kind, layer)``: the layers
+    are of the classes (and settings) transformers chooses for the model's layer types."""
+    cache = DynamicCache(config=config)
+    cache.layers = [own(layer_kind(layer), layer) for layer in cache.layers]
+    return cache
 
 
-def set_positions(layer, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
-    """Install keys and values of every position as a layer's cache, without the copy that
-    update() makes. Tensors that hold more than ``length`` positions (a file read with room
-    to grow) become a full-attention layer's buffers with room to grow (append_positions)."""
-    layer.lazy_initialization(keys, values)
-    if keys.shape[-2] > length:
-        layer.growth_buffers = (keys, values)
-        keys, values = keys[..., :length, :], values[..., :length, :]
-    layer.keys, layer.values = keys, values
-    layer.wide_copy = None
-    if hasattr(layer, "cumulative_length"):
-        layer.cumulative_length = length
+def linear_states(layer) -> tuple[dict[int, torch.Tensor | None], dict[int, torch.Tensor | None], dict[int, bool]]:
+    """A linear-attention layer's conv and recurrent states (None where not initialized) and
+    has_previous_state flags, per state index: the layer's own tensors."""
+    return (
+        {i: t if layer.is_conv_states_initialized[i] else None for i, t in layer.conv_states.items()},
+        {i: t if layer.is_recurrent_states_initialized[i] else None for i, t in layer.recurrent_states.items()},
+        dict(layer.has_previous_state),
+    )
 
 
 def set_linear_state(layer, state: int, conv: torch.Tensor | None, recurrent: torch.Tensor | None, flag: bool) -> None:
-    """Put copies of one conv/recurrent state into a linear-attention layer, as its forward left them."""
+    """Make ``conv`` and ``recurrent`` a linear-attention layer's state ``state``, as its forward left them."""
     for tensor in (conv, recurrent):
         if tensor is not None:  # a hybrid layer's attention part may have set the device alone
             layer.device, layer.dtype = layer.device or tensor.device, layer.dtype or tensor.dtype
-    layer.conv_states[state] = None if conv is None else conv.clone()
+    layer.conv_states[state] = conv
     layer.is_conv_states_initialized[state] = conv is not None
     if conv is not None:
         layer.conv_kernel_size[state] = conv.shape[-1]
-    layer.recurrent_states[state] = None if recurrent is None else recurrent.clone()
+    layer.recurrent_states[state] = recurrent
     layer.is_recurrent_states_initialized[state] = recurrent is not None
     layer.has_previous_state[state] = flag
 
@@ -355,6 +261,11 @@ def rope_theta(config: transformers.PretrainedConfig) -> float | None:
     return None if theta is None else float(theta)
 
 
+def attention_implementation(config: transformers.PretrainedConfig) -> str:
+    """The attention implementation the model was loaded with (ATTENTION, WIDE_ATTENTION, ...)."""
+    return config._attn_implementation
+
+
 def config_digest(config: transformers.PretrainedConfig) -> str:
     """SHA-256 of the configuration as transformers resolved it, less what does not change the
     computation (where the model was loaded from, which transformers wrote it, the dtype,
@@ -367,8 +278,8 @@ def config_digest(config: transformers.PretrainedConfig) -> str:
     described = config.to_dict()
     for key in ("_name_or_path", "transformers_version", "dtype", "torch_dtype"):
         described.pop(key, None)
-    if config._attn_implementation in (WIDE_ATTENTION, EXACT_ATTENTION):
-        described["attention"] = config._attn_implementation
+    if attention_implementation(config) in (WIDE_ATTENTION, EXACT_ATTENTION):
+        described["attention"] = attention_implementation(config)
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=repr).encode()).hexdigest()
 
 

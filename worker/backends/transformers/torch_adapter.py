@@ -1,13 +1,13 @@
 """A model's cache as lm-worker keeps it, and its KVC2 tensors. Imports torch: use only
 from the transformers backend.
 
-transformers builds one cache layer per model layer, of one of a few kinds
-(hf_compat.layer_kind). What each kind allows decides how far a cache can be cut
+A cache has one layer per model layer, of one of a few kinds (cache_layers.py holds
+lm-worker's class of each). What each kind allows decides how far a cache can be cut
 back, and so how much of it a later prompt can reuse:
 
 - full attention keeps every position: cut anywhere;
 - sliding window: transformers keeps only the window, which could not be cut back
-  past it. lm-worker has these layers record every position (they still attend to
+  past it. lm-worker's sliding layers keep every position (they still attend to
   their window only, with bit-identical results), so they cut anywhere too;
 - linear attention (conv and recurrent states): a state summarises every position
   before it and cannot be cut at all. ``TorchCache`` therefore keeps copies of these
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from typing import NamedTuple
 
 import torch
 
-from worker.backends.transformers import hf_compat
+from worker.backends.transformers import cache_layers, hf_compat
+from worker.backends.transformers.cache_layers import KeysAndValues, LayerState, LinearStates
 from worker.kvcache.container import (
     LayerEntry, LoadedCache, StateEntry, TensorEntry, TensorSpec, UnsupportedCache, cut_point,
 )
@@ -35,18 +35,10 @@ _TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
 MAX_CHECKPOINTS = 16
 
 
-class LayerState(NamedTuple):
-    """One linear-attention layer's states at one position: per state index, the conv and
-    recurrent tensors (None where the layer keeps no such tensor) and the flag the model reads."""
-
-    conv: dict[int, torch.Tensor | None]
-    recurrent: dict[int, torch.Tensor | None]
-    has_previous_state: dict[int, bool]
-
-
 class TorchCache:
-    """transformers' DynamicCache for one sequence, and the linear-attention states at the
-    positions it can be cut back to (``checkpoints``; empty for a model without such layers).
+    """transformers' DynamicCache of lm-worker's own layers (cache_layers) for one sequence, and
+    the linear-attention states at the positions it can be cut back to (``checkpoints``; empty
+    for a model without such layers).
 
     Every forward goes through ``feed`` (or, for a decode step of a Llama-architecture model,
     decode_step.DecodeStep, which appends to the same layers and counts the same way), so
@@ -55,10 +47,10 @@ class TorchCache:
 
     def __init__(self, config) -> None:
         self._config = config
-        self.kv = hf_compat.new_cache(config)
+        self.kv = cache_layers.new_cache(config)
         self.length = 0
         self.checkpoints: dict[int, dict[int, LayerState]] = {}  # position -> layer index -> its states
-        self.kinds = [hf_compat.layer_kind(layer) for layer in self.kv.layers]
+        self.kinds = [cache_layers.layer_kind(layer) for layer in self.kv.layers]
 
     @property
     def has_states(self) -> bool:
@@ -75,7 +67,7 @@ class TorchCache:
         back here. The newest MAX_CHECKPOINTS are kept: a long conversation's file stays bounded."""
         if self.has_states and self.length > 0:
             self.checkpoints[self.length] = {
-                index: _snapshot(layer) for index, layer in enumerate(self.kv.layers) if "linear" in self.kinds[index]
+                index: layer.snapshot() for index, layer in enumerate(self.kv.layers) if isinstance(layer, LinearStates)
             }
             for position in sorted(self.checkpoints)[:-MAX_CHECKPOINTS]:
                 del self.checkpoints[position]
@@ -99,14 +91,13 @@ class TorchCache:
         if self.reusable(keep) != keep:
             raise ValueError(f"this cache cannot be cut back to {keep} positions (it can to {self.resume_points()})")
         if keep == 0:
-            self.kv, self.length, self.checkpoints = hf_compat.new_cache(self._config), 0, {}
+            self.kv, self.length, self.checkpoints = cache_layers.new_cache(self._config), 0, {}
             return
         for index, layer in enumerate(self.kv.layers):
-            kind = self.kinds[index]
-            if kind.startswith(("full", "sliding")):
-                hf_compat.keep_positions(layer, keep)
-            if "linear" in kind:
-                _restore(layer, self.checkpoints[keep][index])
+            if isinstance(layer, KeysAndValues):
+                layer.keep_first(keep)
+            if isinstance(layer, LinearStates):
+                layer.restore_states(self.checkpoints[keep][index])
         self.length = keep
         self.checkpoints = {p: states for p, states in self.checkpoints.items() if p <= keep}
 
@@ -117,7 +108,8 @@ class TorchCache:
     def copy(self) -> TorchCache:
         twin = copy.deepcopy(self, {id(self._config): self._config})  # the tensors, not the model's config
         for layer in twin.kv.layers:
-            hf_compat.drop_spare_room(layer)
+            if isinstance(layer, KeysAndValues):
+                layer.compact()
         return twin
 
     # --- to and from a file ----------------------------------------------------------
@@ -147,7 +139,7 @@ class TorchCache:
     def _states_by_position(self) -> dict[int, dict[int, LayerState]]:
         if not self.has_states or self.length == 0:
             return {}
-        current = {i: _snapshot(layer, clone=False) for i, layer in enumerate(self.kv.layers) if "linear" in self.kinds[i]}
+        current = {i: layer.snapshot(clone=False) for i, layer in enumerate(self.kv.layers) if isinstance(layer, LinearStates)}
         return {**self.checkpoints, self.length: current}
 
     def _tensors(self) -> list[tuple[TensorSpec, memoryview]]:
@@ -158,9 +150,9 @@ class TorchCache:
 
     def _parts(self) -> Iterator[tuple[str, str, int, int, int | None, torch.Tensor]]:
         """Every tensor the cache holds, in file order: (name, kind, layer, state, position, tensor)."""
-        for index, (kind, layer) in enumerate(zip(self.kinds, self.kv.layers)):
-            if kind.startswith(("full", "sliding")) and self.length:
-                for name, tensor in (("key", layer.keys), ("value", layer.values)):
+        for index, layer in enumerate(self.kv.layers):
+            if isinstance(layer, KeysAndValues) and self.length:
+                for name, tensor in zip(("key", "value"), layer.state):
                     yield f"layers.{index}.{name}", name, index, 0, None, tensor
         for position, layers in sorted(self._states_by_position().items()):
             for index, snapshot in layers.items():
@@ -193,10 +185,14 @@ class TorchCache:
             other = "recurrent" if entry.kind == "conv" else "conv"
             getattr(snapshot, other).setdefault(entry.state, None)
         for index, pair in kv.items():
-            hf_compat.set_positions(cache.kv.layers[index], pair["key"], pair["value"], header.sequence_length)
+            layer = cache.kv.layers[index]
+            assert isinstance(layer, KeysAndValues)  # the file's layer kinds are the cache's
+            layer.restore(pair["key"], pair["value"], header.sequence_length)
         cache.length = header.sequence_length
         for index, snapshot in states.get(cache.length, {}).items():
-            _restore(cache.kv.layers[index], snapshot)
+            layer = cache.kv.layers[index]
+            assert isinstance(layer, LinearStates)
+            layer.restore_states(snapshot)
         cache.checkpoints = states  # the end too: once fed further, the cache can still come back to it
         return cache
 
@@ -212,7 +208,7 @@ def room_to_grow(kinds: list[str], device: str, entry: TensorEntry, held: int) -
     if device != "cpu" or kinds[entry.layer] != "full":
         return 0
     positions = entry.shape[2]
-    return max(0, min(hf_compat.growth_capacity(positions), held) - positions)
+    return max(0, min(cache_layers.growth_capacity(positions), held) - positions)
 
 
 def _spec(name: str, kind: str, layer: int, tensor: torch.Tensor, *, state: int = 0, position: int | None = None):
@@ -223,22 +219,3 @@ def _spec(name: str, kind: str, layer: int, tensor: torch.Tensor, *, state: int 
     )
     return spec, memoryview(tensor.view(torch.uint8).numpy()).cast("B")
 
-
-def _snapshot(layer, *, clone: bool = True) -> LayerState:
-    def take(tensors: dict, initialized: dict) -> dict[int, torch.Tensor | None]:
-        return {
-            i: (tensor.clone() if clone else tensor) if initialized[i] else None for i, tensor in tensors.items()
-        }
-
-    return LayerState(
-        conv=take(layer.conv_states, layer.is_conv_states_initialized),
-        recurrent=take(layer.recurrent_states, layer.is_recurrent_states_initialized),
-        has_previous_state=dict(layer.has_previous_state),
-    )
-
-
-def _restore(layer, snapshot: LayerState) -> None:
-    """Put a layer's linear-attention states back as they were at the snapshot (copies: the
-    model updates them in place, and the snapshot may be restored again)."""
-    for state, flag in snapshot.has_previous_state.items():
-        hf_compat.set_linear_state(layer, state, snapshot.conv.get(state), snapshot.recurrent.get(state), flag)

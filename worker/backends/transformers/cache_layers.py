@@ -1,0 +1,274 @@
+"""lm-worker's own cache layers, which the model's forward and decode_step fill.
+
+transformers builds one cache layer per model layer; new_cache puts one of these classes in
+place of each layer of a kind lm-worker knows (hf_compat.layer_kind), with the same settings.
+Each extends transformers' class of that kind, so that transformers' forward uses it as its
+own, and adds what lm-worker needs and transformers' does not do:
+
+- FullAttentionLayer grows in place (buffers with room to grow: no copy of the whole cache
+  at every step) and keeps a float64 copy of its positions for WIDE_ATTENTION;
+- SlidingWindowLayer keeps every position (transformers keeps only the window, which could
+  not be cut back past it), while attention still gets exactly the window transformers'
+  layer hands it;
+- layers with linear-attention states (conv and recurrent) snapshot and restore them.
+
+The rest of the package uses their small interface (KeysAndValues: state, keep_first, restore,
+compact, and a full-attention layer's update_and_fetch and wide_state; LinearStates: snapshot,
+restore_states), not transformers' fields; what lm-worker reads of transformers' internals,
+and what differs between its versions, is in hf_compat.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from worker.backends.transformers import hf_compat
+
+
+def new_cache(config) -> hf_compat.DynamicCache:
+    """A cache with the model's layer kinds, each layer one of lm-worker's own where it knows the kind."""
+    return hf_compat.new_cache(config, _own)
+
+
+def layer_kind(layer) -> str:
+    """The kind of a cache layer (hf_compat.LAYER_KINDS): "none" for layers without a cache,
+    "other" for a class lm-worker does not know."""
+    return layer.kind if isinstance(layer, KeysAndValues | LinearStates) else hf_compat.layer_kind(layer)
+
+
+def growth_capacity(positions: int) -> int:
+    """How many positions a buffer with room to grow is made for, holding ``positions``."""
+    return max(positions * 3 // 2, positions + 256)
+
+
+class KeysAndValues:
+    """What every layer that keeps keys and values offers. Where they are every position the
+    cache covers (full attention, and SlidingWindowLayer, which records them), the layer can be
+    cut back anywhere."""
+
+    kind: str
+    if TYPE_CHECKING:  # given by the transformers class each layer extends
+        keys: Any
+        values: Any
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None: ...
+
+    @property
+    def state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of every position, (batch, kv_heads, positions, dim) each."""
+        assert self.keys is not None and self.values is not None
+        return self.keys, self.values
+
+    def keep_first(self, keep: int) -> None:
+        """Cut the layer back to its first ``keep`` positions."""
+        self.keys, self.values = self.state[0][..., :keep, :], self.state[1][..., :keep, :]
+        if hasattr(self, "cumulative_length"):  # a sliding window's count of positions
+            self.cumulative_length = keep
+
+    def restore(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Take keys and values of ``length`` positions as the layer's (a cache read from a file)."""
+        self.lazy_initialization(keys, values)  # transformers' layer's: device and dtype
+        self.keys, self.values = keys[..., :length, :], values[..., :length, :]
+        if hasattr(self, "cumulative_length"):
+            self.cumulative_length = length
+
+    def compact(self) -> None:
+        """Hold nothing but the positions (a copy kept for later); nothing to do here."""
+
+
+class WideCopy:
+    """A full-attention layer's keys and values in a wider dtype (float64 for WIDE_ATTENTION),
+    made from the buffers whose memory starts at ``source``, correct for their first ``valid``
+    positions, with room to grow as the buffers have."""
+
+    __slots__ = ("source", "valid", "keys", "values")
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> None:
+        capacity = growth_capacity(keys.shape[-2])
+        self.source = keys.data_ptr()
+        self.valid = 0
+        self.keys = keys.new_empty((*keys.shape[:-2], capacity, keys.shape[-1]), dtype=dtype)
+        self.values = values.new_empty((*values.shape[:-2], capacity, values.shape[-1]), dtype=dtype)
+
+    def holds(self, keys: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether this copy is of these keys' buffers, in ``dtype``, with room for all of them."""
+        return self.source == keys.data_ptr() and self.keys.dtype == dtype and self.keys.shape[-2] >= keys.shape[-2]
+
+    def of(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The copy of ``keys`` and ``values``, converting only the positions not converted yet."""
+        total = keys.shape[-2]
+        if self.valid < total:
+            self.keys[..., self.valid:total, :] = keys[..., self.valid:total, :]
+            self.values[..., self.valid:total, :] = values[..., self.valid:total, :]
+            self.valid = total
+        return self.keys[..., :total, :], self.values[..., :total, :]
+
+
+class FullAttentionLayer(KeysAndValues, hf_compat.DynamicLayer):
+    """A full-attention layer whose positions live in buffers with room to grow.
+
+    transformers' DynamicLayer concatenates, which copies the whole cache at every decode step
+    (90 MB a step at 2,000 positions of SmolLM2). Here the buffers grow by half again (at least
+    256 positions) when full, and ``keys`` and ``values`` are views of their used part; cutting
+    back keeps them views, and tensors restored from elsewhere move into new buffers at the
+    next append (or are the buffers, when read with room to grow)."""
+
+    kind = "full"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.wide: WideCopy | None = None
+
+    @property
+    def capacity(self) -> int:
+        """How many positions the buffers hold room for (0 without buffers)."""
+        return 0 if self.buffers is None else self.buffers[0].shape[-2]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """transformers' forward appends through this."""
+        return self.update_and_fetch(key_states, value_states)
+
+    def update_and_fetch(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append positions; the keys and values of all of them."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        held_keys, held_values = self.keys, self.values
+        assert held_keys is not None and held_values is not None
+        held = held_keys.shape[-2] if held_keys.dim() == 4 else 0
+        total = held + keys.shape[-2]
+        buffers = self.buffers
+        if buffers is None or buffers[0].shape[-2] < total or not _starts(held_keys, buffers[0]):
+            capacity = growth_capacity(total)
+            buffers = (
+                keys.new_empty((*keys.shape[:-2], capacity, keys.shape[-1])),
+                values.new_empty((*values.shape[:-2], capacity, values.shape[-1])),
+            )
+            if held:
+                buffers[0][..., :held, :] = held_keys
+                buffers[1][..., :held, :] = held_values
+            self.buffers = buffers
+        buffers[0][..., held:total, :] = keys
+        buffers[1][..., held:total, :] = values
+        self.keys, self.values = buffers[0][..., :total, :], buffers[1][..., :total, :]
+        return self.keys, self.values
+
+    def wide_state(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values in ``dtype`` (float64 for WIDE_ATTENTION).
+
+        Converting every position at every step costs more than the attention itself at a few
+        thousand positions; so a copy in ``dtype`` is kept beside the buffers and only positions
+        appended since are converted. Cut back, its valid part shrinks; keys and values restored
+        from elsewhere or moved into larger buffers are converted again, once."""
+        keys, values = self.state
+        if self.wide is None or not self.wide.holds(keys, dtype):
+            self.wide = WideCopy(keys, values, dtype)
+        return self.wide.of(keys, values)
+
+    def keep_first(self, keep: int) -> None:
+        super().keep_first(keep)
+        if self.wide is not None:  # the positions past keep will be written anew
+            self.wide.valid = min(self.wide.valid, keep)
+
+    def restore(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """As for any layer; tensors that hold more than ``length`` positions (a file read with
+        room to grow) become the buffers."""
+        super().restore(keys, values, length)
+        self.buffers = (keys, values) if keys.shape[-2] > length else None
+        self.wide = None
+
+    def compact(self) -> None:
+        """Keys and values in tensors of their own size, without a wide copy (made again when used)."""
+        if self.buffers is not None:
+            self.keys, self.values = self.state[0].clone(), self.state[1].clone()
+            self.buffers = None
+        self.wide = None
+
+
+def _starts(view: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether ``view`` is the first positions of ``buffer``."""
+    return view.data_ptr() == buffer.data_ptr() and view.stride() == buffer.stride()
+
+
+class SlidingWindowLayer(KeysAndValues, hf_compat.DynamicSlidingWindowLayer):
+    """A sliding-window (or chunked) attention layer that keeps every position.
+
+    Recording the past keeps every position while the layer still hands attention exactly
+    the window it would otherwise keep (the same tensors, so the same results, bit for bit)."""
+
+    kind = "sliding"
+
+    def __init__(self, sliding_window: int) -> None:
+        super().__init__(sliding_window=sliding_window)
+        self.activate_past_recording()
+
+
+class LayerState(NamedTuple):
+    """One linear-attention layer's states at one position: per state index, the conv and
+    recurrent tensors (None where the layer keeps no such tensor) and the flag the model reads."""
+
+    conv: dict[int, torch.Tensor | None]
+    recurrent: dict[int, torch.Tensor | None]
+    has_previous_state: dict[int, bool]
+
+
+class LinearStates:
+    """What every layer with linear-attention states offers: a state summarises every position
+    before it and cannot be cut, so it is snapshot where the cache may be cut back to."""
+
+    kind: str
+
+    def snapshot(self, *, clone: bool = True) -> LayerState:
+        """The states now (copies, unless ``clone`` is False: for writing them out at once)."""
+        conv, recurrent, flags = hf_compat.linear_states(self)
+        if clone:
+            conv = {i: None if t is None else t.clone() for i, t in conv.items()}
+            recurrent = {i: None if t is None else t.clone() for i, t in recurrent.items()}
+        return LayerState(conv, recurrent, flags)
+
+    def restore_states(self, snapshot: LayerState) -> None:
+        """Put the states back as they were at the snapshot (copies: the model updates them in
+        place, and the snapshot may be restored again)."""
+        for state, flag in snapshot.has_previous_state.items():
+            conv, recurrent = snapshot.conv.get(state), snapshot.recurrent.get(state)
+            hf_compat.set_linear_state(
+                self, state,
+                None if conv is None else conv.clone(), None if recurrent is None else recurrent.clone(), flag,
+            )
+
+
+class LinearStatesLayer(LinearStates, hf_compat.LinearAttentionLayer):
+    """A layer with conv and recurrent states only (linear attention, or a convolution)."""
+
+    kind = "linear"
+
+
+class FullAndLinearLayer(LinearStates, KeysAndValues, hf_compat.LinearAttentionAndFullAttentionLayer):
+    """A hybrid layer: full attention (transformers' concatenating update) and linear-attention states."""
+
+    kind = "full+linear"
+
+
+class SlidingAndLinearLayer(LinearStates, KeysAndValues, hf_compat.LinearAttentionAndSlidingWindowAttentionLayer):
+    """A hybrid layer: a sliding window (kept as transformers keeps it: only the window, so the
+    cache cannot be cut back) and linear-attention states."""
+
+    kind = "sliding+linear"
+
+
+def _own(kind: str, made):
+    """lm-worker's layer of ``kind`` with the settings of the one transformers made; that one
+    where lm-worker has no class of its own for the kind."""
+    if kind == "full":
+        return FullAttentionLayer()
+    if kind == "sliding":
+        return SlidingWindowLayer(made.sliding_window)
+    if kind == "linear":
+        return LinearStatesLayer(number_of_states=made.number_of_states)
+    if kind == "full+linear":
+        return FullAndLinearLayer(number_of_states=made.number_of_states)
+    if kind == "sliding+linear":
+        return SlidingAndLinearLayer(made.sliding_window, number_of_states=made.number_of_states)
+    return made
