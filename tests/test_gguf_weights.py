@@ -280,3 +280,26 @@ async def test_default_model_greedy_output_on_its_gguf_blocks_is_llama_cpp_s_tok
             result, _ = await generate(host, {"tokens": prompt["tokens"], "max_tokens": len(expected)}, timeout=300)
             same.append(result["tokens"] == expected)
     assert sum(same) >= 3, same
+
+
+@pytest.mark.slow
+async def test_without_a_c_compiler_gguf_weights_are_int8_rows_and_stderr_says_why(tmp_path: Path):
+    from worker.data_dir import default_data_dir
+    from worker.backends.transformers.shipped import CONVERTED_NAME
+    from tests.conftest import TORCH_ENV
+
+    converted = default_data_dir() / "models" / CONVERTED_NAME
+    if not (converted / "config.json").is_file():
+        pytest.skip("needs the default model converted in the default data directory (load it once)")
+    (tmp_path / "data" / "models").mkdir(parents=True)
+    (tmp_path / "data" / "models" / CONVERTED_NAME).symlink_to(converted)
+    env = {**TORCH_ENV, "CC": str(tmp_path / "no-such-compiler"), "LM_WORKER_DATA_DIR": str(tmp_path / "data")}
+    host = await Host.spawn(env=env)
+    try:
+        loaded = await host.call("load", {"model": "default", "quantization": "gguf"}, timeout=300)
+        assert loaded["quantization"] == "int8"
+        result = await host.call("generate", {"prompt": "The capital of France is", "max_tokens": 4}, timeout=120)
+        assert result["usage"]["completion_tokens"] == 4
+    finally:
+        await host.close(timeout=120)  # a crowded machine takes a while to let go of SmolLM2
+    assert "int8 weights instead of the gguf's own" in host.stderr.decode() and "no C compiler" in host.stderr.decode()
