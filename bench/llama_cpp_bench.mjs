@@ -3,13 +3,13 @@
 // conversion of it, with int8 weights (the default on the CPU) and dense), the same prompt tokens, greedy,
 // interleaved round by round.
 //
-//   node bench/llama_cpp_bench.mjs [--quick] [--rounds N] [--json FILE] [--workers int8,none,int4]
+//   node bench/llama_cpp_bench.mjs [--quick] [--rounds N] [--json FILE] [--workers int8,gguf,none,int4] [--decode-only]
 //
 // bench/README.md says what each figure is. Needs `make setup` and `npm run build`;
 // node-llama-cpp is installed on first use into bench/llama-cpp (exact pins, lock file).
 import { execFileSync } from "node:child_process";
 import { existsSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
-import { tmpdir } from "node:os";
+import { availableParallelism, loadavg, tmpdir } from "node:os";
 import { dirname, join } from "node:path";
 import { fileURLToPath, pathToFileURL } from "node:url";
 import { parseArgs } from "node:util";
@@ -22,6 +22,8 @@ const { values: options } = parseArgs({
     json: { type: "string" },
     // one worker per quantization (load param), all dense float32 otherwise
     workers: { type: "string" },
+    // the decode row alone (a crowded machine makes the 2,048-token rows take minutes)
+    "decode-only": { type: "boolean", default: false },
   },
 });
 const rounds = Number(options.rounds ?? (options.quick ? 1 : 3));
@@ -162,6 +164,10 @@ const contestants = quantizations.map((quantization) => ({
 }));
 for (const contestant of contestants) contestant.state = await startWorker(contestant.load);
 const figures = { llama: { decode: [], short: [], long: [], restart: [] } };
+// The 1-minute load average as each decode run ends: on a shared machine the figures are only
+// comparable within a round, and this says how crowded it was.
+const loads = [];
+const cpus = availableParallelism();
 for (const c of contestants) figures[c.name] = { decode: [], short: [], long: [], restart: [] };
 const scratch = mkdtempSync(join(tmpdir(), "lm-bench-"));
 const agreement = [];
@@ -171,12 +177,15 @@ try {
     console.error(`round ${round + 1}/${rounds}`);
     const llamaDecode = await llamaRun(decodePrompt, NEW_TOKENS);
     figures.llama.decode.push(llamaDecode.tokensPerSecond);
+    loads.push({ round, run: "llama.cpp", load: loadavg()[0] });
     for (const c of contestants) {
       const run = await workerRun(c.state.worker, decodePrompt, NEW_TOKENS);
       figures[c.name].decode.push(run.tokensPerSecond);
+      loads.push({ round, run: c.name, load: loadavg()[0] });
       const same = run.tokens.findIndex((t, i) => t !== llamaDecode.tokens[i]);
       agreement.push({ contestant: c.name, firstDifference: same });
     }
+    if (options["decode-only"]) continue;
     figures.llama.short.push((await llamaRun(shortPrompt, 1)).firstMs);
     for (const c of contestants) figures[c.name].short.push((await workerRun(c.state.worker, shortPrompt, 1)).firstMs);
     figures.llama.long.push((await llamaRun(longPrompt, 1)).firstMs);
@@ -212,6 +221,7 @@ console.log(`\nmedians of ${rounds} round(s), ${THREADS} threads each, greedy; r
 const header = ["figure", "llama.cpp", ...contestants.flatMap((c) => [c.name, "ratio"])];
 console.log(`| ${header.join(" | ")} |\n|${header.map(() => " --- ").join("|")}|`);
 for (const [label, key, better, ratio, digits] of rows) {
+  if (!figures.llama[key].length) continue;
   const base = median(figures.llama[key]);
   const cells = [label, base.toFixed(digits)];
   const row = { figure: key, better, llama_cpp: base };
@@ -229,4 +239,16 @@ console.log(
     (diverged.length ? diverged.map((a) => `${a.contestant} from token ${a.firstDifference}`).join("; ") : `equal for all ${NEW_TOKENS}`),
 );
 report.agreement = agreement;
+report.loads = loads;
+console.log(`\n1-minute load average after each decode run (${cpus} CPUs): ${loads.map((l) => l.load.toFixed(1)).join(", ")}`);
+if (rounds > 1) {
+  const perRound = (name) => figures[name].decode.map((v, i) => v / figures.llama.decode[i]);
+  for (const c of contestants) console.log(`decode ratio per round, ${c.name}: ${perRound(c.name).map((r) => r.toFixed(2) + "×").join(", ")}`);
+}
+// Workers against the first one named (say gguf against int8), round by round: the pair ran back to back.
+for (const c of contestants.slice(1)) {
+  const first = contestants[0].name;
+  const ratios = figures[c.name].decode.map((v, i) => v / figures[first].decode[i]);
+  console.log(`decode, ${c.name} / ${first} per round: ${ratios.map((r) => r.toFixed(2) + "×").join(", ")}`);
+}
 if (options.json) writeFileSync(options.json, JSON.stringify({ ...report, samples: figures }, null, 2));

@@ -89,7 +89,7 @@ class ModelInfo(Result):
     has_chat_template: bool
     device: str
     dtype: str
-    quantization: str  # "none", "int8" or "int4": how the linear layers' weights are held
+    quantization: str  # "none", "int8", "int4" or "gguf": how the linear layers' weights are held
     tool_calls: ToolCallSupport
     load_time_ms: float
 
@@ -115,7 +115,7 @@ class LoadParams(Params, frozen=True):
     device: str = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Weight-only quantization of the linear layers, on the CPU (worker/backends/transformers/fast_weights.py).
-    quantization: Literal["auto", "none", "int8", "int4"] = "auto"
+    quantization: Literal["auto", "none", "int8", "int4", "gguf"] = "auto"
     trust_remote_code: bool = False
     # Backends that simulate work (echo) sleep this long per generated token;
     # others refuse a non-zero value.

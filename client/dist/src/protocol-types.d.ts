@@ -60,7 +60,7 @@ export interface LoadParams {
     /** Default `"auto"`. */
     dtype?: "auto" | "bfloat16" | "float16" | "float32";
     /** Default `"auto"`. */
-    quantization?: "auto" | "int4" | "int8" | "none";
+    quantization?: "auto" | "gguf" | "int4" | "int8" | "none";
     /** Default `false`. */
     trust_remote_code?: boolean;
     /** minimum 0; maximum 60000. Default `0`. */

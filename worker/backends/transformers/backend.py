@@ -67,7 +67,7 @@ class TransformersBackend:
                     f"or leave {field} out.",
                     field=f"params.{field}",
                 )
-        if params.quantization in ("int4", "int8") and params.device.split(":")[0] != "cpu":
+        if params.quantization in ("int4", "int8", "gguf") and params.device.split(":")[0] != "cpu":
             raise RpcError(
                 ErrorKind.INVALID_PARAMS,
                 f"quantization {params.quantization!r} runs on the CPU only; use 'none' (or 'auto') on {params.device!r}.",
@@ -92,12 +92,45 @@ class TransformersBackend:
         attention = hf_compat.ATTENTION if quantization == "none" else _exact_attention(data_dir)
         path = _model_path(params.model, data_dir)
         model, tokenizer = _load_pretrained(path, dtype, device, params.trust_remote_code, attention)
+        blocks = _gguf_blocks(model, _gguf_source(params.model, path), data_dir) if quantization == "gguf" else {}
+        if quantization == "gguf" and not blocks:
+            quantization = "int8"  # nothing of the file's own to keep: the rule for the other linears
         identity = _identity(path, model, tokenizer, dtype, quantization, data_dir / "digests")
         if quantization != "none":
             from worker.backends.transformers.fast_weights import quantize
 
-            quantize(model, quantization)
+            quantize(model, "int8" if quantization == "gguf" else quantization, blocks)
         return TransformersModel(params, path, model, tokenizer, identity, device, dtype, quantization, started)
+
+
+def _gguf_source(model: str, path: Path) -> Path | None:
+    """The gguf file the model's weights come from, where there is one: the shipped default's,
+    or a .gguf file given by path (the shipped Gemma's parts are joined only to convert them)."""
+    if model == "default":
+        from worker.backends.transformers.shipped import gguf_path
+
+        return gguf_path()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def _gguf_blocks(model, gguf_file: Path | None, data_dir: Path) -> dict:
+    """The gguf blocks the model's linears keep (gguf_weights), or none where there is no
+    gguf file, the architecture is not one the kernel's loader knows, or the kernel cannot
+    be built (then the linears get int8 rows, and the log says why)."""
+    from worker.backends.transformers import exact_attention, gguf_weights
+
+    if gguf_file is None:
+        return {}
+    try:
+        gguf_weights.load_kernel(data_dir)
+    except exact_attention.KernelUnavailable as exc:
+        log.warning("int8 weights instead of the gguf's own: %s", exc)
+        return {}
+    try:
+        return gguf_weights.blocks_of(model, gguf_file)
+    except (OSError, ValueError) as exc:  # transformers read it a moment ago; a file changed since, say
+        log.warning("int8 weights instead of the gguf's own: cannot read %s: %s", gguf_file, exc)
+        return {}
 
 
 def _exact_attention(data_dir: Path) -> str:
@@ -116,7 +149,9 @@ def _exact_attention(data_dir: Path) -> str:
 def resolve_weights(params: LoadParams) -> tuple[str, str]:
     """The dtype and quantization that ``auto`` stands for: the device's usual dtype; on the
     CPU, 8-bit weights (a decode step reads a quarter of the bytes, and with them every
-    position's numbers are independent of the chunk it is computed in: fast_weights)."""
+    position's numbers are independent of the chunk it is computed in: fast_weights). A
+    gguf's own blocks (``gguf``) are not the default yet: greedy output on them still parts
+    from llama.cpp's (tests/test_gguf_weights.py)."""
     kind = params.device.split(":")[0]
     dtype = _DEFAULT_DTYPES[kind] if params.dtype == "auto" else params.dtype
     if params.quantization != "auto":

@@ -66,18 +66,36 @@ class KernelUnavailable(Exception):
     """The kernel could not be built or loaded on this machine (the message says why)."""
 
 
+def library_function(library: Path, name: str):
+    """The C function ``name`` of the library at ``library`` (ctypes), or KernelUnavailable."""
+    try:
+        loaded = ctypes.CDLL(str(library))
+    except OSError as exc:
+        raise KernelUnavailable(f"{_UNLOADABLE} {library}: {exc}") from exc
+    try:
+        return getattr(loaded, name)
+    except AttributeError as exc:
+        # Let go of it: a library stays loaded under its name, and the one built over it would never be.
+        _ctypes.dlclose(loaded._handle)
+        raise KernelUnavailable(f"{_UNLOADABLE} {library}: {exc}") from exc
+
+
+def built_function(directory: Path, source: Path, name: str):
+    """The C function ``name`` of ``source``, built into ``directory`` if it is not there yet;
+    raises KernelUnavailable with the compiler's words when it cannot be built."""
+    try:
+        return library_function(_build(directory, source=source), name)
+    except KernelUnavailable as exc:
+        if not exc.args[0].startswith(_UNLOADABLE):
+            raise
+        # A file under the kernel's name that does not load (damaged, or not ours): build it again.
+        log.warning("%s; building it again", exc)
+        return library_function(_build(directory, again=True, source=source), name)
+
+
 class Kernel:
-    def __init__(self, library: Path) -> None:
-        try:
-            loaded = ctypes.CDLL(str(library))
-        except OSError as exc:
-            raise KernelUnavailable(f"{_UNLOADABLE} {library}: {exc}") from exc
-        try:
-            self._function = loaded.lmw_attention
-        except AttributeError as exc:
-            # Let go of it: a library stays loaded under its name, and the one built over it would never be.
-            _ctypes.dlclose(loaded._handle)
-            raise KernelUnavailable(f"{_UNLOADABLE} {library}: {exc}") from exc
+    def __init__(self, library: Path | None = None, function=None) -> None:
+        self._function = function if library is None else library_function(library, "lmw_attention")
         self._function.argtypes = _ARGTYPES
         self._function.restype = ctypes.c_int
 
@@ -129,14 +147,7 @@ def kernel(data_dir: Path) -> Kernel:
     KernelUnavailable with the compiler's words when it cannot be built."""
     global _loaded
     if _loaded is None:
-        try:
-            _loaded = Kernel(_build(data_dir / "kernels"))
-        except KernelUnavailable as exc:
-            if not exc.args[0].startswith(_UNLOADABLE):
-                raise
-            # A file under the kernel's name that does not load (damaged, or not ours): build it again.
-            log.warning("%s; building it again", exc)
-            _loaded = Kernel(_build(data_dir / "kernels", again=True))
+        _loaded = Kernel(function=built_function(data_dir / "kernels", SOURCE, "lmw_attention"))
     return _loaded
 
 
@@ -147,15 +158,16 @@ def loaded() -> Kernel:
     return _loaded
 
 
-def _build(directory: Path, again: bool = False) -> Path:
-    """The kernel's library in ``directory``, compiled unless it is there (or ``again``)."""
+def _build(directory: Path, again: bool = False, source: Path = SOURCE) -> Path:
+    """The library of the C file ``source`` in ``directory`` (named after the file, the
+    compiler, its flags and the machine), compiled unless it is there (or ``again``)."""
     compiler = os.environ.get("CC", "cc")
-    source = SOURCE.read_bytes()
+    path, source = source, source.read_bytes()
     machine = _machine()
     for options in _OPTIONS:
         flags = [*options, *_FLAGS]
         digest = hashlib.sha256(repr((source, compiler, flags, machine)).encode()).hexdigest()[:16]
-        library = directory / f"exact_attention-{digest}.so"
+        library = directory / f"{path.stem}-{digest}.so"
         if is_regular(library) and not again:  # a FIFO there would block the loader, holding the GIL
             return library
         try:
@@ -166,7 +178,7 @@ def _build(directory: Path, again: bool = False) -> Path:
         except OSError as exc:
             raise KernelUnavailable(f"cannot write the kernel into {directory}: {exc.strerror or exc}") from exc
         try:
-            built = _compile([compiler, *flags, "-o", partial, str(SOURCE)])
+            built = _compile([compiler, *flags, "-o", partial, str(path)])
         except (OSError, subprocess.TimeoutExpired) as exc:
             os.unlink(partial)
             raise KernelUnavailable(f"no C compiler ({compiler!r}: {exc})") from exc
@@ -178,7 +190,7 @@ def _build(directory: Path, again: bool = False) -> Path:
                 raise KernelUnavailable(f"cannot write the kernel as {library}: {exc.strerror or exc}") from exc
             return library
         os.unlink(partial)
-    raise KernelUnavailable(f"{compiler} could not build {SOURCE.name}: {built.stderr.strip()[-2000:]}")
+    raise KernelUnavailable(f"{compiler} could not build {path.name}: {built.stderr.strip()[-2000:]}")
 
 
 def _compile(command: list[str]) -> subprocess.CompletedProcess:

@@ -1,4 +1,5 @@
-"""Weights that a decode step reads fast on the CPU: 4-bit groups, or 8-bit rows.
+"""Weights that a decode step reads fast on the CPU: 4-bit groups, or 8-bit rows (or a
+gguf file's own blocks: gguf_weights).
 
 A decode step reads every weight once per token, so on a CPU its time is the bytes
 read (the memory's bandwidth) plus a fixed cost per operation. Dense float32 weights
@@ -33,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from worker import load_progress
+from worker.backends.transformers.gguf_weights import GgufLinear, joined
 
 GROUP = 32
 KERNEL_DTYPE = torch.bfloat16
@@ -85,20 +87,26 @@ def _fits_int4(linear: torch.nn.Linear) -> bool:
     return linear.in_features % GROUP == 0 and linear.out_features % 16 == 0
 
 
-def quantize(model: torch.nn.Module, scheme: str) -> int:
-    """Replace the model's linears, in place, by ``scheme``'s; how many were replaced.
-    The model must be on the CPU."""
+def quantize(model: torch.nn.Module, scheme: str, gguf_blocks: dict | None = None) -> int:
+    """Replace the model's linears, in place, by ``scheme``'s; how many were replaced. With
+    ``gguf_blocks`` (gguf_weights.blocks_of: module name to blocks), the linears it names keep
+    their gguf blocks (GgufLinear) and the others get ``scheme``'s. The model must be on the CPU."""
     dtype = next(model.parameters()).dtype
+    blocks = gguf_blocks or {}
     linears = [
-        (parent, name, child)
-        for parent in list(model.modules())
+        (f"{parent_name}.{name}" if parent_name else name, parent, name, child)
+        for parent_name, parent in list(model.named_modules())
         for name, child in list(parent.named_children())
         if type(child) is torch.nn.Linear
     ]
     report = load_progress.stage("quantizing", len(linears), "tensors")
-    for replaced, (parent, name, child) in enumerate(linears, 1):
-        kind = Int4Linear if scheme == "int4" and _fits_int4(child) else Int8Linear
-        setattr(parent, name, kind(child, dtype))
+    for replaced, (qualified, parent, name, child) in enumerate(linears, 1):
+        if qualified in blocks:
+            kind, rows = blocks[qualified]
+            setattr(parent, name, GgufLinear(kind, rows, child.in_features))
+        else:
+            kind = Int4Linear if scheme == "int4" and _fits_int4(child) else Int8Linear
+            setattr(parent, name, kind(child, dtype))
         report(replaced)
     return len(linears)
 
@@ -109,6 +117,8 @@ def fused(linears: list[torch.nn.Module]):
     linear's own; None unless all of them are quantized alike, without bias."""
     if not all(type(linear) is type(linears[0]) and linear.bias is None for linear in linears):
         return None
+    if type(linears[0]) is GgufLinear:
+        return joined(linears)
     if type(linears[0]) is Int4Linear:
         if any(linear.out_features % _INT4_ROW_BLOCK for linear in linears):
             return None  # the packed layout interleaves rows within blocks: only whole blocks join

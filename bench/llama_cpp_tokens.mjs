@@ -1,0 +1,82 @@
+// llama.cpp's greedy tokens on the shipped SmolLM2 gguf, for the slow tier's quality gate
+// (tests/test_gguf_weights.py): run once, the output is committed as test data.
+//
+//   node bench/llama_cpp_tokens.mjs tests/data/llama_cpp_greedy.json
+//
+// Each prompt's token ids come from the worker's tokenizer and are given to llama.cpp as
+// they are (node-llama-cpp 3.21.1, 2 threads, temperature 0, 128 new tokens, a new
+// sequence per prompt). Needs `npm run build`; node-llama-cpp is installed on first use
+// into bench/llama-cpp, as for bench/llama_cpp_bench.mjs.
+import { execFileSync } from "node:child_process";
+import { existsSync, writeFileSync } from "node:fs";
+import { dirname, join } from "node:path";
+import { fileURLToPath, pathToFileURL } from "node:url";
+
+const root = dirname(dirname(fileURLToPath(import.meta.url)));
+const output = process.argv[2];
+if (!output) throw new Error("usage: node bench/llama_cpp_tokens.mjs OUTPUT.json");
+const NEW_TOKENS = 128;
+const THREADS = 2;
+const PROMPTS = [
+  "The capital of France is",
+  "The history of the city of Rome begins",
+  "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,",
+  "Once upon a time, in a small village by the sea,",
+];
+
+const folder = join(root, "bench", "llama-cpp");
+if (!existsSync(join(folder, "node_modules", "node-llama-cpp"))) {
+  execFileSync("npm", ["ci", "--omit=optional", "--ignore-scripts", "--no-audit", "--no-fund"], { cwd: folder, stdio: "inherit" });
+}
+const { getLlama } = await import(pathToFileURL(join(folder, "node_modules", "node-llama-cpp", "dist", "index.js")).href);
+const python = join(root, ".venv", "bin", "python");
+const gguf = execFileSync(python, ["-c", "from worker.backends.transformers.shipped import gguf_path; print(gguf_path())"], {
+  cwd: root,
+  encoding: "utf8",
+}).trim();
+const { LmWorker } = await import(pathToFileURL(join(root, "client", "dist", "src", "index.js")).href);
+
+const worker = await LmWorker.start({ python, cwd: root, args: ["--log-level", "warning"] });
+await worker.load({ model: "default" });
+const prompts = [];
+for (const text of PROMPTS) prompts.push({ text, tokens: (await worker.tokenize({ text })).tokens });
+await worker.close();
+
+const llama = await getLlama({ gpu: false, build: "never", logLevel: "error" });
+const model = await llama.loadModel({ modelPath: gguf });
+const context = await model.createContext({ contextSize: 1024, threads: THREADS, sequences: 1 });
+const eos = model.tokens.eos;
+for (const prompt of prompts) {
+  const sequence = context.getSequence();
+  const tokens = [];
+  for await (const token of sequence.evaluate(prompt.tokens, { temperature: 0 })) {
+    tokens.push(token);
+    if (token === eos || tokens.length >= NEW_TOKENS) break;
+  }
+  sequence.dispose();
+  prompt.llama_cpp_tokens = tokens;
+  console.error(JSON.stringify(prompt.text), tokens.length, "tokens");
+}
+
+const release = llama.llamaCppRelease;
+writeFileSync(
+  output,
+  JSON.stringify(
+    {
+      note:
+        "llama.cpp's greedy output on the shipped SmolLM2-135M-Instruct Q4_1 gguf, made once with " +
+        "`node bench/llama_cpp_tokens.mjs " + output + "`: node-llama-cpp 3.21.1 (" + llama.buildType + " build, llama.cpp " +
+        `${release.repo} ${release.release}), ${THREADS} threads, temperature 0, ${NEW_TOKENS} new tokens or up to the end-of-sequence token ` +
+        `(id ${eos}), a new sequence per prompt; the prompts' token ids are the worker's tokenizer's.`,
+      system: llama.systemInfo,
+      new_tokens: NEW_TOKENS,
+      eos,
+      prompts,
+    },
+    null,
+    1,
+  ) + "\n",
+);
+await context.dispose();
+await model.dispose();
+await llama.dispose();

@@ -1,0 +1,171 @@
+/* Products of a gguf file's own quantized weights (Q4_1, Q8_0 blocks, unchanged) with rows of
+ * float32 activations, computed as llama.cpp's CPU backend computes them, so a model run
+ * with them gives llama.cpp's numbers for its matrix products. gguf_weights.py explains why
+ * the worker needs that and how it builds this file (as exact_attention.c).
+ *
+ * The blocks (ggml's layout, 32 weights each, fp16 numbers little-endian):
+ *   Q4_1: d, m, then 16 bytes: byte j holds weight j (low nibble) and j + 16 (high); w = d·q + m.
+ *   Q8_0: d, then 32 signed bytes; w = d·q.
+ * An activation row is quantized first, per block of 32, as llama.cpp's quantize_row_q8_1
+ * (for Q4_1 weights) and quantize_row_q8_0 (for Q8_0) do on x86: a = max |x|, d = a / 127,
+ * q = x · (127 / a) rounded to nearest, ties to even; d is kept as fp16, and for Q8_1 also
+ * s = fp16(d · sum of q).
+ * One output number, a dot product of a weight row with a quantized activation row, in
+ * ggml_vec_dot_q4_1_q8_1's (and ggml_vec_dot_q8_0_q8_0's) order: per block, the 32 integer
+ * products are summed in 8 lanes of 4 consecutive weights (exact, integers); lane k adds
+ * fma(d_w · d_x, lane sum, acc[k]); Q4_1 also sums m_w · s_x over the blocks in order; then
+ * ((acc4 + acc0) + (acc6 + acc2)) + ((acc5 + acc1) + (acc7 + acc3)), plus that sum.
+ * So an output row depends on its activation row alone, however many rows a call has.
+ * The vector code below (AVX2) and the plain C beside it give the same bits; fmaf rounds once
+ * whatever the compiler's contraction setting.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define VECTOR 1
+#endif
+
+#define BLOCK 32
+#define Q4_1_BYTES 20
+#define Q8_0_BYTES 34
+#define ROWS_TOGETHER 16 /* weight rows one work item takes, against every activation row */
+
+enum { Q4_1 = 3, Q8_0 = 8 }; /* ggml's type numbers */
+
+typedef struct {
+    float d, s;     /* fp16 values, widened */
+    int8_t q[BLOCK];
+} xblock;
+
+static inline float half_to_float(const uint8_t *p) {
+    _Float16 h;
+    memcpy(&h, p, sizeof h);
+    return (float)h;
+}
+
+static inline float rounded_to_half(float x) { return (float)(_Float16)x; }
+
+static void quantize_row(const float *x, int64_t blocks, xblock *out) {
+    for (int64_t b = 0; b < blocks; b++, x += BLOCK) {
+        float largest = 0.0f;
+        for (int i = 0; i < BLOCK; i++) { const float a = fabsf(x[i]); largest = a > largest ? a : largest; }
+        const float d = largest / 127.0f;
+        const float inverse = largest != 0.0f ? 127.0f / largest : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < BLOCK; i++) {
+            const int q = (int)nearbyintf(x[i] * inverse);
+            out[b].q[i] = (int8_t)q;
+            sum += q;
+        }
+        out[b].d = rounded_to_half(d);
+        out[b].s = rounded_to_half(d * (float)sum);
+    }
+}
+
+static inline float lanes_sum(const float acc[8]) {
+    return ((acc[4] + acc[0]) + (acc[6] + acc[2])) + ((acc[5] + acc[1]) + (acc[7] + acc[3]));
+}
+
+#ifdef VECTOR
+static inline float vector_sum(__m256 acc) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    return lanes_sum(lanes);
+}
+#endif
+
+static float dot_q4_1(const uint8_t *w, const xblock *x, int64_t blocks) {
+    float sum_m = 0.0f;
+#ifdef VECTOR
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < blocks; b++, w += Q4_1_BYTES) {
+        sum_m += half_to_float(w + 2) * x[b].s;
+        const __m128i packed = _mm_loadu_si128((const __m128i *)(w + 4));
+        const __m256i qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
+        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].q);
+        const __m256 lanes = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(qw, qx), ones));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(w) * x[b].d), lanes, acc);
+    }
+    return vector_sum(acc) + sum_m;
+#else
+    float acc[8] = {0};
+    for (int64_t b = 0; b < blocks; b++, w += Q4_1_BYTES) {
+        sum_m += half_to_float(w + 2) * x[b].s;
+        const float scale = half_to_float(w) * x[b].d;
+        for (int k = 0; k < 8; k++) {
+            int lane = 0;
+            for (int j = 4 * k; j < 4 * k + 4; j++) {
+                const int q = j < 16 ? (w[4 + j] & 0x0F) : (w[4 + j - 16] >> 4);
+                lane += q * x[b].q[j];
+            }
+            acc[k] = fmaf(scale, (float)lane, acc[k]);
+        }
+    }
+    return lanes_sum(acc) + sum_m;
+#endif
+}
+
+static float dot_q8_0(const uint8_t *w, const xblock *x, int64_t blocks) {
+#ifdef VECTOR
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < blocks; b++, w += Q8_0_BYTES) {
+        const __m256i qw = _mm256_loadu_si256((const __m256i *)(w + 2));
+        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].q);
+        /* |w| times x with w's sign: unsigned by signed bytes, as ggml does */
+        const __m256i products = _mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qx, qw));
+        const __m256 lanes = _mm256_cvtepi32_ps(_mm256_madd_epi16(products, ones));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(w) * x[b].d), lanes, acc);
+    }
+    return vector_sum(acc);
+#else
+    float acc[8] = {0};
+    for (int64_t b = 0; b < blocks; b++, w += Q8_0_BYTES) {
+        const float scale = half_to_float(w) * x[b].d;
+        const int8_t *q = (const int8_t *)(w + 2);
+        for (int k = 0; k < 8; k++) {
+            int lane = 0;
+            for (int j = 4 * k; j < 4 * k + 4; j++) lane += q[j] * x[b].q[j];
+            acc[k] = fmaf(scale, (float)lane, acc[k]);
+        }
+    }
+    return lanes_sum(acc);
+#endif
+}
+
+/* out[i][r] = weight row r · x row i, for `outputs` weight rows of type `type` (Q4_1 or Q8_0)
+ * and `n` activation rows of `inputs` floats each (a multiple of 32; row i at x + i *
+ * x_stride); out is n rows of `outputs` floats. Work is shared among `threads` OpenMP
+ * threads. Returns 0, 1 when there is no memory for the quantized rows, 2 for an unknown type. */
+int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t inputs, const float *x,
+                    int64_t n, int64_t x_stride, float *out, int threads) {
+    if (type != Q4_1 && type != Q8_0) return 2;
+    const int64_t blocks = inputs / BLOCK;
+    const int64_t row_bytes = blocks * (type == Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+    xblock *quantized = malloc((size_t)(n * blocks) * sizeof *quantized);
+    if (quantized == NULL) return 1;
+    const int64_t items = (outputs + ROWS_TOGETHER - 1) / ROWS_TOGETHER;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i++) quantize_row(x + i * x_stride, blocks, quantized + i * blocks);
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < items; item++) {
+            const int64_t first = item * ROWS_TOGETHER;
+            const int64_t last = first + ROWS_TOGETHER < outputs ? first + ROWS_TOGETHER : outputs;
+            for (int64_t i = 0; i < n; i++) {
+                const xblock *row = quantized + i * blocks;
+                for (int64_t r = first; r < last; r++) {
+                    const uint8_t *w = weights + r * row_bytes;
+                    out[i * outputs + r] = type == Q4_1 ? dot_q4_1(w, row, blocks) : dot_q8_0(w, row, blocks);
+                }
+            }
+        }
+    }
+    free(quantized);
+    return 0;
+}

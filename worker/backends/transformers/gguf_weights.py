@@ -1,0 +1,226 @@
+"""A gguf file's own 4- and 8-bit weights, multiplied as llama.cpp multiplies them.
+
+transformers loads a gguf by dequantizing it to floats; quantizing those again (int8
+rows, an int4 refit: fast_weights) gives a second lossy copy whose answers drift from the
+published model's (a refit int4 SmolLM2 named the wrong capital of France). Here the
+linears whose gguf tensors are Q4_1 (groups of 32 weights with an fp16 scale d and
+minimum m: w = d·q + m) or Q8_0 (w = d·q) keep those blocks byte for byte, and a kernel of
+the worker's own (gguf_kernel.c) multiplies them the way llama.cpp's CPU backend does:
+each activation row quantized to 8-bit blocks first, integer dot products, scales and sums
+in llama.cpp's order. So the products are llama.cpp's, and greedy output follows
+llama.cpp's (tests/test_gguf_weights.py checks it against llama.cpp's own tokens); a
+decode step reads 20 bytes per 32 weights (int8: 32).
+
+Each output row is computed from its input row alone, so a position gets the same numbers
+in a prompt chunk of any size, in a decode step and in a batch (with exact_attention, as
+for the other quantized weights). The kernel is built like exact_attention's, once per
+machine into ``<data dir>/kernels``; where it cannot be built the worker loads int8
+weights instead and says why.
+
+Models of the Llama architecture only: the gguf stores their q and k rows permuted (for
+llama.cpp's rotary embedding), and this module puts them back in transformers' order, as
+transformers' own gguf loader does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import torch
+
+from worker.files import open_regular
+
+KERNEL_SOURCE = Path(__file__).with_name("gguf_kernel.c")
+ARCHITECTURES = {"llama": "LLAMA"}  # transformers' model_type: gguf's MODEL_ARCH
+# ggml's type number: bytes per block of 32 weights
+BLOCK_BYTES = {3: 20, 8: 34}  # Q4_1, Q8_0
+BLOCK = 32
+# Calls with fewer multiply-adds than this run on the calling thread alone.
+_SHARE_FROM = 1 << 16
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_ARGTYPES = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, ctypes.c_int]
+_matmul = None
+
+
+def load_kernel(data_dir: Path) -> None:
+    """Build (on first use) and load gguf_kernel.c; raises exact_attention.KernelUnavailable."""
+    global _matmul
+    if _matmul is None:
+        from worker.backends.transformers.exact_attention import built_function
+
+        function = built_function(data_dir / "kernels", KERNEL_SOURCE, "lmw_gguf_matmul")
+        function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
+        _matmul = function
+
+
+class GgufLinear(torch.nn.Module):
+    """A linear without bias whose weight rows are gguf blocks of one type (``kind``: ggml's
+    type number), as a (out_features, row bytes) uint8 tensor."""
+
+    def __init__(self, kind: int, blocks: torch.Tensor, in_features: int) -> None:
+        super().__init__()
+        if _matmul is None:
+            raise RuntimeError("load_kernel() first")
+        self.kind, self.in_features, self.out_features = kind, in_features, blocks.shape[0]
+        self.bias = None
+        self.register_buffer("blocks", blocks.contiguous())
+        self._function = _matmul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float()
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        rows = flat.shape[0]
+        out = torch.empty(rows, self.out_features)
+        work = rows * self.out_features * self.in_features
+        threads = torch.get_num_threads() if work >= _SHARE_FROM else 1
+        status = self._function(
+            self.kind, self.blocks.data_ptr(), self.out_features, self.in_features, flat.data_ptr(), rows,
+            flat.stride(0) if rows > 1 else self.in_features, out.data_ptr(), threads,
+        )
+        if status != 0:
+            raise MemoryError("gguf weights: no memory for the quantized activations")
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def joined(linears: list[GgufLinear]) -> GgufLinear | None:
+    """One GgufLinear for linears of one block type that read the same input (their rows one
+    after another): each output number is computed as by its own linear, bit for bit."""
+    first = linears[0]
+    if any(linear.kind != first.kind or linear.in_features != first.in_features for linear in linears):
+        return None
+    return GgufLinear(first.kind, torch.cat([linear.blocks for linear in linears]), first.in_features)
+
+
+def blocks_of(model: torch.nn.Module, gguf_file: Path) -> dict[str, tuple[int, torch.Tensor]]:
+    """The gguf blocks of the model's linears that the kernel takes, by module name
+    (``model.layers.0.self_attn.q_proj``): (ggml type, (out_features, row bytes) uint8 rows in
+    the model's row order). Empty for an architecture this module does not know."""
+    import gguf
+    import numpy as np
+
+    config = model.config
+    arch = ARCHITECTURES.get(config.model_type)
+    if arch is None:
+        return {}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch], config.num_hidden_layers)
+    data = _mapped(gguf_file)
+    tensors = _tensor_table(data)
+    if getattr(config, "tie_word_embeddings", False) and "token_embd.weight" in tensors:
+        tensors.setdefault("output.weight", tensors["token_embd.weight"])  # the output shares the embedding
+    found = {}
+    for name, module in model.named_modules():
+        if type(module) is not torch.nn.Linear or module.bias is not None:
+            continue
+        gguf_name = names.get_name(f"{name}.weight", try_suffixes=(".weight",)) or ""
+        kind, shape, offset = tensors.get(gguf_name, (None, None, None))
+        if kind not in BLOCK_BYTES or shape != [module.in_features, module.out_features] or module.in_features % BLOCK:
+            continue
+        row_bytes = module.in_features // BLOCK * BLOCK_BYTES[kind]
+        rows = np.frombuffer(data, np.uint8, module.out_features * row_bytes, offset).reshape(-1, row_bytes)
+        if name.endswith(("self_attn.q_proj", "self_attn.k_proj")):
+            heads = config.num_attention_heads if name.endswith("q_proj") else config.num_key_value_heads
+            rows = rows[_unpermuted_rows(module.out_features, heads)]
+        found[name] = (kind, torch.from_numpy(rows.copy()))
+    return found
+
+
+def _mapped(path: Path):
+    """The file mapped read-only (unmapped when the last view of it goes), opened through
+    worker.files: only a regular file is read."""
+    import mmap
+
+    descriptor = open_regular(path)
+    try:
+        return mmap.mmap(descriptor, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(descriptor)
+
+
+# gguf's metadata value types (GGUFValueType) of a fixed size, in struct's letters
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def _tensor_table(data: memoryview) -> dict[str, tuple[int, list[int], int]]:
+    """name: (ggml type, shape as gguf lists it (inputs first), absolute offset of its data).
+    Reads the header only: gguf.GGUFReader parses every metadata value (a tokenizer's tens of
+    thousands of strings), seconds of a load for nothing the weights need."""
+    import struct
+
+    position = 0
+
+    def take(form: str):
+        nonlocal position
+        values = struct.unpack_from("<" + form, data, position)
+        position += struct.calcsize("<" + form)
+        return values if len(values) > 1 else values[0]
+
+    def text() -> str:
+        nonlocal position
+        length = take("Q")
+        position += length
+        return bytes(data[position - length:position]).decode("utf-8", "replace")
+
+    def skip(kind: int) -> None:
+        nonlocal position
+        if kind == _STRING:
+            length = take("Q")  # (not `position += take(...)`: that adds to the position before the take)
+            position += length
+        elif kind == _ARRAY:
+            item, count = take("IQ")
+            if item in _SCALARS:
+                position += count * struct.calcsize(_SCALARS[item])
+            else:
+                for _ in range(count):
+                    skip(item)
+        else:
+            position += struct.calcsize(_SCALARS[kind])
+
+    magic, version = take("4sI")
+    if magic != b"GGUF" or version < 2:
+        raise ValueError(f"not a gguf file of version 2 or later (magic {magic!r}, version {version})")
+    tensor_count, field_count = take("QQ")
+    alignment = 32
+    for _ in range(field_count):
+        key, kind = text(), take("I")
+        if key == "general.alignment" and kind == 4:
+            alignment = take("I")
+        else:
+            skip(kind)
+    table = {}
+    for _ in range(tensor_count):
+        name = text()
+        dims = take("I")
+        shape = list(struct.unpack_from(f"<{dims}Q", data, position))
+        position += 8 * dims
+        kind, offset = take("IQ")
+        table[name] = (kind, shape, offset)
+    start = -(-position // alignment) * alignment
+    return {name: (kind, shape, start + offset) for name, (kind, shape, offset) in table.items()}
+
+
+def _unpermuted_rows(rows: int, heads: int):
+    """Which gguf row each of transformers' q (or k) rows is: llama.cpp's converter
+    interleaved each head's two rotary halves; this undoes it (transformers'
+    LlamaTensorProcessor._reverse_permute_weights, on row indices)."""
+    import numpy as np
+
+    half = rows // heads // 2
+    return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
+
+
+def dequantized(kind: int, blocks: torch.Tensor) -> torch.Tensor:
+    """The float32 weights the blocks stand for (for checks: the kernel never needs them)."""
+    rows = blocks.shape[0]
+    per_block = blocks.reshape(rows, -1, BLOCK_BYTES[kind])
+    d = per_block[..., 0:2].contiguous().view(torch.float16).float()
+    if kind == 8:
+        return (d * per_block[..., 2:].contiguous().view(torch.int8).float()).reshape(rows, -1)
+    m = per_block[..., 2:4].contiguous().view(torch.float16).float()
+    packed = per_block[..., 4:].int()
+    q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
+    return (d * q + m).reshape(rows, -1)
