@@ -181,3 +181,17 @@ async def test_an_auto_prefill_is_where_auto_generates_start_and_builds_on_what_
     assert 0 < longer["cache_read_tokens"] <= warm["token_count"], "the second prefill starts from the first"
     assert cached["tokens"] == plain["tokens"]
     assert cached["cache"]["ref"] == longer["cache"] and cached["cache"]["reused_tokens"] == longer["token_count"] - 1
+
+
+async def test_a_prefill_under_a_ref_that_auto_would_delete_is_refused_naming_the_field(tiny_model_dir, cache_dir):
+    """auto deletes an auto- cache once a longer one extends it: a host's own cache there would go."""
+    host = await worker(tiny_model_dir, cache_dir)
+    try:
+        with pytest.raises(WorkerError) as refused:
+            await host.call("prefill", {"prompt": SYSTEM, "cache": "auto-0123456789abcdef01234567"})
+        stored = await host.call("prefill", {"prompt": SYSTEM, "cache": "auto"})
+        listed = await host.call("cache/list")
+    finally:
+        await host.close()
+    assert (refused.value.code, refused.value.data["field"]) == (-32602, "params.cache")
+    assert [c["cache"] for c in listed["caches"]] == [stored["cache"]], "only the one auto made"

@@ -86,6 +86,14 @@ class Prefill:
     ) -> None:
         self._started = time.perf_counter()
         model = as_caching_model(model)
+        if params.cache != AUTO and params.cache.startswith(AUTO_PREFIX):
+            # auto deletes an auto- cache that a longer one extends: a host's own would be lost
+            raise RpcError(
+                ErrorKind.INVALID_PARAMS,
+                f"Refs that start with {AUTO_PREFIX!r} are the ones cache: \"auto\" makes and deletes; store under "
+                f"another name, or prefill with cache: \"auto\".",
+                field="params.cache",
+            )
         source = PromptSource(params.prompt, params.tokens, params.messages)
         tokens = resolve_prompt(
             model,
