@@ -148,7 +148,7 @@ class TransformersModel:
         self._bos = tokenizer.bos_token_id
         self._adds_bos = self._bos is not None and tokenizer("a").input_ids[:1] == [self._bos]
         self._identity = identity
-        self._cache_kinds: list[str] | None = None
+        self._cache_kinds: Sequence[str] | None = None
         self.info = ModelInfo(
             model=params.model,
             backend="transformers",
@@ -248,12 +248,12 @@ class TransformersModel:
     def crop_cache(self, cache: TorchCache, keep_tokens: int) -> None:
         cache.crop(keep_tokens)
 
-    def cache_room(self, entry: TensorEntry, held: int) -> int:
+    def cache_room(self, entry: TensorEntry, max_positions: int) -> int:
         from worker.backends.transformers.torch_adapter import room_to_grow
 
         if self._cache_kinds is None:
             self._cache_kinds = self.new_cache().kinds
-        return room_to_grow(self._cache_kinds, self._device, entry, held)
+        return room_to_grow(self._cache_kinds, self._device, entry, max_positions)
 
     def _one_position_cache(self) -> list[TensorSpec] | None:
         """The tensors of a cache of one position: a stored cache's must be of their shapes and dtypes."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
 os.environ.setdefault("TQDM_DISABLE", "1")  # gguf conversion draws raw tqdm bars on stderr
@@ -22,6 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa
 from transformers.modeling_utils import AttentionInterface  # noqa: E402
 
 from worker import load_progress  # noqa: E402
+from worker.kvcache.container import LayerKind  # noqa: E402
 
 VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
 
@@ -217,7 +218,7 @@ LinearAttentionAndFullAttentionLayer = cache_utils.LinearAttentionAndFullAttenti
 LinearAttentionAndSlidingWindowAttentionLayer = cache_utils.LinearAttentionAndSlidingWindowAttentionLayer
 
 # transformers' cache layer classes, by the kind of state they keep (torch_adapter explains each).
-LAYER_KINDS = {
+LAYER_KINDS: dict[str, LayerKind] = {
     "DynamicLayer": "full",
     "DynamicSlidingWindowLayer": "sliding",  # sliding_attention and chunked_attention
     "LinearAttentionLayer": "linear",  # conv and linear_attention
@@ -227,12 +228,16 @@ LAYER_KINDS = {
 }
 
 
-def layer_kind(layer) -> str:
+# A cache layer's kind: "other" for a class lm-worker does not know.
+CacheLayerKind = LayerKind | Literal["other"]
+
+
+def layer_kind(layer) -> CacheLayerKind:
     """The kind of one of transformers' cache layers; "other" for a class lm-worker does not know."""
     return LAYER_KINDS.get(type(layer).__name__, "other")
 
 
-def new_cache(config: transformers.PretrainedConfig, own: Callable[[str, Any], Any]) -> DynamicCache:
+def new_cache(config: transformers.PretrainedConfig, own: Callable[[CacheLayerKind, Any], Any]) -> DynamicCache:
     """transformers' cache for the model, each layer replaced by ``own(kind, layer)``: the layers
     are of the classes (and settings) transformers chooses for the model's layer types."""
     cache = DynamicCache(config=config)
