@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 
@@ -28,10 +28,12 @@ from protocol.errors import ErrorKind, RpcError
 from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo, SpecialToken, Tool
 from worker import prompt_lookup, reasoning, tool_calls
 from worker.files import is_regular
-from worker.backends.base import PREFILL_CHUNK_TOKENS
+from worker.backends.base import PREFILL_CHUNK_TOKENS, Decoding
 from worker.constraints import GrammarTokenizer
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from worker.constraints import OutputConstraint
     from worker.kvcache.container import Header, Identity, LoadedCache, TensorEntry, TensorSpec
     from worker.backends.transformers.torch_adapter import TorchCache
@@ -161,13 +163,15 @@ def resolve_weights(params: LoadParams) -> tuple[str, str]:
 
 class TransformersModel:
     def __init__(
-        self, params: LoadParams, path: Path, model, tokenizer, identity: Identity, device: str, dtype: str,
-        quantization: str, started: float,
+        self, params: LoadParams, path: Path, model: PreTrainedModel, tokenizer, identity: Identity, device: str,
+        dtype: str, quantization: str, started: float,
     ):
         from worker.backends.transformers import decode_step
 
-        self._model = model
+        self._model: PreTrainedModel | None = model  # None once closed
         self._decode_step = decode_step.DecodeStep(model) if decode_step.supports(model) else None
+        # A step computes its sequences in one pass, a prompt chunk with them.
+        self.chunks_in_step = self._decode_step is not None
         # A prompt chunk fed alone goes through the step too where that gives transformers'
         # forward's numbers bit for bit (quantized weights): fewer operations a layer (fused
         # projections, no mask), a tenth less time for a short chunk such as a question
@@ -183,7 +187,7 @@ class TransformersModel:
         self._bos = tokenizer.bos_token_id
         self._adds_bos = self._bos is not None and tokenizer("a").input_ids[:1] == [self._bos]
         self._identity = identity
-        self._cache_kinds: list[str] | None = None
+        self._cache_kinds: Sequence[str] | None = None
         self.info = ModelInfo(
             model=params.model,
             backend="transformers",
@@ -198,9 +202,14 @@ class TransformersModel:
             tool_calls=tool_calls.support(getattr(tokenizer, "chat_template", None)),
             load_time_ms=(time.perf_counter() - started) * 1000.0,
         )
-        self.grammar_tokenizer = GrammarTokenizer(tokenizer, self.eos_token_ids)
+        self.grammar_tokenizer: GrammarTokenizer | None = GrammarTokenizer(tokenizer, self.eos_token_ids)
         self.reasoning_markers = reasoning.markers(getattr(tokenizer, "chat_template", None))
         self._cache_tensors = self._one_position_cache()
+
+    @property
+    def _open_model(self) -> PreTrainedModel:
+        assert self._model is not None, "the model is closed"
+        return self._model
 
     def prepare_side_thread(self) -> None:
         from worker.backends.transformers.torch_threads import keep_to_one_thread
@@ -267,7 +276,7 @@ class TransformersModel:
     def new_cache(self) -> TorchCache:
         from worker.backends.transformers.torch_adapter import TorchCache
 
-        return TorchCache(self._model.config)
+        return TorchCache(self._open_model.config)
 
     def extend_cache(self, tokens: Sequence[int], cache: TorchCache) -> None:
         decoding = self.start(tokens, None, cache)
@@ -283,12 +292,12 @@ class TransformersModel:
     def crop_cache(self, cache: TorchCache, keep_tokens: int) -> None:
         cache.crop(keep_tokens)
 
-    def cache_room(self, entry: TensorEntry, held: int) -> int:
+    def cache_room(self, entry: TensorEntry, max_positions: int) -> int:
         from worker.backends.transformers.torch_adapter import room_to_grow
 
         if self._cache_kinds is None:
             self._cache_kinds = self.new_cache().kinds
-        return room_to_grow(self._cache_kinds, self._device, entry, held)
+        return room_to_grow(self._cache_kinds, self._device, entry, max_positions)
 
     def _one_position_cache(self) -> list[TensorSpec] | None:
         """The tensors of a cache of one position: a stored cache's must be of their shapes and dtypes."""
@@ -309,7 +318,7 @@ class TransformersModel:
     def load_cache(self, loaded: LoadedCache) -> TorchCache:
         from worker.backends.transformers.torch_adapter import TorchCache
 
-        return TorchCache.from_file(loaded, self._model.config, self._device)
+        return TorchCache.from_file(loaded, self._open_model.config, self._device)
 
     def start(
         self,
@@ -320,15 +329,11 @@ class TransformersModel:
     ) -> TransformersDecoding:
         return TransformersDecoding(self, prompt, params, cache if cache is not None else self.new_cache(), constraint)
 
-    @property
-    def chunks_in_step(self) -> bool:
-        """Whether a step computes its sequences in one pass, a prompt chunk with them."""
-        return self._decode_step is not None
-
     def drafting(self) -> str | None:
         if self._decode_step is None:
+            model_type = self._open_model.config.model_type
             return (
-                f"'draft' needs a model of the Llama architecture (this one is {self._model.config.model_type!r}): "
+                f"'draft' needs a model of the Llama architecture (this one is {model_type!r}): "
                 "its decode step checks a draft in one pass. Leave out 'draft'."
             )
         if self.info.quantization == "none":
@@ -340,8 +345,12 @@ class TransformersModel:
             )
         return None
 
-    def step(self, decodings: Sequence[TransformersDecoding], chunk: tuple[TransformersDecoding, int] | None = None) -> None:
+    def step(self, decodings: Sequence[Decoding], chunk: tuple[Decoding, int] | None = None) -> None:
         import torch
+
+        # The worker steps only decodings this model started.
+        decodings = cast("Sequence[TransformersDecoding]", decodings)
+        chunk = cast("tuple[TransformersDecoding, int] | None", chunk)
 
         with torch.inference_mode():
             if self._decode_step is not None:
@@ -362,7 +371,7 @@ class TransformersModel:
             assert chunk is None, "this model feeds prompt chunks on their own"
             for decoding in decodings:
                 token = torch.tensor([decoding.tokens[-1:]], dtype=torch.long, device=self._device)
-                decoding.logits = decoding.cache.feed(self._model, token)
+                decoding.logits = decoding.cache.feed(self._open_model, token)
 
     def close(self) -> None:
         self._model = None
@@ -466,7 +475,7 @@ class TransformersDecoding:
                 if self._owner._chunk_decode_step is not None:  # a Llama-architecture model: no states to keep
                     self.logits = self._owner._chunk_decode_step.forward([self.tokens[self.cache.length : cut]], [self.cache])
                 else:
-                    self.logits = self.cache.feed(self._owner._model, self._prompt[:, self.cache.length : cut])
+                    self.logits = self.cache.feed(self._owner._open_model, self._prompt[:, self.cache.length : cut])
                 if cut >= end - 1:
                     self.cache.checkpoint()
 
@@ -639,7 +648,7 @@ def _load_pretrained(path: Path, dtype: str, device: str, trust_remote_code: boo
         model = AutoModelForCausalLM.from_pretrained(
             location, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code,
             attn_implementation=attention, **extra,
-        ).to(device)
+        ).to(device)  # pyright: ignore[reportArgumentType]  # transformers types to() as the unbound Module.to it wraps
     except Exception as exc:  # corrupt, truncated or foreign files, a device that fails: say which and why
         raise RpcError(
             ErrorKind.MODEL_LOAD_FAILED,

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from worker.backends.transformers import hf_compat
+from worker.kvcache.container import LayerKind
 
 
 def new_cache(config) -> hf_compat.DynamicCache:
@@ -32,7 +33,7 @@ def new_cache(config) -> hf_compat.DynamicCache:
     return hf_compat.new_cache(config, _own)
 
 
-def layer_kind(layer) -> str:
+def layer_kind(layer) -> hf_compat.CacheLayerKind:
     """The kind of a cache layer (hf_compat.LAYER_KINDS): "none" for layers without a cache,
     "other" for a class lm-worker does not know."""
     return layer.kind if isinstance(layer, KeysAndValues | LinearStates) else hf_compat.layer_kind(layer)
@@ -48,7 +49,7 @@ class KeysAndValues:
     cache covers (full attention, and SlidingWindowLayer, which records them), the layer can be
     cut back anywhere."""
 
-    kind: str
+    kind: LayerKind
     if TYPE_CHECKING:  # given by the transformers class each layer extends
         keys: Any
         values: Any
@@ -218,7 +219,7 @@ class LinearStates:
     """What every layer with linear-attention states offers: a state summarises every position
     before it and cannot be cut, so it is snapshot where the cache may be cut back to."""
 
-    kind: str
+    kind: LayerKind
 
     def snapshot(self, *, clone: bool = True) -> LayerState:
         """The states now (copies, unless ``clone`` is False: for writing them out at once)."""

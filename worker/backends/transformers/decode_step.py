@@ -30,11 +30,19 @@ SmolLM2). Models this step is not written for decode through transformers' forwa
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from worker.backends.transformers import hf_compat
 from worker.backends.transformers.fast_weights import fused
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from worker.backends.transformers.cache_layers import FullAttentionLayer
+    from worker.backends.transformers.torch_adapter import TorchCache
 
 _ARCHITECTURES = frozenset({"llama"})
 # Up to this many sequences, weight @ x.T is the faster product (bench/README.md).
@@ -42,11 +50,11 @@ _TRANSPOSED_ROWS = 4
 Projection = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
 
-def supports(model: torch.nn.Module) -> bool:
+def supports(model: PreTrainedModel) -> bool:
     config = model.config
     return (
         config.model_type in _ARCHITECTURES
-        and config.hidden_act == "silu"
+        and getattr(config, "hidden_act", None) == "silu"
         and not getattr(config, "attention_bias", False)
         and not getattr(config, "mlp_bias", False)
         and getattr(config, "pretraining_tp", 1) == 1
@@ -85,7 +93,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class _Layer:
-    def __init__(self, layer: torch.nn.Module) -> None:
+    def __init__(self, layer: LlamaDecoderLayer) -> None:
         attention, mlp = layer.self_attn, layer.mlp
         self.qkv = _projection([attention.q_proj, attention.k_proj, attention.v_proj])
         self.out = _product(attention.o_proj)
@@ -98,27 +106,30 @@ class _Layer:
 class DecodeStep:
     """One token for each of several sequences, each with its own cache (TorchCache)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        inner = model.model
-        config = model.config
+    def __init__(self, model: PreTrainedModel) -> None:
+        # ``supports`` admits only models of the Llama architecture: their modules are Llama's
+        # (a linear may be a quantized one of fast_weights, which computes the same product).
+        llama = cast("LlamaForCausalLM", model)
+        inner = llama.model
+        config = cast("LlamaConfig", llama.config)
         self._embed = inner.embed_tokens
         self._rotary = inner.rotary_emb
         self._norm = (inner.norm.weight, inner.norm.variance_epsilon)
-        self._head = _product(model.lm_head)
-        self._layers = [_Layer(layer) for layer in inner.layers]
+        self._head = _product(llama.lm_head)
+        self._layers = [_Layer(cast("LlamaDecoderLayer", layer)) for layer in inner.layers]
         self._heads = config.num_attention_heads
-        self._kv_heads = config.num_key_value_heads
+        self._kv_heads = config.num_key_value_heads or self._heads  # None only before the config resolves it
         self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // self._heads
         self._scaling = self._head_dim**-0.5
         self._attention = hf_compat.attention_implementation(config)
 
-    def __call__(self, tokens: Sequence[int], caches: Sequence) -> torch.Tensor:
+    def __call__(self, tokens: Sequence[int], caches: Sequence[TorchCache]) -> torch.Tensor:
         """Logits of the next position of each sequence, shape (len(tokens), vocab); each
         cache then covers its token too."""
         return self.forward([[token] for token in tokens], caches)
 
     def forward(
-        self, sequences: Sequence[Sequence[int]], caches: Sequence, last: Sequence[int] | None = None
+        self, sequences: Sequence[Sequence[int]], caches: Sequence[TorchCache], last: Sequence[int] | None = None
     ) -> torch.Tensor:
         """As a step, but each sequence may bring several new tokens (a chunk of a prompt fed
         beside the decoding requests, or a decoding's drafted tokens to check: one pass over
@@ -144,8 +155,9 @@ class DecodeStep:
             for cache, n in zip(caches, lengths):
                 rows = slice(first, first + n)
                 first += n
-                # (1, kv_heads, n, dim), as the layers hold them (cache_layers.FullAttentionLayer)
-                cached = cache.kv.layers[index]
+                # (1, kv_heads, n, dim), as the layers hold them: a Llama model's cache layers are
+                # all full attention, lm-worker's own (cache_layers.new_cache)
+                cached = cast("FullAttentionLayer", cache.kv.layers[index])
                 keys, values = cached.update_and_fetch(k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None])
                 if self._attention == hf_compat.WIDE_ATTENTION:
                     keys, values = cached.wide_state(torch.float64)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
 os.environ.setdefault("TQDM_DISABLE", "1")  # gguf conversion draws raw tqdm bars on stderr
@@ -22,6 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa
 from transformers.modeling_utils import AttentionInterface  # noqa: E402
 
 from worker import load_progress  # noqa: E402
+from worker.kvcache.container import LayerKind  # noqa: E402
 
 VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
 
@@ -75,7 +76,7 @@ def one_query_attention(
     kv_heads, groups, dim = query.shape
     kernel = _exact_kernel(implementation, query.view(1, kv_heads * groups, 1, dim), keys[None], values[None])
     if kernel is not None:
-        ranges = key_ranges(None, 1, 1, keys.shape[-2])
+        ranges = causal_ranges(1, 1, keys.shape[-2])
         out = kernel.attention(query.view(1, kv_heads * groups, 1, dim), keys[None], values[None], *ranges, scaling)
         return out.view(kv_heads, groups, dim)
     dtype = torch.float32 if implementation == ATTENTION else torch.float64
@@ -90,11 +91,11 @@ def chunk_attention(
     ``values`` (1, kv_heads, positions, dim) ending with those n. Returns (1, n, heads, dim)
     in the query's dtype: SDPA with the grouped heads read in place and a boolean mask, as
     transformers calls it for a chunk of a prompt on the CPU (or the implementation's own)."""
-    n, held = query.shape[-2], keys.shape[-2] - query.shape[-2]
+    n, earlier = query.shape[-2], keys.shape[-2] - query.shape[-2]
     kernel = _exact_kernel(implementation, query, keys, values)
     if kernel is not None:
-        return kernel.attention(query, keys, values, *key_ranges(None, 1, n, held + n), scaling).to(query.dtype)
-    mask = torch.ones(n, held + n, dtype=torch.bool, device=query.device).tril(diagonal=held)
+        return kernel.attention(query, keys, values, *causal_ranges(1, n, earlier + n), scaling).to(query.dtype)
+    mask = torch.ones(n, earlier + n, dtype=torch.bool, device=query.device).tril(diagonal=earlier)
     wide = implementation != ATTENTION
     return torch.nn.functional.scaled_dot_product_attention(
         *((query.double(), keys.double(), values.double()) if wide else (query, keys, values)),
@@ -113,20 +114,29 @@ def _exact_kernel(implementation: str, query: torch.Tensor, keys: torch.Tensor, 
     return kernel if kernel.takes(query, keys, values) else None
 
 
+# The keys each query row attends as one range: (lo, hi), int64 tensors of shape (batch,
+# positions), row (b, i) attending keys lo[b, i] to hi[b, i] - 1.
+Ranges = tuple[torch.Tensor, torch.Tensor]
+
 # The mask key_ranges last read (a weak reference), the batch it was read for, and its ranges.
-_last_ranges: list = [None, 0, None]
+_last_ranges: tuple[weakref.ref[torch.Tensor] | None, int, Ranges | None] = (None, 0, None)
 
 
-def key_ranges(mask: torch.Tensor | None, batch: int, positions: int, n: int, causal: bool = True):
-    """The keys each query row attends as one range: (lo, hi), int64 tensors of shape (batch,
-    positions), row (b, i) attending keys lo[b, i] to hi[b, i] - 1 of n. From transformers'
-    mask (boolean, or additive: 0 where a key is attended); without one, a causal layer's
-    last ``positions`` positions attend every key up to their own. None where some row's
-    keys are not one range (or the mask is of a form not known here)."""
+def causal_ranges(batch: int, positions: int, n: int, causal: bool = True) -> Ranges:
+    """The ranges without a mask: a causal layer's last ``positions`` of ``n`` positions attend
+    every key up to their own; a layer that is not causal, every key."""
+    hi = torch.arange(n - positions + 1, n + 1) if causal else torch.full((positions,), n)
+    hi = hi.expand(batch, positions)
+    return torch.zeros_like(hi), hi
+
+
+def key_ranges(mask: torch.Tensor | None, batch: int, positions: int, n: int, causal: bool = True) -> Ranges | None:
+    """The keys each query row attends as one range (Ranges) of n, from transformers' mask
+    (boolean, or additive: 0 where a key is attended); without one, causal_ranges. None where
+    some row's keys are not one range (or the mask is of a form not known here)."""
+    global _last_ranges
     if mask is None:
-        hi = torch.arange(n - positions + 1, n + 1) if causal else torch.full((positions,), n)
-        hi = hi.expand(batch, positions)
-        return torch.zeros_like(hi), hi
+        return causal_ranges(batch, positions, n, causal)
     if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-2:] != (positions, n) or mask.device.type != "cpu":
         return None
     # transformers makes a forward's mask once and hands it to every layer.
@@ -134,11 +144,11 @@ def key_ranges(mask: torch.Tensor | None, batch: int, positions: int, n: int, ca
     if reference is not None and reference() is mask and read_for == batch:
         return ranges
     ranges = _ranges_of(mask, batch, positions, n)
-    _last_ranges[:] = [weakref.ref(mask), batch, ranges]
+    _last_ranges = (weakref.ref(mask), batch, ranges)
     return ranges
 
 
-def _ranges_of(mask: torch.Tensor, batch: int, positions: int, n: int):
+def _ranges_of(mask: torch.Tensor, batch: int, positions: int, n: int) -> Ranges | None:
     if mask.dtype == torch.bool:
         allowed = mask[:, 0]
     else:
@@ -154,13 +164,17 @@ def _ranges_of(mask: torch.Tensor, batch: int, positions: int, n: int):
     return lo, hi
 
 
-def _sdpa(module, query, key, value, attention_mask, wide: bool, **kwargs):
+def _sdpa(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, wide: bool, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention; with ``wide`` (on the CPU) computed in float64 and given
     back in the query's dtype."""
     if not wide or query.device.type != "cpu":
         return sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    widened = [tensor.double() for tensor in (query, key, value)]
-    out, weights = sdpa_attention.sdpa_attention_forward(module, *widened, attention_mask, **kwargs)
+    out, weights = sdpa_attention.sdpa_attention_forward(
+        module, query.double(), key.double(), value.double(), attention_mask, **kwargs
+    )
     return out.to(query.dtype), weights
 
 
@@ -204,7 +218,7 @@ LinearAttentionAndFullAttentionLayer = cache_utils.LinearAttentionAndFullAttenti
 LinearAttentionAndSlidingWindowAttentionLayer = cache_utils.LinearAttentionAndSlidingWindowAttentionLayer
 
 # transformers' cache layer classes, by the kind of state they keep (torch_adapter explains each).
-LAYER_KINDS = {
+LAYER_KINDS: dict[str, LayerKind] = {
     "DynamicLayer": "full",
     "DynamicSlidingWindowLayer": "sliding",  # sliding_attention and chunked_attention
     "LinearAttentionLayer": "linear",  # conv and linear_attention
@@ -214,12 +228,16 @@ LAYER_KINDS = {
 }
 
 
-def layer_kind(layer) -> str:
+# A cache layer's kind: "other" for a class lm-worker does not know.
+CacheLayerKind = LayerKind | Literal["other"]
+
+
+def layer_kind(layer) -> CacheLayerKind:
     """The kind of one of transformers' cache layers; "other" for a class lm-worker does not know."""
     return LAYER_KINDS.get(type(layer).__name__, "other")
 
 
-def new_cache(config: transformers.PretrainedConfig, own: Callable[[str, Any], Any]) -> DynamicCache:
+def new_cache(config: transformers.PretrainedConfig, own: Callable[[CacheLayerKind, Any], Any]) -> DynamicCache:
     """transformers' cache for the model, each layer replaced by ``own(kind, layer)``: the layers
     are of the classes (and settings) transformers chooses for the model's layer types."""
     cache = DynamicCache(config=config)
@@ -263,7 +281,10 @@ def rope_theta(config: transformers.PretrainedConfig) -> float | None:
 
 def attention_implementation(config: transformers.PretrainedConfig) -> str:
     """The attention implementation the model was loaded with (ATTENTION, WIDE_ATTENTION, ...)."""
-    return config._attn_implementation
+    implementation = config._attn_implementation
+    # None only for a configuration no model was loaded with yet: loading resolves it.
+    assert implementation is not None, "the configuration of a model not loaded yet"
+    return implementation
 
 
 def config_digest(config: transformers.PretrainedConfig) -> str:
@@ -310,4 +331,4 @@ def _gguf_tensors(tensors, **tqdm_options):
 
 # Where a version's gguf loading loops otherwise, its load shows no dequantizing stage.
 if getattr(modeling_gguf_pytorch_utils, "tqdm", None) is not None:
-    modeling_gguf_pytorch_utils.tqdm = _gguf_tensors
+    setattr(modeling_gguf_pytorch_utils, "tqdm", _gguf_tensors)  # a name that module imports, not its own

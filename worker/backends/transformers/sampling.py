@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from transformers.generation.logits_process import (
@@ -47,7 +48,8 @@ class Sampler:
     def next_token(self, sequence: Sequence[int], logits: torch.Tensor) -> int:
         """``sequence``: prompt and tokens so far; ``logits``: shape (1, vocab)."""
         if self._processors:
-            ids = torch.tensor([list(sequence)], dtype=torch.long, device=logits.device)
+            # torch types every tensor as Tensor; transformers' processors ask for the LongTensor this is
+            ids = cast(torch.LongTensor, torch.tensor([list(sequence)], dtype=torch.long, device=logits.device))
             scores = self._processors(ids, logits.float())
         else:
             scores = logits

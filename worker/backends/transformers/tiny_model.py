@@ -182,7 +182,7 @@ def _config(family: str, tokenizer):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker.backends.transformers.tiny_model", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m worker.backends.transformers.tiny_model", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--family", choices=FAMILIES, default="llama")

@@ -18,14 +18,14 @@ back, and so how much of it a later prompt can reuse:
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from worker.backends.transformers import cache_layers, hf_compat
 from worker.backends.transformers.cache_layers import KeysAndValues, LayerState, LinearStates
 from worker.kvcache.container import (
-    LayerEntry, LoadedCache, StateEntry, TensorEntry, TensorSpec, UnsupportedCache, cut_point,
+    LayerEntry, LoadedCache, StateEntry, TensorEntry, TensorKind, TensorSpec, UnsupportedCache, cut_point,
 )
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
@@ -50,7 +50,7 @@ class TorchCache:
         self.kv = cache_layers.new_cache(config)
         self.length = 0
         self.checkpoints: dict[int, dict[int, LayerState]] = {}  # position -> layer index -> its states
-        self.kinds = [cache_layers.layer_kind(layer) for layer in self.kv.layers]
+        self.kinds: list[hf_compat.CacheLayerKind] = [cache_layers.layer_kind(layer) for layer in self.kv.layers]
 
     @property
     def has_states(self) -> bool:
@@ -115,18 +115,21 @@ class TorchCache:
     # --- to and from a file ----------------------------------------------------------
 
     def layer_entries(self) -> list[LayerEntry]:
-        return [
-            LayerEntry(index=i, kind=kind, sliding_window=getattr(layer, "sliding_window", None) if "sliding" in kind else None)
-            for i, (kind, layer) in enumerate(zip(self.kinds, self.kv.layers))
-        ]
+        """The layers as a KVC2 file describes them; UnsupportedCache where a file cannot hold one."""
+        entries = []
+        for i, (kind, layer) in enumerate(zip(self.kinds, self.kv.layers)):
+            if kind == "sliding+linear" or kind == "other":
+                raise UnsupportedCache(
+                    "this model has cache layers that a cache file cannot hold yet (a sliding window and a "
+                    "linear-attention state in one layer, or a class lm-worker does not know)"
+                )
+            window = getattr(layer, "sliding_window", None) if "sliding" in kind else None
+            entries.append(LayerEntry(index=i, kind=kind, sliding_window=window))
+        return entries
 
     def to_file(self) -> tuple[list[LayerEntry], list[StateEntry], list[tuple[TensorSpec, memoryview]]]:
         """The layers, the states at every resume point, and the tensors, as a KVC2 file holds them."""
-        if "sliding+linear" in self.kinds or "other" in self.kinds:
-            raise UnsupportedCache(
-                "this model has cache layers that a cache file cannot hold yet (a sliding window and a "
-                "linear-attention state in one layer, or a class lm-worker does not know)"
-            )
+        layers = self.layer_entries()
         states = [
             StateEntry(layer=layer, state=state, position=position, has_previous_state=flag)
             for position, layers in sorted(self._states_by_position().items())
@@ -134,7 +137,7 @@ class TorchCache:
             for state, flag in snapshot.has_previous_state.items()
             if snapshot.conv[state] is not None or snapshot.recurrent[state] is not None
         ]
-        return self.layer_entries(), states, self._tensors()
+        return layers, states, self._tensors()
 
     def _states_by_position(self) -> dict[int, dict[int, LayerState]]:
         if not self.has_states or self.length == 0:
@@ -148,18 +151,21 @@ class TorchCache:
             for name, kind, layer, state, position, tensor in self._parts()
         ]
 
-    def _parts(self) -> Iterator[tuple[str, str, int, int, int | None, torch.Tensor]]:
+    def _parts(self) -> Iterator[tuple[str, TensorKind, int, int, int | None, torch.Tensor]]:
         """Every tensor the cache holds, in file order: (name, kind, layer, state, position, tensor)."""
         for index, layer in enumerate(self.kv.layers):
             if isinstance(layer, KeysAndValues) and self.length:
-                for name, tensor in zip(("key", "value"), layer.state):
-                    yield f"layers.{index}.{name}", name, index, 0, None, tensor
+                keys, values = layer.state
+                yield f"layers.{index}.key", "key", index, 0, None, keys
+                yield f"layers.{index}.value", "value", index, 0, None, values
         for position, layers in sorted(self._states_by_position().items()):
             for index, snapshot in layers.items():
                 for state in snapshot.has_previous_state:
-                    for name, tensor in (("conv", snapshot.conv[state]), ("recurrent", snapshot.recurrent[state])):
-                        if tensor is not None:
-                            yield f"layers.{index}.{name}.{state}@{position}", name, index, state, position, tensor
+                    conv, recurrent = snapshot.conv[state], snapshot.recurrent[state]
+                    if conv is not None:
+                        yield f"layers.{index}.conv.{state}@{position}", "conv", index, state, position, conv
+                    if recurrent is not None:
+                        yield f"layers.{index}.recurrent.{state}@{position}", "recurrent", index, state, position, recurrent
 
     @classmethod
     def from_file(cls, loaded: LoadedCache, config, device: str) -> TorchCache:
@@ -197,10 +203,10 @@ class TorchCache:
         return cache
 
 
-def room_to_grow(kinds: list[str], device: str, entry: TensorEntry, held: int) -> int:
+def room_to_grow(kinds: Sequence[str], device: str, entry: TensorEntry, max_positions: int) -> int:
     """How many positions of room to grow to leave after a stored key or value tensor's when
     reading it (container.load), for a cache whose layers are of ``kinds`` and that will hold
-    at most ``held`` positions: room for those, up to what a layer's buffers get when a
+    at most ``max_positions`` positions: room for those, up to what a layer's buffers get when a
     forward appends to them. Only full-attention layers on the CPU append in place (others
     keep tensors of their own making). The room is resident memory from the start (huge
     pages), so no more than the request can use: a cache that outgrows it moves into
@@ -208,14 +214,16 @@ def room_to_grow(kinds: list[str], device: str, entry: TensorEntry, held: int) -
     if device != "cpu" or kinds[entry.layer] != "full":
         return 0
     positions = entry.shape[2]
-    return max(0, min(cache_layers.growth_capacity(positions), held) - positions)
+    return max(0, min(cache_layers.growth_capacity(positions), max_positions) - positions)
 
 
-def _spec(name: str, kind: str, layer: int, tensor: torch.Tensor, *, state: int = 0, position: int | None = None):
+def _spec(
+    name: str, kind: TensorKind, layer: int, tensor: torch.Tensor, *, state: int = 0, position: int | None = None
+) -> tuple[TensorSpec, memoryview]:
     tensor = tensor.detach().to("cpu").contiguous()
     spec = TensorSpec(
         name=name, kind=kind, layer=layer, shape=tuple(tensor.shape), dtype=_DTYPES[tensor.dtype],
         state=state, position=position,
     )
-    return spec, memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+    return spec, tensor.view(torch.uint8).numpy().data.cast("B")
 
