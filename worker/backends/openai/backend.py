@@ -385,10 +385,11 @@ class EngineDecoding:
         self._finish: StreamEnd | None = None
         self._stream: EventStream[_Event] | None = None
         self._closed = False
-        try:
-            self._stream = engine.stream(path, body, _Event)
-        except EngineStatusError as exc:
-            raise _naming_the_field(exc, params) from None
+        # Opened on the stream's own thread, not the caller's (the cache I/O thread, which makes
+        # every request's task): a server slow to answer one request's headers held up the start
+        # of every request after it, up to stall_timeout_s.
+        self._open = lambda: engine.stream(path, body, _Event)
+        self._params = params
         threading.Thread(target=self._read, name="lm-worker-engine-stream", daemon=True).start()
 
     def feed(self, max_tokens: int) -> None:
@@ -410,9 +411,14 @@ class EngineDecoding:
             self._stream.close()
 
     def _read(self) -> None:
-        assert self._stream is not None
         try:
-            for event in self._stream:
+            try:
+                self._stream = stream = self._open()
+            except EngineStatusError as exc:
+                raise _naming_the_field(exc, self._params) from None
+            if self._closed:  # closed while it opened: close() found no stream to close
+                stream.close()
+            for event in stream:
                 self._take(event)
             if self._last is not None:  # the delta that ended the text, now with the final counts
                 self._push(self._last)
