@@ -64,6 +64,11 @@ class Misbehaving(BaseHTTPRequestHandler):
             status, message = self.STATUS_MODES[mode]
             self._json(status, {"error": {"message": message, "param": message.split()[0]}})
             return
+        if mode == "slow_first":  # the first request's answer is slow to begin, the others' are not
+            with self.server.lock:  # type: ignore[attr-defined]
+                first, self.server.mode = True, "ok"  # type: ignore[attr-defined]
+            if first:
+                time.sleep(1.5)
         if self.path in ("/tokenize", "/detokenize"):  # a server without vLLM's tokenizer endpoints
             self._json(404, {"detail": "Not Found"})
             return
@@ -87,6 +92,7 @@ def misbehaving() -> Iterator[ThreadingHTTPServer]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), Misbehaving)
     server.mode = "ok"  # type: ignore[attr-defined]
     server.seen = []  # type: ignore[attr-defined]
+    server.lock = threading.Lock()  # type: ignore[attr-defined]
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield server
@@ -210,6 +216,18 @@ async def test_what_can_be_told_before_the_engine_counts_is_refused_as_a_local_m
         assert (error["data"]["kind"], error["data"]["field"]) == (kind, field), (params, error)
     assert len(misbehaving.seen) == sent, "refused without a round trip"
     assert (await host.call("generate", {"tokens": [5] * 2000, "max_tokens": 1}))["tokens"] == [7]
+
+
+async def test_a_server_slow_to_answer_one_request_does_not_hold_up_the_next(spawn_worker, misbehaving):
+    host = await spawn_worker()
+    await host.call("load", {"backend": "openai", "base_url": url_of(misbehaving)})
+    misbehaving.mode = "slow_first"
+    _, slow = host.start("generate", {"prompt": "x", "max_tokens": 1})
+    await asyncio.sleep(0.2)
+    started = time.perf_counter()
+    quick = await host.call("generate", {"prompt": "y", "max_tokens": 1})
+    assert time.perf_counter() - started < 1.0 and not slow.done(), "the second waited for the first's answer"
+    assert quick["tokens"] == [7] and (await slow)["result"]["tokens"] == [7]
 
 
 async def test_a_value_the_server_refuses_names_the_field_the_server_blames(spawn_worker, misbehaving):
