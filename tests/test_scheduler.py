@@ -157,9 +157,9 @@ class CountingTask:
         fed = before - self.decoding.prompt_left
         self.model.chunks.append(fed)
         self.model.clock[0] += self.model.chunk_s(fed)
-        self.fed()
+        self.chunk_taken()
 
-    def fed(self) -> None:
+    def chunk_taken(self) -> None:
         if not self.decoding.prompt_left:
             self.advance()
 

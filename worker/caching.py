@@ -128,9 +128,9 @@ class Prefill:
 
     def feed(self, max_tokens: int) -> None:
         self.decoding.feed(max_tokens)
-        self.fed()
+        self.chunk_taken()
 
-    def fed(self) -> None:
+    def chunk_taken(self) -> None:
         self._progress(len(self._tokens) - self.decoding.prompt_left)
 
     def advance(self) -> None:

@@ -258,9 +258,9 @@ class Generation:
     def feed(self, max_tokens: int) -> None:
         """A chunk of the prompt; the first token once the prompt is in."""
         self.decoding.feed(max_tokens)
-        self.fed()
+        self.chunk_taken()
 
-    def fed(self) -> None:
+    def chunk_taken(self) -> None:
         """After a chunk of the prompt (fed here or in a step): the first token once it is in."""
         if not self.decoding.prompt_left:
             self.advance()
@@ -415,7 +415,7 @@ class EnginePrefill:
     def feed(self, max_tokens: int) -> None:
         raise AssertionError("the engine computes the prompt")
 
-    def fed(self) -> None:
+    def chunk_taken(self) -> None:
         raise AssertionError("the engine computes the prompt")
 
     def advance(self) -> None:

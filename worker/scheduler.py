@@ -65,7 +65,7 @@ class Task(Protocol):
 
     def feed(self, max_tokens: int) -> None: ...
 
-    def fed(self) -> None:
+    def chunk_taken(self) -> None:
         """After its decoding was fed a chunk inside a step."""
         ...
 
@@ -282,21 +282,21 @@ class Scheduler(Generic[J]):
         in_step = feeding is not None and bool(decoding) and feeding.model.chunks_in_step
         if in_step and feeding is not None:
             chunk = (feeding.decoding, self.costs.chunk_tokens(len(decoding), before))
-            stepped = carried = self._guarded([*decoding, feeding], lambda: self._step(decoding, chunk))
+            stepped = carried = self._guarded([*decoding, feeding], lambda: self._step_together(decoding, chunk))
         else:
             fed = feeding is not None and self._guarded([feeding], lambda: self._feed(feeding, beside=len(decoding)))
-            stepped = bool(decoding) and self._guarded(decoding, lambda: self._step(decoding))
+            stepped = bool(decoding) and self._guarded(decoding, lambda: self._step_together(decoding))
             carried = fed and stepped
         if carried and feeding is not None:  # a round that fed a chunk beside running streams: what it took
             self.costs.chunk_fed(len(decoding), before - feeding.decoding.prompt_left, self._clock() - started)
         if in_step and stepped and feeding is not None:
-            self._guarded([feeding], feeding.fed)
+            self._guarded([feeding], feeding.chunk_taken)
         if stepped:
             for task in decoding:  # each takes its token; one that fails there fails alone
                 self._guarded([task], task.advance)
         self._let_finished_go()
 
-    def _step(self, decoding: list[Task], chunk: tuple[Decoding, int] | None = None) -> None:
+    def _step_together(self, decoding: list[Task], chunk: tuple[Decoding, int] | None = None) -> None:
         """One step of the decoding tasks; with ``chunk``, a part of a prompt fed in the same pass."""
         started = self._clock()
         decoding[0].model.step([task.decoding for task in decoding], *([chunk] if chunk else []))
