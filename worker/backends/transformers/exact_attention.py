@@ -34,11 +34,15 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from worker import load_progress
 from worker.files import is_regular
+
+if TYPE_CHECKING:
+    from ctypes import _NamedFuncPointer as CFunction  # typeshed's name for a library's function
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +70,7 @@ class KernelUnavailable(Exception):
     """The kernel could not be built or loaded on this machine (the message says why)."""
 
 
-def library_function(library: Path, name: str):
+def library_function(library: Path, name: str) -> CFunction:
     """The C function ``name`` of the library at ``library`` (ctypes), or KernelUnavailable."""
     try:
         loaded = ctypes.CDLL(str(library))
@@ -80,7 +84,7 @@ def library_function(library: Path, name: str):
         raise KernelUnavailable(f"{_UNLOADABLE} {library}: {exc}") from exc
 
 
-def built_function(directory: Path, source: Path, name: str):
+def built_function(directory: Path, source: Path, name: str) -> CFunction:
     """The C function ``name`` of ``source``, built into ``directory`` if it is not there yet;
     raises KernelUnavailable with the compiler's words when it cannot be built."""
     try:
@@ -94,8 +98,11 @@ def built_function(directory: Path, source: Path, name: str):
 
 
 class Kernel:
-    def __init__(self, library: Path | None = None, function=None) -> None:
-        self._function = function if library is None else library_function(library, "lmw_attention")
+    def __init__(self, library: Path | None = None, function: CFunction | None = None) -> None:
+        if library is not None:
+            function = library_function(library, "lmw_attention")
+        assert function is not None, "a Kernel is made from a library or from its function"
+        self._function = function
         self._function.argtypes = _ARGTYPES
         self._function.restype = ctypes.c_int
 
@@ -162,11 +169,11 @@ def _build(directory: Path, again: bool = False, source: Path = SOURCE) -> Path:
     """The library of the C file ``source`` in ``directory`` (named after the file, the
     compiler, its flags and the machine), compiled unless it is there (or ``again``)."""
     compiler = os.environ.get("CC", "cc")
-    path, source = source, source.read_bytes()
+    path, text = source, source.read_bytes()
     machine = _machine()
     for options in _OPTIONS:
         flags = [*options, *_FLAGS]
-        digest = hashlib.sha256(repr((source, compiler, flags, machine)).encode()).hexdigest()[:16]
+        digest = hashlib.sha256(repr((text, compiler, flags, machine)).encode()).hexdigest()[:16]
         library = directory / f"{path.stem}-{digest}.so"
         if is_regular(library) and not again:  # a FIFO there would block the loader, holding the GIL
             return library

@@ -42,6 +42,9 @@ _INT4_ROW_BLOCK = 64  # rows of a packed int4 weight that the CPU kernel keeps t
 
 
 class Int4Linear(torch.nn.Module):
+    packed: torch.Tensor  # buffers (moved with the module)
+    scale_and_zero: torch.Tensor
+
     def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype) -> None:
         super().__init__()
         weight = linear.weight.detach().float()
@@ -66,6 +69,9 @@ class Int4Linear(torch.nn.Module):
 
 
 class Int8Linear(torch.nn.Module):
+    weight_int8: torch.Tensor  # buffers (moved with the module)
+    scale: torch.Tensor
+
     def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype) -> None:
         super().__init__()
         weight = linear.weight.detach().float()
@@ -117,18 +123,21 @@ def fused(linears: list[torch.nn.Module]):
     linear's own; None unless all of them are quantized alike, without bias."""
     if not all(type(linear) is type(linears[0]) and linear.bias is None for linear in linears):
         return None
-    if type(linears[0]) is GgufLinear:
-        return joined(linears)
-    if type(linears[0]) is Int4Linear:
-        if any(linear.out_features % _INT4_ROW_BLOCK for linear in linears):
+    ggufs = [linear for linear in linears if isinstance(linear, GgufLinear)]
+    int4s = [linear for linear in linears if isinstance(linear, Int4Linear)]
+    int8s = [linear for linear in linears if isinstance(linear, Int8Linear)]
+    if len(ggufs) == len(linears):
+        return joined(ggufs)
+    if len(int4s) == len(linears):
+        if any(linear.out_features % _INT4_ROW_BLOCK for linear in int4s):
             return None  # the packed layout interleaves rows within blocks: only whole blocks join
-        packed = torch.cat([linear.packed for linear in linears])
-        scale_and_zero = torch.cat([linear.scale_and_zero for linear in linears], dim=1).contiguous()
+        packed = torch.cat([linear.packed for linear in int4s])
+        scale_and_zero = torch.cat([linear.scale_and_zero for linear in int4s], dim=1).contiguous()
         int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         return lambda x: int4_mm(x.to(KERNEL_DTYPE), packed, GROUP, scale_and_zero).to(x.dtype)
-    if type(linears[0]) is Int8Linear:
-        weight = torch.cat([linear.weight_int8 for linear in linears])
-        scale = torch.cat([linear.scale for linear in linears])
+    if len(int8s) == len(linears):
+        weight = torch.cat([linear.weight_int8 for linear in int8s])
+        scale = torch.cat([linear.scale for linear in int8s])
         int8_mm = torch.ops.aten._weight_int8pack_mm
         return lambda x: int8_mm(x.to(KERNEL_DTYPE), weight, scale).to(x.dtype)
     return None

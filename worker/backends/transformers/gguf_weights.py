@@ -25,12 +25,19 @@ transformers' own gguf loader does.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from worker.files import open_regular
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from worker.backends.transformers.exact_attention import CFunction
 
 KERNEL_SOURCE = Path(__file__).with_name("gguf_kernel.c")
 ARCHITECTURES = {"llama": "LLAMA"}  # transformers' model_type: gguf's MODEL_ARCH
@@ -42,7 +49,7 @@ _SHARE_FROM = 1 << 16
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, ctypes.c_int]
-_matmul = None
+_matmul: CFunction | None = None
 
 
 def load_kernel(data_dir: Path) -> None:
@@ -59,6 +66,8 @@ def load_kernel(data_dir: Path) -> None:
 class GgufLinear(torch.nn.Module):
     """A linear without bias whose weight rows are gguf blocks of one type (``kind``: ggml's
     type number), as a (out_features, row bytes) uint8 tensor."""
+
+    blocks: torch.Tensor  # a buffer (moved with the module)
 
     def __init__(self, kind: int, blocks: torch.Tensor, in_features: int) -> None:
         super().__init__()
@@ -95,14 +104,14 @@ def joined(linears: list[GgufLinear]) -> GgufLinear | None:
     return GgufLinear(first.kind, torch.cat([linear.blocks for linear in linears]), first.in_features)
 
 
-def blocks_of(model: torch.nn.Module, gguf_file: Path) -> dict[str, tuple[int, torch.Tensor]]:
+def blocks_of(model: PreTrainedModel, gguf_file: Path) -> dict[str, tuple[int, torch.Tensor]]:
     """The gguf blocks of the model's linears that the kernel takes, by module name
     (``model.layers.0.self_attn.q_proj``): (ggml type, (out_features, row bytes) uint8 rows in
     the model's row order). Empty for an architecture this module does not know."""
     import gguf
     import numpy as np
 
-    config = model.config
+    config: Any = model.config  # the architecture's own config class: which one, ARCHITECTURES decides
     arch = ARCHITECTURES.get(config.model_type)
     if arch is None:
         return {}
@@ -116,7 +125,9 @@ def blocks_of(model: torch.nn.Module, gguf_file: Path) -> dict[str, tuple[int, t
         if type(module) is not torch.nn.Linear or module.bias is not None:
             continue
         gguf_name = names.get_name(f"{name}.weight", try_suffixes=(".weight",)) or ""
-        kind, shape, offset = tensors.get(gguf_name, (None, None, None))
+        if gguf_name not in tensors:
+            continue
+        kind, shape, offset = tensors[gguf_name]
         if kind not in BLOCK_BYTES or shape != [module.in_features, module.out_features] or module.in_features % BLOCK:
             continue
         row_bytes = module.in_features // BLOCK * BLOCK_BYTES[kind]
@@ -128,11 +139,9 @@ def blocks_of(model: torch.nn.Module, gguf_file: Path) -> dict[str, tuple[int, t
     return found
 
 
-def _mapped(path: Path):
+def _mapped(path: Path) -> mmap.mmap:
     """The file mapped read-only (unmapped when the last view of it goes), opened through
     worker.files: only a regular file is read."""
-    import mmap
-
     descriptor = open_regular(path)
     try:
         return mmap.mmap(descriptor, 0, access=mmap.ACCESS_READ)
@@ -145,7 +154,7 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _STRING, _ARRAY = 8, 9
 
 
-def _tensor_table(data: memoryview) -> dict[str, tuple[int, list[int], int]]:
+def _tensor_table(data: mmap.mmap) -> dict[str, tuple[int, list[int], int]]:
     """name: (ggml type, shape as gguf lists it (inputs first), absolute offset of its data).
     Reads the header only: gguf.GGUFReader parses every metadata value (a tokenizer's tens of
     thousands of strings), seconds of a load for nothing the weights need."""
@@ -153,11 +162,11 @@ def _tensor_table(data: memoryview) -> dict[str, tuple[int, list[int], int]]:
 
     position = 0
 
-    def take(form: str):
+    def take(form: str) -> Any:
         nonlocal position
         values = struct.unpack_from("<" + form, data, position)
         position += struct.calcsize("<" + form)
-        return values if len(values) > 1 else values[0]
+        return values[0] if len(values) == 1 else values
 
     def text() -> str:
         nonlocal position
