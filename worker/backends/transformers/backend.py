@@ -32,6 +32,7 @@ from worker.backends.base import PREFILL_CHUNK_TOKENS, Decoding
 from worker.constraints import GrammarTokenizer
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel
 
     from worker.constraints import OutputConstraint
@@ -210,6 +211,18 @@ class TransformersModel:
     def _open_model(self) -> PreTrainedModel:
         assert self._model is not None, "the model is closed"
         return self._model
+
+    @property
+    def device(self) -> str:
+        return self._device
+
+    def forward_chunk(self, cache: TorchCache, tokens: list[int]) -> torch.Tensor:
+        """The logits of ``tokens`` fed after what ``cache`` holds, which then holds them too."""
+        import torch
+
+        if self._chunk_decode_step is not None:  # a Llama-architecture model: no states to keep
+            return self._chunk_decode_step.forward([tokens], [cache])
+        return cache.feed(self._open_model, torch.tensor([tokens], dtype=torch.long, device=self._device))
 
     def prepare_side_thread(self) -> None:
         from worker.backends.transformers.torch_threads import keep_to_one_thread
@@ -397,8 +410,6 @@ class TransformersDecoding:
         cache: TorchCache,
         constraint: OutputConstraint | None,
     ):
-        import torch
-
         from worker.backends.transformers.sampling import Sampler
 
         self.cache = cache
@@ -411,13 +422,13 @@ class TransformersDecoding:
         self._max_length = len(self.tokens) + (params.max_tokens if params is not None else 0)
         self.drafted_tokens = self.accepted_tokens = 0
         self._owner = owner
-        self._prompt = torch.tensor([self.tokens], dtype=torch.long, device=owner._device)
-        self._sampler = Sampler(params, owner._device) if params is not None else None
+        self._prompt_length = len(self.tokens)
+        self._sampler = Sampler(params, owner.device) if params is not None else None
         self._constraint = constraint
 
     @property
     def prompt_left(self) -> int:
-        return max(0, self._prompt.shape[1] - self.cache.length)
+        return max(0, self._prompt_length - self.cache.length)
 
     @property
     def logits(self):
@@ -458,7 +469,7 @@ class TransformersDecoding:
         decoding sequences (models without linear-attention states only: no cut to keep)."""
         assert not self.cache.has_states
         start = self.cache.length
-        return self.tokens[start : min(self._prompt.shape[1], start + max(1, max_tokens))]
+        return self.tokens[start : min(self._prompt_length, start + max(1, max_tokens))]
 
     def feed(self, max_tokens: int) -> None:
         """A cache with linear-attention states keeps them at the last two positions of the
@@ -467,15 +478,12 @@ class TransformersDecoding:
         token is fed in two parts."""
         import torch
 
-        start, end = self.cache.length, self._prompt.shape[1]
+        start, end = self.cache.length, self._prompt_length
         stop = min(end, start + max(1, max_tokens))
         cuts = [end - 1, stop] if self.cache.has_states and start < end - 1 < stop else [stop]
         with torch.inference_mode():
             for cut in cuts:
-                if self._owner._chunk_decode_step is not None:  # a Llama-architecture model: no states to keep
-                    self.logits = self._owner._chunk_decode_step.forward([self.tokens[self.cache.length : cut]], [self.cache])
-                else:
-                    self.logits = self.cache.feed(self._owner._open_model, self._prompt[:, self.cache.length : cut])
+                self.logits = self._owner.forward_chunk(self.cache, self.tokens[self.cache.length : cut])
                 if cut >= end - 1:
                     self.cache.checkpoint()
 
