@@ -164,3 +164,16 @@ async def test_shutdown_answers_after_a_text_request_sent_before_it(spawn_worker
     )
     await host.wait_for(lambda m: m.get("id") == "bye", timeout=120)
     assert [m["id"] for m in host.messages if m.get("id") in ("big", "bye")] == ["big", "bye"]
+
+
+async def test_loads_in_workers_sharing_a_process_leave_transformers_as_they_found_it(spawn_worker, tiny_model_dir: Path):
+    """from_pretrained swaps PreTrainedModel's methods for stand-ins while it runs; loads at
+    once in one process (in-process workers) left a stand-in for tie_weights in place, and
+    every later load of a model with a tied output layer failed (its weights on the meta device)."""
+    from transformers import PreTrainedModel
+
+    tie_weights, init_weights = PreTrainedModel.tie_weights, PreTrainedModel.init_weights
+    hosts = [await spawn_worker() for _ in range(4)]
+    for _ in range(2):
+        await asyncio.gather(*(host.call("load", {"model": str(tiny_model_dir)}, timeout=300) for host in hosts))
+    assert (PreTrainedModel.tie_weights, PreTrainedModel.init_weights) == (tie_weights, init_weights)

@@ -279,7 +279,10 @@ class InProcessWorker:
             os.close(out[1])  # the host reads the end of the stream, as when a process exits
             reader.join(5)
             code = worker.dispatcher.exit_code
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(code))
+            try:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(code))
+            except RuntimeError:  # the host's loop has closed: nobody waits for the end any more
+                pass
 
         threading.Thread(target=run, name="lm-worker-main", daemon=True).start()
         return self

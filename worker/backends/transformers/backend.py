@@ -650,13 +650,16 @@ def _load_pretrained(path: Path, dtype: str, device: str, trust_remote_code: boo
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from worker.backends.transformers.hf_compat import LOADING
+
     location, extra = (path.parent, {"gguf_file": path.name}) if path.is_file() else (path, {})
     try:
-        tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **extra)
-        model = AutoModelForCausalLM.from_pretrained(
-            location, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code,
-            attn_implementation=attention, **extra,
-        ).to(device)  # pyright: ignore[reportArgumentType]  # transformers types to() as the unbound Module.to it wraps
+        with LOADING:
+            tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **extra)
+            model = AutoModelForCausalLM.from_pretrained(
+                location, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code,
+                attn_implementation=attention, **extra,
+            ).to(device)  # pyright: ignore[reportArgumentType]  # transformers types to() as the unbound Module.to it wraps
     except Exception as exc:  # corrupt, truncated or foreign files, a device that fails: say which and why
         raise RpcError(
             ErrorKind.MODEL_LOAD_FAILED,

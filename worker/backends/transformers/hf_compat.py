@@ -7,6 +7,7 @@ transformers backend: importing this module imports torch and transformers.
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Literal
@@ -27,6 +28,13 @@ from worker.kvcache.container import LayerKind  # noqa: E402
 VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
 
 transformers.utils.logging.disable_progress_bar()
+
+# from_pretrained swaps process-wide state while it runs (no_init_weights and no_tie_weights
+# put stand-ins for PreTrainedModel's methods and torch.nn.init's functions, then put back
+# what they found): two at once in one process (several workers in one process, as the
+# in-process tests run them) leave one another's stand-ins in place for good, and every later
+# load skips tying weights (a tied output layer stays on the meta device). Hold this around it.
+LOADING = threading.Lock()
 
 # 5.24 renamed the cache keyword of forward() and generate(); 5.23 knows only the old name.
 CACHE_KWARG = "cache" if VERSION >= (5, 24) else "past_key_values"

@@ -87,8 +87,9 @@ def _convert(gguf: Path, out: Path) -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with hf_compat.LOADING:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     hf_compat.make_serializable(model)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
