@@ -71,6 +71,11 @@ def test_a_prompt_fed_alone_takes_the_step_only_where_it_gives_transformers_forw
 def test_a_batch_of_sequences_steps_as_each_would_alone(tiny_model_dir: Path, tmp_path: Path):
     model = load(tiny_model_dir, tmp_path, quantization="int8")  # dense float32 products differ by batch size
     prompts = [model.tokenize(text, add_special_tokens=True) for text in ("the cat", "a red sun over the river and")]
+    assert_a_batch_steps_as_each_alone(model, prompts)
+
+
+def assert_a_batch_steps_as_each_alone(model, prompts: list[list[int]]) -> None:
+    """The last token of each prompt stepped in one batch gives each row the logits it gets alone."""
     with torch.inference_mode():
         alone, together = [], []
         for prompt in prompts:

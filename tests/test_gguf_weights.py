@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from worker.host import Host
+from tests.test_fast_decode import assert_a_batch_steps_as_each_alone
 from tests.test_transformers_backend import generate, reap
 
 torch = pytest.importorskip("torch")
@@ -199,18 +200,7 @@ def test_gguf_weights_keep_a_position_s_logits_however_its_prompt_was_cut_and_ba
     whole = logits([], 100)
     assert torch.equal(logits([37, 64, 91], 100), whole)
     assert torch.equal(logits([50], 80)[20:], whole)
-    prompts = [ids[:9], ids[20:51]]
-    with torch.inference_mode():
-        alone, together = [], []
-        for prompt in prompts:
-            cache = model.new_cache()
-            model.extend_cache(prompt[:-1], cache)
-            alone.append(cache)
-            together.append(cache.copy())
-        expected = [model._decode_step([prompt[-1]], [cache]) for prompt, cache in zip(prompts, alone)]
-        batched = model._decode_step([prompt[-1] for prompt in prompts], together)
-    for row, single in enumerate(expected):
-        assert torch.equal(batched[row : row + 1], single)
+    assert_a_batch_steps_as_each_alone(model, [ids[:9], ids[20:51]])
 
 
 def test_the_gguf_header_reader_finds_what_gguf_s_own_reader_finds(tiny_model_dir: Path, tmp_path: Path, tiny_gguf):
