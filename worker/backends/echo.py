@@ -21,14 +21,15 @@ _SPECIAL_TEXT = {BOS: "<s>", EOS: "</s>"}
 CONTEXT_LENGTH = 1 << 20
 
 if TYPE_CHECKING:
-    from worker.constraints import OutputConstraint
+    from worker.backends.base import Decoding
+    from worker.constraints import GrammarTokenizer, OutputConstraint
 
 
 class EchoModel:
     def __init__(self, params: LoadParams, load_time_ms: float) -> None:
         self._delay_s = params.token_delay_ms / 1000.0
         self.eos_token_ids = frozenset({EOS})
-        self.grammar_tokenizer = None  # no grammar can constrain the echo
+        self.grammar_tokenizer: GrammarTokenizer | None = None  # no grammar can constrain the echo
         self.info = ModelInfo(
             model=params.model,
             backend="echo",
@@ -88,7 +89,7 @@ class EchoModel:
 
     chunks_in_step = False
 
-    def step(self, decodings: Sequence[EchoDecoding], chunk: tuple[EchoDecoding, int] | None = None) -> None:
+    def step(self, decodings: Sequence[Decoding], chunk: tuple[Decoding, int] | None = None) -> None:
         if self._delay_s:  # one delay per step, however many requests it advances: a batch
             time.sleep(self._delay_s)
 
@@ -129,3 +130,10 @@ class EchoBackend:
     def load(self, params: LoadParams, *, data_dir: Path) -> EchoModel:
         started = time.perf_counter()
         return EchoModel(params, (time.perf_counter() - started) * 1000.0)
+
+
+if TYPE_CHECKING:  # the registry finds backends by import path: these hold the classes to the boundary
+    from worker.backends.base import CheckingBackend, Model
+
+    _backend: type[CheckingBackend] = EchoBackend
+    _model: type[Model] = EchoModel

@@ -51,7 +51,7 @@ from worker.backends.openai.engine import Engine, EngineAddress, EngineStatusErr
 from worker.tool_calls import template_dict
 
 if TYPE_CHECKING:
-    from worker.constraints import OutputConstraint
+    from worker.constraints import GrammarTokenizer, OutputConstraint
 
 # The model lane waits this long at most for any stream to receive something before it looks
 # at cancels and new requests again.
@@ -175,7 +175,7 @@ class OpenAIModel:
     """A model on the server; every call goes over HTTP."""
 
     chunks_in_step = False
-    grammar_tokenizer = None  # the engine constrains output itself (response_format is passed on)
+    grammar_tokenizer: GrammarTokenizer | None = None  # the engine constrains output itself (response_format is passed on)
     eos_token_ids: frozenset[int] = frozenset()  # the engine ends a stream at its end-of-sequence
 
     def __init__(self, params: LoadParams, engine: Engine, served: ServedModel, started: float) -> None:
@@ -522,3 +522,11 @@ def _tool_call(parts: _CallParts, tools: set[str]) -> ToolCall:
     if not isinstance(arguments, dict):
         return ToolCall(id=call_id, name=parts.name, arguments=None, raw=raw, error="the call's arguments are not a JSON object")
     return ToolCall(id=call_id, name=parts.name, arguments=arguments, raw=raw, error=None)
+
+
+if TYPE_CHECKING:  # the registry finds backends by import path: these hold the classes to the boundary
+    from worker.backends.base import CheckingBackend, EngineModel, StreamedDecoding
+
+    _backend: type[CheckingBackend] = OpenAIBackend
+    _model: type[EngineModel] = OpenAIModel
+    _decoding: type[StreamedDecoding] = EngineDecoding

@@ -689,3 +689,13 @@ def _special_tokens(tokenizer, eos_ids: frozenset[int]) -> list[SpecialToken]:
     ]
     return tokens
 
+
+
+if TYPE_CHECKING:  # the registry finds backends by import path: these hold the classes to the boundary
+    from worker.backends.base import CachingModel, CheckingBackend, DraftingModel, ReasoningModel, SideThreadModel
+
+    _backend: type[CheckingBackend] = TransformersBackend
+    _caching: type[CachingModel[TorchCache]] = TransformersModel
+    _drafting: type[DraftingModel] = TransformersModel
+    _reasoning: type[ReasoningModel] = TransformersModel
+    _side_thread: type[SideThreadModel] = TransformersModel
