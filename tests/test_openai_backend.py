@@ -230,6 +230,25 @@ async def test_a_server_slow_to_answer_one_request_does_not_hold_up_the_next(spa
     assert quick["tokens"] == [7] and (await slow)["result"]["tokens"] == [7]
 
 
+def test_an_engine_request_is_sent_at_its_first_step_together_with_the_others_of_that_round(misbehaving, tmp_path):
+    """Sent when made (one after another on the cache I/O thread), the first of requests taken
+    together reached vLLM's scheduler alone; the model lane's step sends a round's requests
+    back to back."""
+    from protocol.methods import GenerateParams, LoadParams
+    from worker.backends.openai.backend import OpenAIBackend
+
+    model = OpenAIBackend().load(LoadParams(backend="openai", model="served-model", base_url=url_of(misbehaving)), data_dir=tmp_path)
+    listed = len(misbehaving.seen)
+    decodings = [model.submit(GenerateParams(prompt=f"p{n}", max_tokens=1)) for n in range(3)]
+    time.sleep(0.3)
+    assert len(misbehaving.seen) == listed, "a request was sent before its first step"
+    deadline = time.monotonic() + 10
+    while not all(d.end is not None for d in decodings) and time.monotonic() < deadline:
+        model.step(decodings)
+    assert len(misbehaving.seen) == listed + 3
+    assert [d.next_delta().tokens for d in decodings] == [[7]] * 3
+
+
 async def test_a_value_the_server_refuses_names_the_field_the_server_blames(spawn_worker, misbehaving):
     host = await spawn_worker()
     await host.call("load", {"backend": "openai", "base_url": url_of(misbehaving)})

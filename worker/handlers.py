@@ -173,7 +173,7 @@ class Handlers:
 
     def generate(self, ctx: Context, params: GenerateParams) -> Generation:
         """The generation, ready for the scheduler to feed and step (nothing computed yet; on
-        an engine, the request is sent)."""
+        an engine, the request, which its first step sends)."""
         from worker.caching import start_generate
 
         def send_chunk(chunk: GenerateChunk) -> None:
@@ -205,7 +205,7 @@ class Handlers:
         )
 
     def prefill(self, ctx: Context, params: PrefillParams) -> Prefill | EnginePrefill:
-        """The prefill, ready for the scheduler to feed (on an engine: its request, sent)."""
+        """The prefill, ready for the scheduler to feed (on an engine: its request, which its first step sends)."""
         from worker.caching import Prefill
 
         def send_progress(progress: PrefillProgress) -> None:

@@ -251,7 +251,8 @@ class EngineModel(Model, Protocol):
     ``Model.step`` waits until some of the decodings has received something."""
 
     def submit(self, params: GenerateParams, *, add_generation_prompt: bool = True) -> StreamedDecoding:
-        """Send the request (at once, without waiting for the engine's answer); a refusal or a
+        """The request, ready to send: ``step`` sends it, the first time it is given it (without
+        waiting for the engine's answer), beside the others joining that round; a refusal or a
         fault ends the decoding's stream with its ``RpcError`` (``StreamEnd.error``).
         ``add_generation_prompt`` False: ``messages`` end without the assistant's turn begun (a prefill)."""
         ...
