@@ -230,23 +230,45 @@ async def test_a_server_slow_to_answer_one_request_does_not_hold_up_the_next(spa
     assert quick["tokens"] == [7] and (await slow)["result"]["tokens"] == [7]
 
 
-def test_an_engine_request_is_sent_at_its_first_step_together_with_the_others_of_that_round(misbehaving, tmp_path):
-    """Sent when made (one after another on the cache I/O thread), the first of requests taken
-    together reached vLLM's scheduler alone; the model lane's step sends a round's requests
-    back to back."""
+def test_a_step_waiting_on_quiet_streams_returns_when_the_lane_is_woken(misbehaving, tmp_path, monkeypatch):
+    """The model lane waits in the engine's step while streams are quiet; a new request or a
+    cancel wakes it (the session calls wake), instead of the lane going round every few ms."""
     from protocol.methods import GenerateParams, LoadParams
-    from worker.backends.openai.backend import OpenAIBackend
+    from worker.backends.openai import backend
 
-    model = OpenAIBackend().load(LoadParams(backend="openai", model="served-model", base_url=url_of(misbehaving)), data_dir=tmp_path)
-    listed = len(misbehaving.seen)
-    decodings = [model.submit(GenerateParams(prompt=f"p{n}", max_tokens=1)) for n in range(3)]
-    time.sleep(0.3)
-    assert len(misbehaving.seen) == listed, "a request was sent before its first step"
-    deadline = time.monotonic() + 10
-    while not all(d.end is not None for d in decodings) and time.monotonic() < deadline:
-        model.step(decodings)
-    assert len(misbehaving.seen) == listed + 3
-    assert [d.next_delta().tokens for d in decodings] == [[7]] * 3
+    monkeypatch.setattr(backend, "STEP_WAIT_S", 30.0)  # a step that is not woken waits this long
+    model = backend.OpenAIBackend().load(
+        LoadParams(backend="openai", model="served-model", base_url=url_of(misbehaving)), data_dir=tmp_path
+    )
+    misbehaving.mode = "stall"  # one event, then nothing for 3 s
+    decoding = model.submit(GenerateParams(prompt="x", max_tokens=5))
+    model.step([decoding])
+    while not decoding.has_next():
+        model.step([decoding])
+    decoding.next_delta()
+    threading.Timer(0.2, model.wake).start()
+    started = time.monotonic()
+    model.step([decoding])
+    assert time.monotonic() - started < 2.0 and decoding.end is None, "the step waited for the stream, not the wake"
+    decoding.close()
+
+
+def test_the_session_wakes_the_model_at_every_change_its_running_requests_must_see():
+    from protocol.methods import CancelParams, GenerateParams
+    from worker.locked_session import LockedSession
+
+    wakes = []
+    session = LockedSession(max_batch=4, wake_model=lambda: wakes.append(1))
+    job = session.receive(1, "generate", GenerateParams(prompt="x"), 0.0)
+    assert job is not None and len(wakes) == 1, "a new request"
+    session.ack(1, 0)
+    assert len(wakes) == 2, "an ack (a stream held for its window may go on)"
+    session.cancel(1)
+    assert len(wakes) == 3, "a cancel"
+    session.wake()
+    assert len(wakes) == 4, "a task made off the model thread"
+    session.end(cancel=True)
+    assert len(wakes) == 5, "the end of input"
 
 
 async def test_a_value_the_server_refuses_names_the_field_the_server_blames(spawn_worker, misbehaving):

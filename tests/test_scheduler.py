@@ -474,25 +474,3 @@ def test_the_rest_of_a_prompt_fed_at_once_is_never_longer_than_a_chunk_fed_alone
     costs.fed_alone(256, 0.000256)  # a microsecond a token: the whole of a long prompt would fit
     assert costs.chunk_tokens(1, left=PREFILL_CHUNK_TOKENS) == PREFILL_CHUNK_TOKENS
     assert costs.chunk_tokens(1, left=10_000) == PREFILL_CHUNK_TOKENS
-
-
-def test_requests_let_out_together_while_none_runs_take_their_first_step_together():
-    """Made one after another off the model thread, as the cache I/O thread makes them: an
-    engine's requests are sent at their first step, and sent apart, the first reached the
-    engine's scheduler alone and the others waited a whole prefill."""
-    import threading
-    import time
-
-    clock = [0.0]
-    model = CountingModel(clock)
-    tasks = [CountingTask(model, CountingDecoding(prompt_left=0), max_tokens=3) for _ in range(8)]
-
-    class LaneMakingOneAfterAnother(ListLane):
-        def start_task(self, job, ready) -> None:
-            delay = 0.0005 * tasks.index(job)
-            threading.Thread(target=lambda: (time.sleep(delay), ready(job))).start()
-
-    lane = LaneMakingOneAfterAnother(tasks)
-    scheduler_over(lane, clock=lambda: clock[0]).run()
-    assert model.steps[0] == 8, f"first steps took {model.steps[:4]} requests"
-    assert len(lane.finished) == 8

@@ -75,7 +75,7 @@ class Dispatcher:
             "shutdown": lambda ctx, params: None,
         }
         assert self._routes.keys() == METHODS.keys(), "every protocol method needs a route"
-        self._session = LockedSession(max_batch)
+        self._session = LockedSession(max_batch, wake_model=handlers.wake_model)
         self._responder = Responder(self._routes, replies, self._session)
         self._cache_io = CacheIO(handlers.prepare_side_thread)
         self._lanes = [

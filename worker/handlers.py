@@ -147,6 +147,13 @@ class Handlers:
             took = (time.perf_counter() - started) * 1e3
             log.info("reserved %d bytes for restoring stored caches in %.0f ms", reserved, took)
 
+    def wake_model(self) -> None:
+        """The model lane has something to look at: an engine model's step that waits returns.
+        Any thread."""
+        model = self._model
+        if isinstance(model, EngineModel):
+            model.wake()
+
     def unload(self, ctx: Context, params: NoParams) -> UnloadResult:
         model, self._model = self._model, None
         if model is None:
@@ -173,7 +180,7 @@ class Handlers:
 
     def generate(self, ctx: Context, params: GenerateParams) -> Generation:
         """The generation, ready for the scheduler to feed and step (nothing computed yet; on
-        an engine, the request, which its first step sends)."""
+        an engine, the request is sent)."""
         from worker.caching import start_generate
 
         def send_chunk(chunk: GenerateChunk) -> None:
@@ -205,7 +212,7 @@ class Handlers:
         )
 
     def prefill(self, ctx: Context, params: PrefillParams) -> Prefill | EnginePrefill:
-        """The prefill, ready for the scheduler to feed (on an engine: its request, which its first step sends)."""
+        """The prefill, ready for the scheduler to feed (on an engine: its request, sent)."""
         from worker.caching import Prefill
 
         def send_progress(progress: PrefillProgress) -> None:

@@ -5,7 +5,9 @@ Threads: the reader calls ``receive``, ``cancel``, ``ack`` and ``end``; the text
 (``lm-worker-text``) waits in ``next_text_job`` and the model lane (``lm-worker-model``) in
 ``next_model_job``; whichever thread sends a job's answer (a lane, the cache I/O thread)
 calls ``release``; a task made on the cache I/O thread ``wake``s the model lane. Every change
-that could let a job start wakes the waiting lanes.
+that could let a job start, or that the model lane's running requests must see (a cancel, an
+ack), wakes the waiting lanes, and ``wake_model`` (a model whose step waits on another program,
+an engine, returns from that wait).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from worker.session import Job, Session
 
 
 class LockedSession:
-    def __init__(self, max_batch: int) -> None:
+    def __init__(self, max_batch: int, wake_model: Callable[[], None] = lambda: None) -> None:
         self._session = Session(max_batch)
         self._changed = threading.Condition()
+        self._wake_model = wake_model  # called after the lock is let go
 
     @property
     def stopping(self) -> bool:
@@ -37,29 +40,35 @@ class LockedSession:
         with self._changed:
             job = self._session.receive(request_id, method, params, now)
             self._changed.notify_all()
-            return job
+        self._wake_model()
+        return job
 
     def cancel(self, request_id: RequestId) -> CancelResult:
         with self._changed:
             self._changed.notify_all()  # the model lane answers a cancelled queued request at once
-            return self._session.cancel(request_id)
+            result = self._session.cancel(request_id)
+        self._wake_model()
+        return result
 
     def ack(self, request_id: RequestId, index: int) -> None:
         with self._changed:
             self._session.ack(request_id, index)
+        self._wake_model()
 
     def release(self, job: Job) -> None:
         """The job has its answer: its id is free again, and what waited for it may start."""
         with self._changed:
             self._session.release(job)
             self._changed.notify_all()
+        self._wake_model()
 
     def end(self, *, cancel: bool) -> bool:
         """See Session.end; True the first time."""
         with self._changed:
             first = self._session.end(cancel=cancel)
             self._changed.notify_all()
-            return first
+        self._wake_model()
+        return first
 
     def next_text_job(self) -> Job | None:
         """The text lane's next job, waiting for one; None once the lane is done."""
@@ -83,3 +92,4 @@ class LockedSession:
     def wake(self) -> None:
         with self._changed:
             self._changed.notify_all()
+        self._wake_model()

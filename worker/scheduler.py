@@ -50,11 +50,6 @@ RECENT_CHUNKS = 8
 PROBE_CHUNK_TOKENS = 2
 RECENT_CHUNK_ROUNDS = 24
 MIN_TOKEN_S = 1e-6  # a token's cost is never taken as nothing (a chunk's size divides by it)
-# While nothing runs, requests let out together wait at most this long for each other to be made,
-# so that their first round is one: an engine receives them in one burst (sent apart by the
-# making of each, the first reached vLLM's scheduler alone and the rest waited a whole prefill
-# for its next step). Making a task takes well under a millisecond unless it reads a stored cache.
-GATHER_WHILE_IDLE_S = 0.020
 DEFAULT_MAX_BATCH = 8
 
 # The session's job type, as admission's J: what Jobs hands out, Work gets back.
@@ -236,7 +231,7 @@ class Scheduler(Generic[J]):
             while job is not None:
                 self.begin(job)
                 job = self._jobs.next_model_job(wait=False, woken=self._has_ready)
-            if begun:
+            if begun and self._tasks:
                 self._await_starting()
             self.advance()
 
@@ -258,10 +253,10 @@ class Scheduler(Generic[J]):
         self._jobs.wake()
 
     def _await_starting(self) -> None:
-        """Give tasks just begun a moment to be made, so that they join this round rather than
-        the next: a quarter of a step while others run (they are held up no longer than that),
-        GATHER_WHILE_IDLE_S while none does (tasks begun together take their first step together)."""
-        timeout = (self.costs.step_s(len(self._tasks)) or 0.0) / 4 if self._tasks else GATHER_WHILE_IDLE_S
+        """Give tasks just begun a moment (a quarter of a step) to be made, so that they join
+        this round rather than the next: making one takes a millisecond or two unless it reads a
+        stored cache, and the running ones are held up no longer than that quarter."""
+        timeout = (self.costs.step_s(len(self._tasks)) or 0.0) / 4
         with self._made_one:
             self._made_one.wait_for(lambda: not self._starting, timeout)
 

@@ -248,13 +248,17 @@ class StreamedDecoding(Decoding, Protocol):
 class EngineModel(Model, Protocol):
     """A model another program serves (the openai backend): it takes a generate request whole,
     its prompt as given, and the engine resolves the prompt, samples, and keeps its own cache.
-    ``Model.step`` waits until some of the decodings has received something."""
+    ``Model.step`` waits until some of the decodings has received something, or ``wake``."""
 
     def submit(self, params: GenerateParams, *, add_generation_prompt: bool = True) -> StreamedDecoding:
-        """The request, ready to send: ``step`` sends it, the first time it is given it (without
-        waiting for the engine's answer), beside the others joining that round; a refusal or a
+        """Send the request (at once, without waiting for the engine's answer); a refusal or a
         fault ends the decoding's stream with its ``RpcError`` (``StreamEnd.error``).
         ``add_generation_prompt`` False: ``messages`` end without the assistant's turn begun (a prefill)."""
+        ...
+
+    def wake(self) -> None:
+        """Make a ``step`` that waits return now: the model lane has something else to look at
+        (a new request, a cancel, an ack). Any thread."""
         ...
 
 

@@ -4,11 +4,11 @@ vLLM replicas speak it too).
 
 The engine owns the model, its batching and its KV memory; the worker keeps its protocol:
 chunks with cumulative counts, stop strings, flow control, cancels, errors. Each ``generate``
-is one streamed HTTP request, sent at its first ``Model.step`` (every request joining that round
-is sent back to back, so that the engine schedules them together) and read on a thread of its
+is one streamed HTTP request, sent as soon as the request is made and read on a thread of its
 own (``lm-worker-engine-stream``); the model lane only collects what each stream has received
-(``Model.step`` waits until some stream has something), so requests run side by side on the
-engine, bounded by ``--max-batch``. A cancel closes the request's connection, which makes the engine drop it.
+(``Model.step`` waits until some stream has something, or the session wakes it for a new
+request, a cancel or an ack), so requests run side by side on the engine, bounded by
+``--max-batch``. A cancel closes the request's connection, which makes the engine drop it.
 
 - ``prompt`` and ``tokens`` go to ``/v1/completions`` (token ids as the prompt where given),
   ``messages`` to ``/v1/chat/completions`` with the tools, so that the engine applies its own
@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -47,16 +47,18 @@ from protocol.methods import (
     ToolCall,
     ToolCallSupport,
 )
-from worker.backends.base import Decoding, EngineDelta, StreamEnd
+from worker.backends.base import EngineDelta, StreamEnd
 from worker.backends.openai.engine import Engine, EngineAddress, EngineStatusError, EventStream
 from worker.tool_calls import template_dict
 
 if TYPE_CHECKING:
     from worker.constraints import GrammarTokenizer, OutputConstraint
 
-# The model lane waits this long at most for any stream to receive something before it looks
-# at cancels and new requests again.
-STEP_WAIT_S = 0.005
+# A step waits until a stream receives something or the lane is woken (a new request, a cancel,
+# an ack); at most this long, so that a wake that never comes costs a pause, not a hang. Rounds
+# every few ms while the streams are quiet between the engine's steps took CPU that an engine on
+# the same cores lost (bench/README.md).
+STEP_WAIT_S = 0.05
 CONNECT_TIMEOUT_S = 10.0
 
 
@@ -182,7 +184,8 @@ class OpenAIModel:
     def __init__(self, params: LoadParams, engine: Engine, served: ServedModel, started: float) -> None:
         self._engine = engine
         self._name = served.id
-        self._arrived = threading.Condition()  # notified whenever a stream receives something
+        self._arrived = threading.Condition()  # notified whenever a stream receives something, and by wake
+        self._woken = False
         self.info = ModelInfo(
             model=served.id,
             backend="openai",
@@ -289,15 +292,18 @@ class OpenAIModel:
             body["add_special_tokens"] = params.add_special_tokens
         return "/completions", body
 
-    def step(self, decodings: Sequence[Decoding], chunk: tuple[Decoding, int] | None = None) -> None:
-        """Send the requests not sent yet, back to back, so that requests that join a round together
-        reach the engine together; then wait until some stream has received something (or a
-        moment has passed)."""
-        decodings = cast("Sequence[EngineDecoding]", decodings)  # the worker steps only this model's
-        for decoding in decodings:
-            decoding.send()
+    def step(self, decodings: Sequence[Any], chunk: Any = None) -> None:
+        """Wait until some stream has received something or the lane is woken."""
         with self._arrived:
-            self._arrived.wait_for(lambda: any(d.has_next() or d.end is not None for d in decodings), STEP_WAIT_S)
+            self._arrived.wait_for(
+                lambda: self._woken or any(d.has_next() or d.end is not None for d in decodings), STEP_WAIT_S
+            )
+            self._woken = False
+
+    def wake(self) -> None:
+        with self._arrived:
+            self._woken = True
+            self._arrived.notify_all()
 
     def close(self) -> None:
         pass  # each request's connection closes with it
@@ -391,17 +397,12 @@ class EngineDecoding:
         self._finish: StreamEnd | None = None
         self._stream: EventStream[_Event] | None = None
         self._closed = False
+        # Opened on the stream's own thread, not the caller's (the cache I/O thread, which makes
+        # every request's task): a server slow to answer one request's headers held up the start
+        # of every request after it, up to stall_timeout_s.
         self._open = lambda: engine.stream(path, body, _Event)
         self._params = params
-        self._sent = False
-
-    def send(self) -> None:
-        """Open the stream, once (the model's first step of this decoding). On the stream's own
-        thread, not the model lane's: a server slow to answer one request's headers held up the
-        start of every request after it, up to stall_timeout_s."""
-        if not self._sent and not self._closed:
-            self._sent = True
-            threading.Thread(target=self._read, name="lm-worker-engine-stream", daemon=True).start()
+        threading.Thread(target=self._read, name="lm-worker-engine-stream", daemon=True).start()
 
     def feed(self, max_tokens: int) -> None:
         raise AssertionError("the engine computes the prompt: nothing to feed")
