@@ -7,14 +7,13 @@
 //
 // bench/README.md says what each figure is. Needs `make setup` and `npm run build`;
 // node-llama-cpp is installed on first use into bench/llama-cpp (exact pins, lock file).
-import { execFileSync } from "node:child_process";
-import { existsSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { availableParallelism, loadavg, tmpdir } from "node:os";
-import { dirname, join } from "node:path";
-import { fileURLToPath, pathToFileURL } from "node:url";
+import { join } from "node:path";
 import { parseArgs } from "node:util";
 
-const root = dirname(dirname(fileURLToPath(import.meta.url)));
+import { cpuLlama, lmWorkerClient, python, root, shippedGguf, THREADS } from "./llama_cpp_setup.mjs";
+
 const { values: options } = parseArgs({
   options: {
     quick: { type: "boolean", default: false },
@@ -29,31 +28,12 @@ const { values: options } = parseArgs({
 const rounds = Number(options.rounds ?? (options.quick ? 1 : 3));
 const NEW_TOKENS = 128;
 const LONG_PROMPT_TOKENS = 2048;
-const THREADS = 2;
 
 // --- the two contestants -------------------------------------------------------------
 
-function installLlamaCpp() {
-  const folder = join(root, "bench", "llama-cpp");
-  if (!existsSync(join(folder, "node_modules", "node-llama-cpp"))) {
-    console.error("installing node-llama-cpp 3.21.1 into bench/llama-cpp ...");
-    execFileSync("npm", ["ci", "--omit=optional", "--ignore-scripts", "--no-audit", "--no-fund"], {
-      cwd: folder,
-      stdio: "inherit",
-    });
-  }
-  return import(pathToFileURL(join(folder, "node_modules", "node-llama-cpp", "dist", "index.js")).href);
-}
-
-const python = join(root, ".venv", "bin", "python");
-const gguf = execFileSync(python, ["-c", "from worker.backends.transformers.shipped import gguf_path; print(gguf_path())"], {
-  cwd: root,
-  encoding: "utf8",
-}).trim();
-const { LmWorker } = await import(pathToFileURL(join(root, "client", "dist", "src", "index.js")).href);
-const { getLlama } = await installLlamaCpp();
-
-const llama = await getLlama({ gpu: false, build: "never", logLevel: "error" });
+const gguf = shippedGguf();
+const LmWorker = await lmWorkerClient();
+const llama = await cpuLlama();
 const llamaModel = await llama.loadModel({ modelPath: gguf });
 let llamaContext = await llamaModel.createContext({ contextSize: 4096, threads: THREADS, sequences: 1 });
 

@@ -7,16 +7,13 @@
 // they are (node-llama-cpp 3.21.1, 2 threads, temperature 0, 128 new tokens, a new
 // sequence per prompt). Needs `npm run build`; node-llama-cpp is installed on first use
 // into bench/llama-cpp, as for bench/llama_cpp_bench.mjs.
-import { execFileSync } from "node:child_process";
-import { existsSync, writeFileSync } from "node:fs";
-import { dirname, join } from "node:path";
-import { fileURLToPath, pathToFileURL } from "node:url";
+import { writeFileSync } from "node:fs";
 
-const root = dirname(dirname(fileURLToPath(import.meta.url)));
+import { cpuLlama, lmWorkerClient, python, root, shippedGguf, THREADS } from "./llama_cpp_setup.mjs";
+
 const output = process.argv[2];
 if (!output) throw new Error("usage: node bench/llama_cpp_tokens.mjs OUTPUT.json");
 const NEW_TOKENS = 128;
-const THREADS = 2;
 const PROMPTS = [
   "The capital of France is",
   "The history of the city of Rome begins",
@@ -24,17 +21,8 @@ const PROMPTS = [
   "Once upon a time, in a small village by the sea,",
 ];
 
-const folder = join(root, "bench", "llama-cpp");
-if (!existsSync(join(folder, "node_modules", "node-llama-cpp"))) {
-  execFileSync("npm", ["ci", "--omit=optional", "--ignore-scripts", "--no-audit", "--no-fund"], { cwd: folder, stdio: "inherit" });
-}
-const { getLlama } = await import(pathToFileURL(join(folder, "node_modules", "node-llama-cpp", "dist", "index.js")).href);
-const python = join(root, ".venv", "bin", "python");
-const gguf = execFileSync(python, ["-c", "from worker.backends.transformers.shipped import gguf_path; print(gguf_path())"], {
-  cwd: root,
-  encoding: "utf8",
-}).trim();
-const { LmWorker } = await import(pathToFileURL(join(root, "client", "dist", "src", "index.js")).href);
+const gguf = shippedGguf();
+const LmWorker = await lmWorkerClient();
 
 const worker = await LmWorker.start({ python, cwd: root, args: ["--log-level", "warning"] });
 await worker.load({ model: "default" });
@@ -42,7 +30,7 @@ const prompts = [];
 for (const text of PROMPTS) prompts.push({ text, tokens: (await worker.tokenize({ text })).tokens });
 await worker.close();
 
-const llama = await getLlama({ gpu: false, build: "never", logLevel: "error" });
+const llama = await cpuLlama();
 const model = await llama.loadModel({ modelPath: gguf });
 const context = await model.createContext({ contextSize: 1024, threads: THREADS, sequences: 1 });
 const eos = model.tokens.eos;
