@@ -63,8 +63,10 @@ test-fast: compile typecheck $(NODE_STAMP)
 
 # pyright, as [tool.pyright] in pyproject.toml says; its check for a newer release (a request
 # to the package index) is turned off.
+# The project file is named: pyright otherwise takes a pyrightconfig.json in any directory above
+# the checkout over pyproject.toml, and checks none of the worker's modules.
 typecheck: $(STAMP)
-	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(BIN)/pyright --pythonpath $(BIN)/python
+	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(BIN)/pyright --project pyproject.toml --pythonpath $(BIN)/python
 
 bench: compile
 	$(BIN)/python bench/protocol_bench.py

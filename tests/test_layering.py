@@ -63,3 +63,22 @@ def test_the_checker_sees_imports_inside_functions(tmp_path: Path):
     module = tmp_path / "lazy.py"
     module.write_text("def f():\n    from torch import nn\n    import transformers.utils as u\n")
     assert imported_top_levels(module) == {"torch", "transformers"}
+
+
+def test_the_type_check_reads_the_checkouts_own_config_under_a_directory_holding_another(tmp_path: Path):
+    """A pyrightconfig.json in a directory above the checkout (one was left in /tmp) took over
+    from pyproject.toml: `make typecheck` then checked no module and reported 0 errors."""
+    import shutil
+
+    (tmp_path / "pyrightconfig.json").write_text('{"include": ["elsewhere"]}')
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    shutil.copy(ROOT / "pyproject.toml", checkout)
+    shutil.copytree(ROOT / "protocol", checkout / "protocol", ignore=shutil.ignore_patterns("__pycache__"))
+    command = subprocess.run(
+        ["make", "-s", "-n", "typecheck", f"BIN={Path(sys.executable).parent}"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.strip().splitlines()[-1]
+    checked = subprocess.run(command + " --verbose", shell=True, cwd=checkout, capture_output=True, text=True)
+    assert f"Loading pyproject.toml file at {checkout / 'pyproject.toml'}" in checked.stdout, checked.stdout[-2000:]
+    assert "0 errors" in checked.stdout and "No source files found" not in checked.stdout
