@@ -7,6 +7,7 @@
 //
 // bench/README.md says what each figure is. Needs `make setup` and `npm run build`;
 // node-llama-cpp is installed on first use into bench/llama-cpp (exact pins, lock file).
+import { spawn } from "node:child_process";
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { availableParallelism, loadavg, tmpdir } from "node:os";
 import { join } from "node:path";
@@ -135,6 +136,19 @@ async function workerRestart(state, loadParams, ref) {
   return workerRun(state.worker, restartPrompt, 1, { cache: ref });
 }
 
+/** `run` with one core kept busy by another process (a plain busy loop), as a host or a build
+ *  on the same machine keeps it. */
+async function withBusyCore(run) {
+  const busy = spawn(process.execPath, ["-e", "for (;;) {}"], { stdio: "ignore" });
+  await new Promise((resolve) => setTimeout(resolve, 300));
+  try {
+    return await run();
+  } finally {
+    busy.kill();
+    await new Promise((resolve) => busy.once("exit", resolve));
+  }
+}
+
 // --- the run -----------------------------------------------------------------------------
 
 const quantizations = (options.workers ?? (options.quick ? "int8" : "int8,none")).split(",");
@@ -143,12 +157,12 @@ const contestants = quantizations.map((quantization) => ({
   load: { dtype: "float32", quantization },
 }));
 for (const contestant of contestants) contestant.state = await startWorker(contestant.load);
-const figures = { llama: { decode: [], short: [], long: [], restart: [] } };
+const figures = { llama: { decode: [], busy: [], short: [], long: [], restart: [] } };
 // The 1-minute load average as each decode run ends: on a shared machine the figures are only
 // comparable within a round, and this says how crowded it was.
 const loads = [];
 const cpus = availableParallelism();
-for (const c of contestants) figures[c.name] = { decode: [], short: [], long: [], restart: [] };
+for (const c of contestants) figures[c.name] = { decode: [], busy: [], short: [], long: [], restart: [] };
 const scratch = mkdtempSync(join(tmpdir(), "lm-bench-"));
 const agreement = [];
 
@@ -164,6 +178,10 @@ try {
       loads.push({ round, run: c.name, load: loadavg()[0] });
       const same = run.tokens.findIndex((t, i) => t !== llamaDecode.tokens[i]);
       agreement.push({ contestant: c.name, firstDifference: same });
+    }
+    figures.llama.busy.push((await withBusyCore(() => llamaRun(decodePrompt, NEW_TOKENS))).tokensPerSecond);
+    for (const c of contestants) {
+      figures[c.name].busy.push((await withBusyCore(() => workerRun(c.state.worker, decodePrompt, NEW_TOKENS))).tokensPerSecond);
     }
     if (options["decode-only"]) continue;
     figures.llama.short.push((await llamaRun(shortPrompt, 1)).firstMs);
@@ -192,6 +210,7 @@ const median = (values) => {
 };
 const rows = [
   ["decode tokens/s (128 new)", "decode", "higher", (w, l) => w / l, 1],
+  ["decode tokens/s, one core kept busy by another process", "busy", "higher", (w, l) => w / l, 1],
   ["first token, short prompt (ms)", "short", "lower", (w, l) => w / l, 0],
   [`first token, ${LONG_PROMPT_TOKENS}-token prompt (ms)`, "long", "lower", (w, l) => w / l, 0],
   [`first token after a restart, ${LONG_PROMPT_TOKENS} tokens cached (ms)`, "restart", "lower", (w, l) => w / l, 0],
@@ -225,6 +244,10 @@ if (rounds > 1) {
   const perRound = (name) => figures[name].decode.map((v, i) => v / figures.llama.decode[i]);
   for (const c of contestants) console.log(`decode ratio per round, ${c.name}: ${perRound(c.name).map((r) => r.toFixed(2) + "×").join(", ")}`);
 }
+// What each keeps of its quiet decode with a core busy, round by round (the two runs back to back).
+const kept = (name) => figures[name].busy.map((v, i) => `${((100 * v) / figures[name].decode[i]).toFixed(0)}%`).join(", ");
+console.log(`quiet decode speed kept with one core busy, per round: llama.cpp ${kept("llama")}`);
+for (const c of contestants) console.log(`  ${c.name} ${kept(c.name)}`);
 // Workers against the first one named (say gguf against int8), round by round: the pair ran back to back.
 for (const c of contestants.slice(1)) {
   const first = contestants[0].name;

@@ -29,6 +29,7 @@ from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo,
 from worker import prompt_lookup, reasoning, tool_calls
 from worker.files import is_regular
 from worker.backends.base import PREFILL_CHUNK_TOKENS, Decoding
+from worker.backends.transformers.torch_threads import CoreShare
 from worker.constraints import GrammarTokenizer
 
 if TYPE_CHECKING:
@@ -180,6 +181,7 @@ class TransformersModel:
         self._chunk_decode_step = self._decode_step if quantization != "none" else None
         self._tokenizer = tokenizer
         self._device = device
+        self._cores = CoreShare() if device == "cpu" else None
         # Fast tokenizers may raise "Already borrowed" when shared between threads.
         self._lock = threading.Lock()
         config = model.config
@@ -220,6 +222,8 @@ class TransformersModel:
         """The logits of ``tokens`` fed after what ``cache`` holds, which then holds them too."""
         import torch
 
+        if self._cores is not None:
+            self._cores.adjust()
         if self._chunk_decode_step is not None:  # a Llama-architecture model: no states to keep
             return self._chunk_decode_step.forward([tokens], [cache])
         return cache.feed(self._open_model, torch.tensor([tokens], dtype=torch.long, device=self._device))
@@ -364,6 +368,8 @@ class TransformersModel:
         # The worker steps only decodings this model started.
         decodings = cast("Sequence[TransformersDecoding]", decodings)
         chunk = cast("tuple[TransformersDecoding, int] | None", chunk)
+        if self._cores is not None:
+            self._cores.adjust()
 
         with torch.inference_mode():
             if self._decode_step is not None:

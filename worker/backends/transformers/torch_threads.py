@@ -1,4 +1,5 @@
-"""Torch's intra-op threads on the worker's threads other than the model's.
+"""Torch's intra-op threads: one on the worker's threads other than the model's, and on the
+model's thread as many as the cores other processes leave free.
 
 The model thread runs the decode steps with torch's default intra-op threads (one per
 core). Each other OS thread that runs a parallel torch operation gets an OpenMP thread
@@ -8,12 +9,27 @@ several hundred small parallel operations of a decode step waits for its threads
 Measured on SmolLM2 with int8 weights on 2 cores: 25 ms a step alone, 46–52 ms while the
 cache I/O thread that had stored a cache was alive. Torch work on the other threads
 (restoring, copying and storing caches) therefore runs on one thread, which makes no pool.
+
+A core another process keeps busy (the Node host, a build) hurts the same way: each of those
+small operations waits at its end for the thread that shares a core with that process, so
+decode on 2 cores with one kept busy ran at a quarter of its quiet speed (12 against 44–51
+tokens/s), and at 28–32 on one thread. :class:`CoreShare` measures how much of the cores
+others use and gives the model thread one thread fewer for each core they take. The thread
+count changes no number the model computes (the products split their outputs between
+threads, never a sum; the attention kernel fixes its order): a cache computed on two threads
+gives the same tokens on one.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
 
 _state = threading.local()
 
@@ -27,3 +43,84 @@ def keep_to_one_thread() -> None:
 
     torch.set_num_threads(1)  # for the calling thread: OpenMP's thread count is per thread
     _state.kept = True
+
+
+TAKE_AT = 0.5  # a core counts as taken once other processes keep more than half of one busy
+GIVE_BACK_BELOW = 0.3  # and is given back once they use less than 0.3 of it: no flapping at the edge
+INTERVAL_S = 0.25  # how often the model thread looks (a reading costs ~50 µs)
+STALE_S = 1.0  # a longer look spans a time the model was idle: start a new one instead
+
+
+def cores_taken(others: float, taken: int, most: int) -> int:
+    """How many cores count as taken by other processes that use ``others`` cores on
+    average, when ``taken`` did before; at most ``most``."""
+    while taken < most and others > taken + TAKE_AT:
+        taken += 1
+    while taken > 0 and others < taken - 1 + GIVE_BACK_BELOW:
+        taken -= 1
+    return taken
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(seconds the CPUs this process may run on spent busy, by anyone; this process's CPU
+    seconds), from /proc/stat (OSError where there is none)."""
+    allowed = {f"cpu{n}" for n in os.sched_getaffinity(0)}
+    busy = 0
+    with open("/proc/stat", "rb") as f:
+        for line in f:
+            if not line.startswith(b"cpu"):
+                break
+            fields = line.split()
+            if fields[0].decode() in allowed:
+                ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+                busy += sum(ticks) - ticks[3] - ticks[4] - ticks[7]
+    return busy / os.sysconf("SC_CLK_TCK"), time.process_time()
+
+
+class CoreShare:
+    """The model thread's torch threads, one fewer for each core other processes take.
+
+    ``adjust`` is called before the model's work (a step, a prompt chunk); on the thread that
+    called it first (the model thread; side threads keep to one), at most every INTERVAL_S it
+    compares the busy time of the CPUs this process may use with its own
+    CPU time, and sets the thread count. Where the CPU times cannot be read (no /proc/stat),
+    the count stays as it is."""
+
+    def __init__(self, read: Callable[[], tuple[float, float]] = cpu_seconds, clock: Callable[[], float] = time.monotonic):
+        self._read = read
+        self._clock = clock
+        self._thread: int | None = None  # the thread whose count it sets
+        self._most: int | None = None  # that thread's count before the first adjust
+        self._taken = 0
+        self._last: tuple[float, float, float] | None = None  # (when, busy, own)
+
+    @property
+    def threads(self) -> int | None:
+        return None if self._most is None else max(1, self._most - self._taken)
+
+    def adjust(self) -> None:
+        import torch
+
+        now = self._clock()
+        if self._most is None:
+            self._thread, self._most = threading.get_ident(), torch.get_num_threads()
+        elif threading.get_ident() != self._thread:
+            return
+        elif self._last is not None and now - self._last[0] < INTERVAL_S:
+            return
+        try:
+            busy, own = self._read()
+        except (OSError, ValueError):
+            return
+        last, self._last = self._last, (now, busy, own)
+        if last is None or now - last[0] > STALE_S or self._most < 2:
+            return
+        others = max(0.0, (busy - last[1]) - (own - last[2])) / (now - last[0])
+        taken = cores_taken(others, self._taken, self._most - 1)
+        if taken != self._taken:
+            self._taken = taken
+            torch.set_num_threads(max(1, self._most - taken))
+            log.info(
+                "model threads: %d of %d, other processes keep %.1f of the cores busy",
+                self._most - taken, self._most, others,
+            )

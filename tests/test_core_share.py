@@ -1,0 +1,204 @@
+"""The model thread gives up a torch thread for each core other processes keep busy, and
+takes it back when they let it go (worker/backends/transformers/torch_threads.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from worker.backends.transformers.torch_threads import CoreShare, cores_taken, cpu_seconds
+
+BUSY_LOOP = [sys.executable, "-c", "while True: pass"]
+
+
+def test_a_core_counts_as_taken_past_half_and_is_given_back_below_a_third():
+    assert cores_taken(0.45, 0, most=1) == 0
+    assert cores_taken(0.55, 0, most=1) == 1
+    assert cores_taken(0.4, 1, most=1) == 1  # between the two edges: as it was
+    assert cores_taken(0.25, 1, most=1) == 0
+    assert cores_taken(3.0, 0, most=1) == 1  # at least one thread is left
+    assert cores_taken(2.6, 0, most=7) == 3
+    assert cores_taken(0.1, 3, most=7) == 0
+
+
+class FakeCpus:
+    """CPU readings and a clock, moved by hand: `run(seconds, others, own)`."""
+
+    def __init__(self) -> None:
+        self.now, self.busy, self.own = 100.0, 0.0, 0.0
+
+    def run(self, seconds: float, *, others: float, own: float) -> None:
+        self.now += seconds
+        self.busy += seconds * (others + own)
+        self.own += seconds * own
+
+    def read(self) -> tuple[float, float]:
+        return self.busy, self.own
+
+
+@pytest.fixture
+def two_threads():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_model_thread_runs_on_one_thread_while_another_process_keeps_a_core_busy_and_on_two_after(two_threads):
+    import torch
+
+    cpus = FakeCpus()
+    share = CoreShare(read=cpus.read, clock=lambda: cpus.now)
+    share.adjust()  # the first look: a baseline
+    cpus.run(0.3, others=0.05, own=2.0)
+    share.adjust()
+    assert torch.get_num_threads() == 2 and share.threads == 2
+    cpus.run(0.3, others=0.67, own=1.33)  # a busy loop shares the cores with both threads
+    share.adjust()
+    assert torch.get_num_threads() == 1 and share.threads == 1
+    cpus.run(0.3, others=1.0, own=1.0)  # it has a core of its own now: still taken
+    share.adjust()
+    assert torch.get_num_threads() == 1
+    cpus.run(0.3, others=0.0, own=1.0)
+    share.adjust()
+    assert torch.get_num_threads() == 2 and share.threads == 2
+
+
+def test_a_look_that_spans_an_idle_model_only_starts_a_new_one(two_threads):
+    import torch
+
+    cpus = FakeCpus()
+    share = CoreShare(read=cpus.read, clock=lambda: cpus.now)
+    share.adjust()
+    cpus.run(30.0, others=1.0, own=0.0)  # a build ran while the model was idle, and ended
+    share.adjust()
+    assert torch.get_num_threads() == 2
+    cpus.run(0.3, others=1.0, own=1.0)
+    share.adjust()
+    assert torch.get_num_threads() == 1
+
+
+def test_looks_closer_together_than_the_interval_change_nothing(two_threads):
+    import torch
+
+    cpus = FakeCpus()
+    share = CoreShare(read=cpus.read, clock=lambda: cpus.now)
+    share.adjust()
+    cpus.run(0.05, others=1.0, own=1.0)
+    share.adjust()
+    assert torch.get_num_threads() == 2
+
+
+def test_only_the_thread_that_looked_first_has_its_count_changed(two_threads):
+    import torch
+
+    cpus = FakeCpus()
+    share = CoreShare(read=cpus.read, clock=lambda: cpus.now)
+    share.adjust()
+    cpus.run(0.3, others=1.0, own=1.0)
+    seen: list[int] = []
+
+    def side_thread() -> None:
+        torch.set_num_threads(1)
+        share.adjust()
+        seen.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=side_thread)
+    thread.start()
+    thread.join()
+    assert seen == [1] and torch.get_num_threads() == 2 and share.threads == 2
+    share.adjust()
+    assert torch.get_num_threads() == 1
+
+
+def test_unreadable_cpu_times_leave_the_count_as_it_is(two_threads):
+    import torch
+
+    def unreadable() -> tuple[float, float]:
+        raise OSError("no /proc/stat")
+
+    share = CoreShare(read=unreadable)
+    for _ in range(3):
+        share.adjust()
+        time.sleep(0.01)
+    assert torch.get_num_threads() == 2
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="CPU times are read from Linux's /proc/stat")
+def test_the_cpu_reading_counts_another_processs_busy_loop_and_not_this_process():
+    busy = subprocess.Popen(BUSY_LOOP)
+    try:
+        time.sleep(0.2)
+        before, own_before, start = *cpu_seconds(), time.monotonic()
+        deadline = start + 0.6
+        while time.monotonic() < deadline:  # this process busy too: it must not count as another's
+            pass
+        after, own_after = cpu_seconds()
+        seconds = time.monotonic() - start
+    finally:
+        busy.kill()
+        busy.wait()
+    own = (own_after - own_before) / seconds
+    others = ((after - before) - (own_after - own_before)) / seconds
+    assert own > 0.4, own
+    assert others > 0.5, others
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the worker has one thread on one core: none to give up")
+async def test_a_worker_decodes_on_fewer_threads_while_a_core_is_busy_and_on_all_once_it_is_free(
+    spawn_worker, tiny_model_dir: Path
+):
+    host = await spawn_worker("--log-level", "info", env={"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"})
+    await host.call("load", {"model": str(tiny_model_dir)}, timeout=120)
+
+    async def generate_until(said: str) -> None:
+        deadline = time.monotonic() + 60
+        while said not in host.stderr_tail(100_000):
+            assert time.monotonic() < deadline, host.stderr_tail()
+            await host.call("generate", {"prompt": "the cat sat on the mat", "max_tokens": 64}, timeout=60)
+
+    busy = subprocess.Popen(BUSY_LOOP)
+    try:
+        await generate_until("model threads: 1 of 2")
+    finally:
+        busy.kill()
+        busy.wait()
+    await generate_until("model threads: 2 of 2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "quantization"), [("default", "auto"), ("default", "gguf"), ("default", "none"), ("gemma3-270m", "auto")]
+)
+def test_the_thread_count_changes_no_bit_of_the_logits(model: str, quantization: str):
+    """What lets the count change between steps: a cache computed on two threads, or a request
+    begun on them, continues on one with the numbers it would have had."""
+    import torch
+
+    from protocol.methods import LoadParams
+    from worker.backends.transformers.backend import TransformersBackend
+    from worker.data_dir import default_data_dir
+
+    before = torch.get_num_threads()
+    loaded = TransformersBackend().load(LoadParams(model=model, quantization=quantization), data_dir=default_data_dir())
+    loaded._cores = None  # the test sets the count itself
+    ids = loaded.tokenize("The history of the city of Rome begins with a small settlement by the river. " * 6, add_special_tokens=True)
+    logits = {}
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                cache = loaded.new_cache()
+                logits[threads] = (loaded.forward_chunk(cache, ids[:-1]), loaded.forward_chunk(cache, ids[-1:]))
+    finally:
+        torch.set_num_threads(before)
+        loaded.close()
+    assert torch.equal(logits[1][0], logits[2][0]) and torch.equal(logits[1][1], logits[2][1])
