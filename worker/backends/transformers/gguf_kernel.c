@@ -77,21 +77,67 @@ static inline float vector_sum(__m256 acc) {
 }
 #endif
 
+#ifdef VECTOR
+/* One weight row against X activation rows (at most 4), each output with its own accumulators
+ * fed in the order above: the weight block is unpacked once for all of them, and their X
+ * accumulations are independent chains the processor overlaps. More weight rows at once were
+ * slower inside the worker (up to three times for the output head; bench/README). */
+static inline __attribute__((always_inline)) void row_times(int type, const uint8_t *w, const xblock *x,
+                                                           int64_t blocks, int X, float *out, int64_t out_stride) {
+    __m256 acc[4];
+    float sum_m[4];
+    for (int i = 0; i < X; i++) { acc[i] = _mm256_setzero_ps(); sum_m[i] = 0.0f; }
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const int64_t step = type == Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    for (int64_t b = 0; b < blocks; b++, w += step) {
+        __m256i qx[4];
+        for (int i = 0; i < X; i++) qx[i] = _mm256_loadu_si256((const __m256i *)x[i * blocks + b].q);
+        const float wd = half_to_float(w);
+        if (type == Q4_1) {
+            const float wm = half_to_float(w + 2);
+            const __m128i packed = _mm_loadu_si128((const __m128i *)(w + 4));
+            const __m256i qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
+            for (int i = 0; i < X; i++) {
+                const xblock *xb = &x[i * blocks + b];
+                sum_m[i] += wm * xb->s;
+                const __m256 lanes = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(qw, qx[i]), ones));
+                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(wd * xb->d), lanes, acc[i]);
+            }
+        } else {
+            const __m256i qw = _mm256_loadu_si256((const __m256i *)(w + 2));
+            const __m256i magnitude = _mm256_sign_epi8(qw, qw);
+            for (int i = 0; i < X; i++) {
+                /* |w| times x with w's sign: unsigned by signed bytes, as ggml does */
+                const __m256i products = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(qx[i], qw));
+                const __m256 lanes = _mm256_cvtepi32_ps(_mm256_madd_epi16(products, ones));
+                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(wd * x[i * blocks + b].d), lanes, acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < X; i++) out[i * out_stride] = vector_sum(acc[i]) + sum_m[i];
+}
+
+/* Weight rows [first, last) against activation rows [0, n), four activation rows at a time. */
+static void rows_times(int type, const uint8_t *w, int64_t row_bytes, const xblock *x, int64_t blocks,
+                       int64_t first, int64_t last, int64_t n, float *out, int64_t outputs) {
+    for (int64_t i = 0; i < n; i += 4) {
+        const int64_t left = n - i < 4 ? n - i : 4;
+        for (int64_t r = first; r < last; r++) {
+            const uint8_t *row = w + r * row_bytes;
+            const xblock *xs = x + i * blocks;
+            float *o = out + i * outputs + r;
+            switch (left) { /* a constant X for each, so that the accumulators stay in registers */
+            case 4: row_times(type, row, xs, blocks, 4, o, outputs); break;
+            case 3: row_times(type, row, xs, blocks, 3, o, outputs); break;
+            case 2: row_times(type, row, xs, blocks, 2, o, outputs); break;
+            default: row_times(type, row, xs, blocks, 1, o, outputs);
+            }
+        }
+    }
+}
+#else
 static float dot_q4_1(const uint8_t *w, const xblock *x, int64_t blocks) {
     float sum_m = 0.0f;
-#ifdef VECTOR
-    __m256 acc = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    for (int64_t b = 0; b < blocks; b++, w += Q4_1_BYTES) {
-        sum_m += half_to_float(w + 2) * x[b].s;
-        const __m128i packed = _mm_loadu_si128((const __m128i *)(w + 4));
-        const __m256i qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
-        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].q);
-        const __m256 lanes = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(qw, qx), ones));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(w) * x[b].d), lanes, acc);
-    }
-    return vector_sum(acc) + sum_m;
-#else
     float acc[8] = {0};
     for (int64_t b = 0; b < blocks; b++, w += Q4_1_BYTES) {
         sum_m += half_to_float(w + 2) * x[b].s;
@@ -106,23 +152,9 @@ static float dot_q4_1(const uint8_t *w, const xblock *x, int64_t blocks) {
         }
     }
     return lanes_sum(acc) + sum_m;
-#endif
 }
 
 static float dot_q8_0(const uint8_t *w, const xblock *x, int64_t blocks) {
-#ifdef VECTOR
-    __m256 acc = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t b = 0; b < blocks; b++, w += Q8_0_BYTES) {
-        const __m256i qw = _mm256_loadu_si256((const __m256i *)(w + 2));
-        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].q);
-        /* |w| times x with w's sign: unsigned by signed bytes, as ggml does */
-        const __m256i products = _mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qx, qw));
-        const __m256 lanes = _mm256_cvtepi32_ps(_mm256_madd_epi16(products, ones));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(w) * x[b].d), lanes, acc);
-    }
-    return vector_sum(acc);
-#else
     float acc[8] = {0};
     for (int64_t b = 0; b < blocks; b++, w += Q8_0_BYTES) {
         const float scale = half_to_float(w) * x[b].d;
@@ -134,8 +166,16 @@ static float dot_q8_0(const uint8_t *w, const xblock *x, int64_t blocks) {
         }
     }
     return lanes_sum(acc);
-#endif
 }
+
+static void rows_times(int type, const uint8_t *w, int64_t row_bytes, const xblock *x, int64_t blocks,
+                       int64_t first, int64_t last, int64_t n, float *out, int64_t outputs) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t r = first; r < last; r++)
+            out[i * outputs + r] = type == Q4_1 ? dot_q4_1(w + r * row_bytes, x + i * blocks, blocks)
+                                                : dot_q8_0(w + r * row_bytes, x + i * blocks, blocks);
+}
+#endif
 
 /* out[i][r] = weight row r · x row i, for `outputs` weight rows of type `type` (Q4_1 or Q8_0)
  * and `n` activation rows of `inputs` floats each (a multiple of 32; row i at x + i *
@@ -157,13 +197,7 @@ int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t i
         for (int64_t item = 0; item < items; item++) {
             const int64_t first = item * ROWS_TOGETHER;
             const int64_t last = first + ROWS_TOGETHER < outputs ? first + ROWS_TOGETHER : outputs;
-            for (int64_t i = 0; i < n; i++) {
-                const xblock *row = quantized + i * blocks;
-                for (int64_t r = first; r < last; r++) {
-                    const uint8_t *w = weights + r * row_bytes;
-                    out[i * outputs + r] = type == Q4_1 ? dot_q4_1(w, row, blocks) : dot_q8_0(w, row, blocks);
-                }
-            }
+            rows_times(type, weights, row_bytes, quantized, blocks, first, last, n, out, outputs);
         }
     }
     free(quantized);
