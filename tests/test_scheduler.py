@@ -213,6 +213,42 @@ def test_requests_join_a_running_batch_and_leave_it_when_done():
     assert 2 in model.steps and model.steps[-1] == 1  # stepped together, then the long one alone
 
 
+def test_requests_that_start_together_take_their_first_step_together():
+    clock = [0.0]
+    model = CountingModel(clock)
+    tasks = [CountingTask(model, CountingDecoding(prompt_left=40), max_tokens=3) for _ in range(4)]
+    lane = ListLane(tasks)
+    scheduler_over(lane, clock=lambda: clock[0]).run()
+    assert model.chunks == [40, 40, 40, 40], "each prompt whole, before any step"
+    assert model.steps == [4, 4], model.steps  # first tokens from the prompts, then two steps of all four
+
+
+def test_prompts_fed_before_the_first_step_stop_at_a_chunks_worth_and_the_rest_join_beside_the_steps():
+    """The first request's second token waits for the others' prompts: at most one chunk's
+    worth of them (PREFILL_CHUNK_TOKENS) since the last step."""
+    clock = [0.0]
+    model = CountingModel(clock, chunks_in_step=True)
+    first, second, third = (CountingTask(model, CountingDecoding(prompt_left=n), max_tokens=50) for n in (40, 250, 40))
+    lane = ListLane([first, second, third])
+    scheduler_over(lane, clock=lambda: clock[0]).run()
+    assert model.chunks[:2] == [40, 250]
+    assert model.steps[0] == 2 and third.decoding.tokens == 50, model.steps[:3]  # it came beside their steps
+
+
+def test_a_request_arriving_after_the_others_stepped_joins_beside_their_steps():
+    clock = [0.0]
+    model = CountingModel(clock, chunks_in_step=True)
+    scheduler = scheduler_over(ListLane([]), clock=lambda: clock[0])
+    running = CountingTask(model, CountingDecoding(prompt_left=10), max_tokens=1000)
+    scheduler.begin(running)
+    for _ in range(3):
+        scheduler.advance()
+    steps = len(model.steps)
+    scheduler.begin(CountingTask(model, CountingDecoding(prompt_left=10), max_tokens=1000))
+    scheduler.advance()
+    assert len(model.steps) == steps + 1, "the running stream stepped in the round the new prompt came"
+
+
 def join_beside(model: CountingModel, clock: list[float], running: int, solo_first: bool) -> tuple[list[float], int]:
     """Start ``running`` streams (the first alone for a while when ``solo_first``), let a
     600-token prompt join them, and return the time of each round until it was fed and how

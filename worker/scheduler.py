@@ -8,7 +8,9 @@ chunks small enough that the streams already decoding keep flowing (the chunk is
 sized from measured times so that a round with it costs under twice a step of one
 stream alone; a model that can computes it in the same pass as the step, reading its
 weights once for both), and a request alone gets the full chunk; :class:`RoundCosts`
-keeps those times and sizes the chunk. Every other model-lane request (``load``,
+keeps those times and sizes the chunk. Requests that start together are fed first and
+step together from their first step (up to a chunk's worth of their prompts), rather than
+the later ones trickling in beside the first. Every other model-lane request (``load``,
 ``unload``, ``shutdown``, and those queued behind them) runs alone: it waits for the
 tasks before it to end, and the requests after it wait for it.
 
@@ -220,6 +222,8 @@ class Scheduler(Generic[J]):
         self._starting = 0  # tasks being made off this thread
         self._ready: list[tuple[J, Task | None]] = []  # made, not yet joined
         self.costs = RoundCosts()
+        self._stepped: set[int] = set()  # ids of the running tasks that have taken a step
+        self._together_tokens = 0  # prompt tokens fed on their own since the last step, others waiting
 
     def run(self) -> None:
         """The model thread's loop: returns when the lane has stopped and no task is left."""
@@ -276,6 +280,8 @@ class Scheduler(Generic[J]):
         waiting = [task for _, task in self._tasks if task.decoding.prompt_left]
         decoding = [task for _, task in self._tasks if not task.decoding.prompt_left]
         feeding = waiting[0] if waiting else None
+        if feeding is not None and self._fed_before_first_step(feeding, decoding):
+            decoding = []  # they take their first step together, once this prompt is in too
         if feeding is not None and decoding and not self.costs.timed:
             feeding = None  # a step alone first: chunks beside steps are sized from its time
         before, started = feeding.decoding.prompt_left if feeding else 0, self._clock()
@@ -285,6 +291,8 @@ class Scheduler(Generic[J]):
             stepped = carried = self._guarded([*decoding, feeding], lambda: self._step_together(decoding, chunk))
         else:
             fed = feeding is not None and self._guarded([feeding], lambda: self._feed(feeding, beside=len(decoding)))
+            if fed and feeding is not None and not decoding and len(waiting) < len(self._tasks):
+                self._together_tokens += before - feeding.decoding.prompt_left
             stepped = bool(decoding) and self._guarded(decoding, lambda: self._step_together(decoding))
             carried = fed and stepped
         if carried and feeding is not None:  # a round that fed a chunk beside running streams: what it took
@@ -296,9 +304,21 @@ class Scheduler(Generic[J]):
                 self._guarded([task], task.advance)
         self._let_finished_go()
 
+    def _fed_before_first_step(self, feeding: Task, decoding: list[Task]) -> bool:
+        """Whether ``feeding``'s prompt is fed whole on its own, before a step of ``decoding``:
+        requests that start together decode together from their first step. So while none of
+        the decoding ones has taken a step (each has at most its first token), a waiting prompt
+        that fits in what is left of one chunk's worth of tokens (PREFILL_CHUNK_TOKENS, counted
+        since the last step) is fed first; a longer one joins them in chunks beside their steps."""
+        if not decoding or any(id(task) in self._stepped for task in decoding):
+            return False
+        return self._together_tokens + feeding.decoding.prompt_left <= PREFILL_CHUNK_TOKENS
+
     def _step_together(self, decoding: list[Task], chunk: tuple[Decoding, int] | None = None) -> None:
         """One step of the decoding tasks; with ``chunk``, a part of a prompt fed in the same pass."""
         started = self._clock()
+        self._stepped.update(id(task) for task in decoding)
+        self._together_tokens = 0
         decoding[0].model.step([task.decoding for task in decoding], *([chunk] if chunk else []))
         if chunk is None:
             self.costs.stepped(len(decoding), self._clock() - started)
@@ -311,6 +331,7 @@ class Scheduler(Generic[J]):
             failed = [(job, task) for job, task in self._tasks if any(task is t for t in tasks)]
             for job, task in failed:
                 self._tasks.remove((job, task))
+                self._stepped.discard(id(task))
                 self._work.finish_task(job, task, exc)
             return False
         return True
@@ -328,6 +349,7 @@ class Scheduler(Generic[J]):
         finished = [(job, task) for job, task in self._tasks if task.done]
         for job, task in finished:
             self._tasks.remove((job, task))
+            self._stepped.discard(id(task))
             self._work.finish_task(job, task)
 
     @property
