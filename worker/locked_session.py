@@ -13,7 +13,8 @@ an engine, returns from that wait).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from protocol.envelope import RequestId
 from protocol.methods import CancelResult, Params
@@ -35,40 +36,38 @@ class LockedSession:
     def shutdown_requested(self) -> bool:
         return self._session.shutdown_requested
 
+    @contextmanager
+    def _change(self, *, notify: bool = True) -> Iterator[Session]:
+        """A change of the session's state: made under the lock, the waiting lanes woken
+        (``notify``: a job may start now), then, the lock let go, ``wake_model``."""
+        with self._changed:
+            yield self._session
+            if notify:
+                self._changed.notify_all()
+        self._wake_model()
+
     def receive(self, request_id: RequestId, method: str, params: Params, now: float) -> Job | None:
         """See Session.receive: the request's job, or None when the caller answers it at once."""
-        with self._changed:
-            job = self._session.receive(request_id, method, params, now)
-            self._changed.notify_all()
-        self._wake_model()
-        return job
+        with self._change() as session:
+            return session.receive(request_id, method, params, now)
 
     def cancel(self, request_id: RequestId) -> CancelResult:
-        with self._changed:
-            self._changed.notify_all()  # the model lane answers a cancelled queued request at once
-            result = self._session.cancel(request_id)
-        self._wake_model()
-        return result
+        with self._change() as session:  # the model lane answers a cancelled queued request at once
+            return session.cancel(request_id)
 
     def ack(self, request_id: RequestId, index: int) -> None:
-        with self._changed:
-            self._session.ack(request_id, index)
-        self._wake_model()
+        with self._change(notify=False) as session:  # only the running stream sees it, in its step
+            session.ack(request_id, index)
 
     def release(self, job: Job) -> None:
         """The job has its answer: its id is free again, and what waited for it may start."""
-        with self._changed:
-            self._session.release(job)
-            self._changed.notify_all()
-        self._wake_model()
+        with self._change() as session:
+            session.release(job)
 
     def end(self, *, cancel: bool) -> bool:
         """See Session.end; True the first time."""
-        with self._changed:
-            first = self._session.end(cancel=cancel)
-            self._changed.notify_all()
-        self._wake_model()
-        return first
+        with self._change() as session:
+            return session.end(cancel=cancel)
 
     def next_text_job(self) -> Job | None:
         """The text lane's next job, waiting for one; None once the lane is done."""
@@ -90,6 +89,5 @@ class LockedSession:
             return job
 
     def wake(self) -> None:
-        with self._changed:
-            self._changed.notify_all()
-        self._wake_model()
+        with self._change():
+            pass
