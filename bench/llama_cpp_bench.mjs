@@ -22,7 +22,7 @@ const { values: options } = parseArgs({
     json: { type: "string" },
     // one worker per quantization (load param), all dense float32 otherwise
     workers: { type: "string" },
-    // the decode row alone (a crowded machine makes the 2,048-token rows take minutes)
+    // the decode rows alone: decode, a busy core, batches (a crowded machine makes the 2,048-token rows take minutes)
     "decode-only": { type: "boolean", default: false },
   },
 });
@@ -51,6 +51,13 @@ const tokenize = async (text) => (await tokenizer.worker.tokenize({ text })).tok
 // A counting prompt: greedy decoding continues it well past 128 tokens without an end.
 const decodePrompt = await tokenize("1, 2, 3, 4, 5, 6, 7, 8, 9, 10,");
 const shortPrompt = await tokenize("The capital of France is");
+// One counting prompt for each stream of the batched rows, each from its own number.
+const BATCHES = [4, 8];
+const batchPrompts = [];
+for (let i = 0; i < Math.max(...BATCHES); i++) {
+  const start = 1 + 20 * i;
+  batchPrompts.push(await tokenize(Array.from({ length: 10 }, (_, k) => start + k).join(", ") + ","));
+}
 const sentences = [
   "The river runs past the old mill, where the miller keeps his accounts in a leather book.",
   "In spring the orchards bloom, and the bees come down from the hills to the valley.",
@@ -136,6 +143,29 @@ async function workerRestart(state, loadParams, ref) {
   return workerRun(state.worker, restartPrompt, 1, { cache: ref });
 }
 
+/** `count` greedy generations at once, each of at most NEW_TOKENS after its own counting
+ *  prompt: all tokens over the time from the start to the last token. llama.cpp: one context of
+ *  `count` sequences, evaluated together (node-llama-cpp batches their steps); the worker:
+ *  `count` generate requests sent together. */
+async function llamaBatch(prompts) {
+  const context = await llamaModel.createContext({ contextSize: 4096, threads: THREADS, sequences: prompts.length });
+  try {
+    const started = performance.now();
+    const runs = await Promise.all(prompts.map((tokens) => timeTokens(llamaTokens(tokens, context.getSequence()), NEW_TOKENS)));
+    return { tokensPerSecond: total(runs) / ((performance.now() - started) / 1000), runs };
+  } finally {
+    await context.dispose();
+  }
+}
+
+async function workerBatch(worker, prompts) {
+  const started = performance.now();
+  const runs = await Promise.all(prompts.map((tokens) => workerRun(worker, tokens, NEW_TOKENS)));
+  return { tokensPerSecond: total(runs) / ((performance.now() - started) / 1000), runs };
+}
+
+const total = (runs) => runs.reduce((sum, run) => sum + run.tokens.length, 0);
+
 /** `run` with one core kept busy by another process (a plain busy loop), as a host or a build
  *  on the same machine keeps it. */
 async function withBusyCore(run) {
@@ -157,12 +187,14 @@ const contestants = quantizations.map((quantization) => ({
   load: { dtype: "float32", quantization },
 }));
 for (const contestant of contestants) contestant.state = await startWorker(contestant.load);
-const figures = { llama: { decode: [], busy: [], short: [], long: [], restart: [] } };
+const KEYS = ["decode", "busy", ...BATCHES.map((n) => `batch${n}`), "short", "long", "restart"];
+const emptyFigures = () => Object.fromEntries(KEYS.map((key) => [key, []]));
+const figures = { llama: emptyFigures() };
 // The 1-minute load average as each decode run ends: on a shared machine the figures are only
 // comparable within a round, and this says how crowded it was.
 const loads = [];
 const cpus = availableParallelism();
-for (const c of contestants) figures[c.name] = { decode: [], busy: [], short: [], long: [], restart: [] };
+for (const c of contestants) figures[c.name] = emptyFigures();
 const scratch = mkdtempSync(join(tmpdir(), "lm-bench-"));
 const agreement = [];
 
@@ -182,6 +214,11 @@ try {
     figures.llama.busy.push((await withBusyCore(() => llamaRun(decodePrompt, NEW_TOKENS))).tokensPerSecond);
     for (const c of contestants) {
       figures[c.name].busy.push((await withBusyCore(() => workerRun(c.state.worker, decodePrompt, NEW_TOKENS))).tokensPerSecond);
+    }
+    for (const n of BATCHES) {
+      const prompts = batchPrompts.slice(0, n);
+      figures.llama[`batch${n}`].push((await llamaBatch(prompts)).tokensPerSecond);
+      for (const c of contestants) figures[c.name][`batch${n}`].push((await workerBatch(c.state.worker, prompts)).tokensPerSecond);
     }
     if (options["decode-only"]) continue;
     figures.llama.short.push((await llamaRun(shortPrompt, 1)).firstMs);
@@ -211,6 +248,7 @@ const median = (values) => {
 const rows = [
   ["decode tokens/s (128 new)", "decode", "higher", (w, l) => w / l, 1],
   ["decode tokens/s, one core kept busy by another process", "busy", "higher", (w, l) => w / l, 1],
+  ...BATCHES.map((n) => [`${n} streams at once, aggregate tokens/s`, `batch${n}`, "higher", (w, l) => w / l, 1]),
   ["first token, short prompt (ms)", "short", "lower", (w, l) => w / l, 0],
   [`first token, ${LONG_PROMPT_TOKENS}-token prompt (ms)`, "long", "lower", (w, l) => w / l, 0],
   [`first token after a restart, ${LONG_PROMPT_TOKENS} tokens cached (ms)`, "restart", "lower", (w, l) => w / l, 0],
@@ -248,6 +286,11 @@ if (rounds > 1) {
 const kept = (name) => figures[name].busy.map((v, i) => `${((100 * v) / figures[name].decode[i]).toFixed(0)}%`).join(", ");
 console.log(`quiet decode speed kept with one core busy, per round: llama.cpp ${kept("llama")}`);
 for (const c of contestants) console.log(`  ${c.name} ${kept(c.name)}`);
+// Each contestant's batches against its own single stream, round by round.
+for (const name of ["llama", ...contestants.map((c) => c.name)]) {
+  const over = (n) => figures[name][`batch${n}`].map((v, i) => `${(v / figures[name].decode[i]).toFixed(2)}×`).join(", ");
+  console.log(`${name === "llama" ? "llama.cpp" : name}: ${BATCHES.map((n) => `${n} streams ÷ one ${over(n)}`).join("; ")}`);
+}
 // Workers against the first one named (say gguf against int8), round by round: the pair ran back to back.
 for (const c of contestants.slice(1)) {
   const first = contestants[0].name;
