@@ -6,6 +6,7 @@ transformers backend: importing this module imports torch and transformers.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -82,11 +83,10 @@ def one_query_attention(
     head), in float32 at least: bfloat16 products this small cost more on the CPU than the
     conversion, and the softmax is float32 as in transformers' eager attention."""
     kv_heads, groups, dim = query.shape
-    kernel = _exact_kernel(implementation, query.view(1, kv_heads * groups, 1, dim), keys[None], values[None])
-    if kernel is not None:
-        ranges = causal_ranges(1, 1, keys.shape[-2])
-        out = kernel.attention(query.view(1, kv_heads * groups, 1, dim), keys[None], values[None], *ranges, scaling)
-        return out.view(kv_heads, groups, dim)
+    rows, keys4, values4 = query.view(1, kv_heads * groups, 1, dim), keys[None], values[None]
+    kernel = _exact_kernel(implementation, rows, keys4, values4)
+    if kernel is not None:  # a decode step calls this once a layer and sequence: nothing made twice
+        return kernel.attention(rows, keys4, values4, *_one_query_ranges(keys.shape[-2]), scaling).view(kv_heads, groups, dim)
     dtype = torch.float32 if implementation == ATTENTION else torch.float64
     scores = torch.bmm(query.to(dtype), keys.to(dtype).transpose(1, 2)) * scaling
     return torch.bmm(torch.softmax(scores, dim=-1), values.to(dtype)).float()
@@ -128,6 +128,12 @@ Ranges = tuple[torch.Tensor, torch.Tensor]
 
 # The mask key_ranges last read (a weak reference), the batch it was read for, and its ranges.
 _last_ranges: tuple[weakref.ref[torch.Tensor] | None, int, Ranges | None] = (None, 0, None)
+
+
+@functools.lru_cache(maxsize=8192)
+def _one_query_ranges(n: int) -> Ranges:
+    """causal_ranges(1, 1, n), made once for each n (the kernel only reads them)."""
+    return causal_ranges(1, 1, n)
 
 
 def causal_ranges(batch: int, positions: int, n: int, causal: bool = True) -> Ranges:
