@@ -223,7 +223,7 @@ class Scheduler(Generic[J]):
         self._ready: list[tuple[J, Task | None]] = []  # made, not yet joined
         self.costs = RoundCosts()
         self._stepped: set[int] = set()  # ids of the running tasks that have taken a step
-        self._together_tokens = 0  # prompt tokens fed on their own since the last step, others waiting
+        self._together_tokens = 0  # prompt tokens fed first since the last step, while others waited for it
 
     def run(self) -> None:
         """The model thread's loop: returns when the lane has stopped and no task is left."""
@@ -280,7 +280,10 @@ class Scheduler(Generic[J]):
         waiting = [task for _, task in self._tasks if task.decoding.prompt_left]
         decoding = [task for _, task in self._tasks if not task.decoding.prompt_left]
         feeding = waiting[0] if waiting else None
-        if feeding is not None and self._fed_before_first_step(feeding, decoding):
+        if not decoding:
+            self._together_tokens = 0
+        together = feeding is not None and self._fed_before_first_step(feeding, decoding)
+        if together:
             decoding = []  # they take their first step together, once this prompt is in too
         if feeding is not None and decoding and not self.costs.timed:
             feeding = None  # a step alone first: chunks beside steps are sized from its time
@@ -291,7 +294,7 @@ class Scheduler(Generic[J]):
             stepped = carried = self._guarded([*decoding, feeding], lambda: self._step_together(decoding, chunk))
         else:
             fed = feeding is not None and self._guarded([feeding], lambda: self._feed(feeding, beside=len(decoding)))
-            if fed and feeding is not None and not decoding and len(waiting) < len(self._tasks):
+            if together and feeding is not None:
                 self._together_tokens += before - feeding.decoding.prompt_left
             stepped = bool(decoding) and self._guarded(decoding, lambda: self._step_together(decoding))
             carried = fed and stepped
