@@ -56,7 +56,7 @@ def test_the_model_thread_runs_on_one_thread_while_another_process_keeps_a_core_
     import torch
 
     cpus = FakeCpus()
-    share = CoreShare(read=cpus.read, clock=lambda: cpus.now)
+    share = CoreShare(read=cpus.read, clock=lambda: cpus.now, cpus=lambda: 2)
     share.adjust()  # the first look: a baseline
     cpus.run(0.3, others=0.05, own=2.0)
     share.adjust()
@@ -72,11 +72,25 @@ def test_the_model_thread_runs_on_one_thread_while_another_process_keeps_a_core_
     assert torch.get_num_threads() == 2 and share.threads == 2
 
 
+def test_other_processes_on_cores_the_threads_leave_free_take_none_of_them(two_threads):
+    import torch
+
+    cpus = FakeCpus()
+    share = CoreShare(read=cpus.read, clock=lambda: cpus.now, cpus=lambda: 4)
+    share.adjust()
+    cpus.run(0.3, others=1.9, own=2.0)  # two more cores than the two threads: room for both
+    share.adjust()
+    assert torch.get_num_threads() == 2
+    cpus.run(0.3, others=2.7, own=1.3)  # a third busy core comes out of the threads' two
+    share.adjust()
+    assert torch.get_num_threads() == 1
+
+
 def test_a_look_that_spans_an_idle_model_only_starts_a_new_one(two_threads):
     import torch
 
     cpus = FakeCpus()
-    share = CoreShare(read=cpus.read, clock=lambda: cpus.now)
+    share = CoreShare(read=cpus.read, clock=lambda: cpus.now, cpus=lambda: 2)
     share.adjust()
     cpus.run(30.0, others=1.0, own=0.0)  # a build ran while the model was idle, and ended
     share.adjust()
@@ -90,7 +104,7 @@ def test_looks_closer_together_than_the_interval_change_nothing(two_threads):
     import torch
 
     cpus = FakeCpus()
-    share = CoreShare(read=cpus.read, clock=lambda: cpus.now)
+    share = CoreShare(read=cpus.read, clock=lambda: cpus.now, cpus=lambda: 2)
     share.adjust()
     cpus.run(0.05, others=1.0, own=1.0)
     share.adjust()
@@ -101,7 +115,7 @@ def test_only_the_thread_that_looked_first_has_its_count_changed(two_threads):
     import torch
 
     cpus = FakeCpus()
-    share = CoreShare(read=cpus.read, clock=lambda: cpus.now)
+    share = CoreShare(read=cpus.read, clock=lambda: cpus.now, cpus=lambda: 2)
     share.adjust()
     cpus.run(0.3, others=1.0, own=1.0)
     seen: list[int] = []
@@ -125,7 +139,7 @@ def test_unreadable_cpu_times_leave_the_count_as_it_is(two_threads):
     def unreadable() -> tuple[float, float]:
         raise OSError("no /proc/stat")
 
-    share = CoreShare(read=unreadable)
+    share = CoreShare(read=unreadable, cpus=lambda: 2)
     for _ in range(3):
         share.adjust()
         time.sleep(0.01)
@@ -156,8 +170,15 @@ def test_the_cpu_reading_counts_another_processs_busy_loop_and_not_this_process(
 async def test_a_worker_decodes_on_fewer_threads_while_a_core_is_busy_and_on_all_once_it_is_free(
     spawn_worker, tiny_model_dir: Path
 ):
-    host = await spawn_worker("--log-level", "info", env={"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"})
-    await host.call("load", {"model": str(tiny_model_dir)}, timeout=120)
+    # The worker and the busy loop on the same two cores (spawned while this process is kept to
+    # them): on a machine with more, the loop would run on a core of its own and take nothing.
+    everywhere = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, sorted(everywhere)[:2])
+    try:
+        host = await spawn_worker("--log-level", "info", env={"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"})
+        busy = subprocess.Popen(BUSY_LOOP)
+    finally:
+        os.sched_setaffinity(0, everywhere)
 
     async def generate_until(said: str) -> None:
         deadline = time.monotonic() + 60
@@ -165,8 +186,8 @@ async def test_a_worker_decodes_on_fewer_threads_while_a_core_is_busy_and_on_all
             assert time.monotonic() < deadline, host.stderr_tail()
             await host.call("generate", {"prompt": "the cat sat on the mat", "max_tokens": 64}, timeout=60)
 
-    busy = subprocess.Popen(BUSY_LOOP)
     try:
+        await host.call("load", {"model": str(tiny_model_dir)}, timeout=120)
         await generate_until("model threads: 1 of 2")
     finally:
         busy.kill()

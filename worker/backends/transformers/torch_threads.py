@@ -78,7 +78,8 @@ def cpu_seconds() -> tuple[float, float]:
 
 
 class CoreShare:
-    """The model thread's torch threads, one fewer for each core other processes take.
+    """The model thread's torch threads, one fewer for each core other processes take from
+    them (their load past the cores those threads leave free: none on 2 cores and 2 threads).
 
     ``adjust`` is called before the model's work (a step, a prompt chunk); on the thread that
     called it first (the model thread; side threads keep to one), at most every INTERVAL_S it
@@ -86,9 +87,15 @@ class CoreShare:
     CPU time, and sets the thread count. Where the CPU times cannot be read (no /proc/stat),
     the count stays as it is."""
 
-    def __init__(self, read: Callable[[], tuple[float, float]] = cpu_seconds, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        read: Callable[[], tuple[float, float]] = cpu_seconds,
+        clock: Callable[[], float] = time.monotonic,
+        cpus: Callable[[], int] = lambda: len(os.sched_getaffinity(0)),
+    ):
         self._read = read
         self._clock = clock
+        self._cpus = cpus
         self._thread: int | None = None  # the thread whose count it sets
         self._most: int | None = None  # that thread's count before the first adjust
         self._taken = 0
@@ -116,7 +123,8 @@ class CoreShare:
         if last is None or now - last[0] > STALE_S or self._most < 2:
             return
         others = max(0.0, (busy - last[1]) - (own - last[2])) / (now - last[0])
-        taken = cores_taken(others, self._taken, self._most - 1)
+        spare = max(0, self._cpus() - self._most)  # cores the model's threads leave to others anyway
+        taken = cores_taken(max(0.0, others - spare), self._taken, self._most - 1)
         if taken != self._taken:
             self._taken = taken
             torch.set_num_threads(max(1, self._most - taken))
