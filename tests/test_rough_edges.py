@@ -4,6 +4,8 @@ loses nothing, and leaves the worker serving."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -177,3 +179,32 @@ async def test_loads_in_workers_sharing_a_process_leave_transformers_as_they_fou
     for _ in range(2):
         await asyncio.gather(*(host.call("load", {"model": str(tiny_model_dir)}, timeout=300) for host in hosts))
     assert (PreTrainedModel.tie_weights, PreTrainedModel.init_weights) == (tie_weights, init_weights)
+
+
+async def test_a_cancel_sent_without_an_id_is_ignored_and_stderr_names_the_notification_that_cancels(
+    spawn_worker: SpawnWorker,
+):
+    host = await spawn_worker(process=True)
+    await host.call("load", {"backend": "echo"})
+    await host.send_raw(b'{"jsonrpc":"2.0","method":"cancel","params":{"id":5}}\n')
+    assert (await host.call("tokenize", {"text": "a"}))["tokens"]  # still serving
+    await host.close()
+    said = host.stderr_tail(100_000)
+    assert (
+        "ignored 'cancel' without an id: a request needs an id to be answered; give it one, "
+        "or send '$/cancelRequest', which does the same without an answer"
+    ) in said, said
+
+
+def test_the_stderr_protocol_md_shows_for_ignored_messages_is_what_the_worker_writes():
+    """PROTOCOL 3's example of messages a worker ignores: its stderr block is the real output."""
+    text = (Path(__file__).parent.parent / "docs" / "PROTOCOL.md").read_text()
+    start = text.index('→ {"jsonrpc":"2.0","id":0,"method":"cancel","params":{"id":"x"}}')
+    sent = [line[2:] for line in text[start : text.index("```", start)].splitlines() if line.startswith("→ ")]
+    fence = text.index("```\n", text.index("stderr said", start)) + 4
+    expected = text[fence : text.index("```", fence)].splitlines()
+    done = subprocess.run(
+        [sys.executable, "-m", "worker", "--drain"], input="\n".join(sent) + "\n", capture_output=True, text=True,
+        cwd=Path(__file__).parent.parent, timeout=60,
+    )
+    assert done.stderr.splitlines() == expected

@@ -134,7 +134,12 @@ class Dispatcher:
         params_type = HOST_NOTIFICATIONS.get(notification.method)
         if params_type is None:
             if notification.method in self._routes:
-                log.warning("ignored %r without an id: a request needs an id to be answered", notification.method)
+                twin = _ANSWERLESS.get(notification.method)
+                also = f", or send {twin!r}, which does the same without an answer" if twin else ""
+                log.warning(
+                    "ignored %r without an id: a request needs an id to be answered; give it one%s",
+                    notification.method, also,
+                )
             elif not notification.method.startswith("$/"):  # "$/" notifications are optional by LSP rules
                 log.warning("ignored unknown notification %r", notification.method)
             return
@@ -221,6 +226,10 @@ def _invalid_params(method: str, text: str, params_type: type[Params]) -> RpcErr
 def _shown(name: str, limit: int = 100) -> str:
     """A name as an error message repeats it: a host's megabytes come back as a short excerpt."""
     return name if len(name) <= limit else f"{name[:limit]}… ({len(name)} characters)"
+
+
+# A method and the notification that does what it does without an answer (PROTOCOL 6.12).
+_ANSWERLESS = {"cancel": "$/cancelRequest"}
 
 
 def _unknown_method(method: str, known: list[str]) -> RpcError:
