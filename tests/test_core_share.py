@@ -42,6 +42,14 @@ class FakeCpus:
         return self.busy, self.own
 
 
+def watched(cpus: int = 2) -> tuple[FakeCpus, CoreShare]:
+    """A CoreShare over FakeCpus on ``cpus`` CPUs, its first look (a baseline) taken."""
+    fake = FakeCpus()
+    share = CoreShare(read=fake.read, clock=lambda: fake.now, cpus=lambda: cpus)
+    share.adjust()
+    return fake, share
+
+
 @pytest.fixture
 def two_threads():
     import torch
@@ -55,9 +63,7 @@ def two_threads():
 def test_the_model_thread_runs_on_one_thread_while_another_process_keeps_a_core_busy_and_on_two_after(two_threads):
     import torch
 
-    cpus = FakeCpus()
-    share = CoreShare(read=cpus.read, clock=lambda: cpus.now, cpus=lambda: 2)
-    share.adjust()  # the first look: a baseline
+    cpus, share = watched()
     cpus.run(0.3, others=0.05, own=2.0)
     share.adjust()
     assert torch.get_num_threads() == 2 and share.threads == 2
@@ -75,9 +81,7 @@ def test_the_model_thread_runs_on_one_thread_while_another_process_keeps_a_core_
 def test_other_processes_on_cores_the_threads_leave_free_take_none_of_them(two_threads):
     import torch
 
-    cpus = FakeCpus()
-    share = CoreShare(read=cpus.read, clock=lambda: cpus.now, cpus=lambda: 4)
-    share.adjust()
+    cpus, share = watched(cpus=4)
     cpus.run(0.3, others=1.9, own=2.0)  # two more cores than the two threads: room for both
     share.adjust()
     assert torch.get_num_threads() == 2
@@ -89,9 +93,7 @@ def test_other_processes_on_cores_the_threads_leave_free_take_none_of_them(two_t
 def test_a_look_that_spans_an_idle_model_only_starts_a_new_one(two_threads):
     import torch
 
-    cpus = FakeCpus()
-    share = CoreShare(read=cpus.read, clock=lambda: cpus.now, cpus=lambda: 2)
-    share.adjust()
+    cpus, share = watched()
     cpus.run(30.0, others=1.0, own=0.0)  # a build ran while the model was idle, and ended
     share.adjust()
     assert torch.get_num_threads() == 2
@@ -103,9 +105,7 @@ def test_a_look_that_spans_an_idle_model_only_starts_a_new_one(two_threads):
 def test_looks_closer_together_than_the_interval_change_nothing(two_threads):
     import torch
 
-    cpus = FakeCpus()
-    share = CoreShare(read=cpus.read, clock=lambda: cpus.now, cpus=lambda: 2)
-    share.adjust()
+    cpus, share = watched()
     cpus.run(0.05, others=1.0, own=1.0)
     share.adjust()
     assert torch.get_num_threads() == 2
@@ -114,9 +114,7 @@ def test_looks_closer_together_than_the_interval_change_nothing(two_threads):
 def test_only_the_thread_that_looked_first_has_its_count_changed(two_threads):
     import torch
 
-    cpus = FakeCpus()
-    share = CoreShare(read=cpus.read, clock=lambda: cpus.now, cpus=lambda: 2)
-    share.adjust()
+    cpus, share = watched()
     cpus.run(0.3, others=1.0, own=1.0)
     seen: list[int] = []
 
