@@ -5,16 +5,17 @@ place of each layer of a kind lm-worker knows (hf_compat.layer_kind), with the s
 Each extends transformers' class of that kind, so that transformers' forward uses it as its
 own, and adds what lm-worker needs and transformers' does not do:
 
-- FullAttentionLayer grows in place (buffers with room to grow: no copy of the whole cache
-  at every step) and keeps a float64 copy of its positions for WIDE_ATTENTION;
+- FullAttentionLayer and SlidingWindowLayer grow in place (GrowingKeysAndValues: buffers
+  with room to grow, no copy of the whole cache at every step) and keep a float64 copy of
+  their positions for WIDE_ATTENTION;
 - SlidingWindowLayer keeps every position (transformers keeps only the window, which could
   not be cut back past it), while attention still gets exactly the window transformers'
   layer hands it;
 - layers with linear-attention states (conv and recurrent) snapshot and restore them.
 
 The rest of the package uses their small interface (KeysAndValues: state, keep_first, restore,
-compact, and a full-attention layer's update_and_fetch and wide_state; LinearStates: snapshot,
-restore_states), not transformers' fields; what lm-worker reads of transformers' internals,
+compact; GrowingKeysAndValues: update_and_fetch, wide_state, and a sliding layer's window;
+LinearStates: snapshot, restore_states), not transformers' fields; what lm-worker reads of transformers' internals,
 and what differs between its versions, is in hf_compat.
 """
 
@@ -107,19 +108,17 @@ class WideCopy:
         return self.keys[..., :total, :], self.values[..., :total, :]
 
 
-class FullAttentionLayer(KeysAndValues, hf_compat.DynamicLayer):
-    """A full-attention layer whose positions live in buffers with room to grow.
+class GrowingKeysAndValues(KeysAndValues):
+    """Keys and values of every position in buffers with room to grow.
 
-    transformers' DynamicLayer concatenates, which copies the whole cache at every decode step
+    transformers' layers concatenate, which copies the whole cache at every decode step
     (90 MB a step at 2,000 positions of SmolLM2). Here the buffers grow by half again (at least
     256 positions) when full, and ``keys`` and ``values`` are views of their used part; cutting
     back keeps them views, and tensors restored from elsewhere move into new buffers at the
     next append (or are the buffers, when read with room to grow)."""
 
-    kind = "full"
-
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self.wide: WideCopy | None = None
 
@@ -127,10 +126,6 @@ class FullAttentionLayer(KeysAndValues, hf_compat.DynamicLayer):
     def capacity(self) -> int:
         """How many positions the buffers hold room for (0 without buffers)."""
         return 0 if self.buffers is None else self.buffers[0].shape[-2]
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """transformers' forward appends through this."""
-        return self.update_and_fetch(key_states, value_states)
 
     def update_and_fetch(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append positions; the keys and values of all of them."""
@@ -193,17 +188,32 @@ def _starts(view: torch.Tensor, buffer: torch.Tensor) -> bool:
     return view.data_ptr() == buffer.data_ptr() and view.stride() == buffer.stride()
 
 
-class SlidingWindowLayer(KeysAndValues, hf_compat.DynamicSlidingWindowLayer):
-    """A sliding-window (or chunked) attention layer that keeps every position.
+class FullAttentionLayer(GrowingKeysAndValues, hf_compat.DynamicLayer):
+    """A full-attention layer: attention reads every position."""
 
-    Recording the past keeps every position while the layer still hands attention exactly
-    the window it would otherwise keep (the same tensors, so the same results, bit for bit)."""
+    kind = "full"
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """transformers' forward appends through this."""
+        return self.update_and_fetch(key_states, value_states)
+
+
+class SlidingWindowLayer(GrowingKeysAndValues, hf_compat.DynamicSlidingWindowLayer):
+    """A sliding-window (or chunked) attention layer that keeps every position (transformers'
+    keeps only the window), and hands attention exactly the positions transformers' layer
+    hands it when recording the past: the same tensors, so the same results, bit for bit."""
 
     kind = "sliding"
 
-    def __init__(self, sliding_window: int) -> None:
-        super().__init__(sliding_window=sliding_window)
-        self.activate_past_recording()
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """transformers' forward appends through this."""
+        self.cumulative_length += key_states.shape[-2]
+        return self.window(*self.update_and_fetch(key_states, value_states), key_states.shape[-2])
+
+    def window(self, keys: torch.Tensor, values: torch.Tensor, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``new`` positions just appended attend: the window before the first of them, and them."""
+        visible = self.sliding_window - 1 + new
+        return keys[..., -visible:, :], values[..., -visible:, :]
 
 
 class LayerState(NamedTuple):

@@ -207,11 +207,11 @@ def room_to_grow(kinds: Sequence[str], device: str, entry: TensorEntry, max_posi
     """How many positions of room to grow to leave after a stored key or value tensor's when
     reading it (container.load), for a cache whose layers are of ``kinds`` and that will hold
     at most ``max_positions`` positions: room for those, up to what a layer's buffers get when a
-    forward appends to them. Only full-attention layers on the CPU append in place (others
-    keep tensors of their own making). The room is resident memory from the start (huge
+    forward appends to them. Only full-attention and sliding-window layers on the CPU append in
+    place (others keep tensors of their own making). The room is resident memory from the start (huge
     pages), so no more than the request can use: a cache that outgrows it moves into
     larger buffers then, as a computed one does."""
-    if device != "cpu" or kinds[entry.layer] != "full":
+    if device != "cpu" or kinds[entry.layer] not in ("full", "sliding"):
         return 0
     positions = entry.shape[2]
     return max(0, min(cache_layers.growth_capacity(positions), max_positions) - positions)
