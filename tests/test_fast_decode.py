@@ -23,13 +23,18 @@ def load(model_dir: Path, data_dir: Path, **params):
     return TransformersBackend().load(LoadParams(model=str(model_dir), **params), data_dir=data_dir)
 
 
+# Long enough to pass the tiny Gemma 3's sliding window of 16 positions.
+TEXT = "the cat sat on the mat and the dog ran to the river and a red sun rose over the hills far away"
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("quantization", ["auto", "none", "int4"])
-def test_a_decode_step_gives_transformers_forward_logits_bit_for_bit(tiny_model_dir: Path, tmp_path: Path, quantization):
-    model = load(tiny_model_dir, tmp_path, quantization=quantization)
+def test_a_decode_step_gives_transformers_forward_logits_bit_for_bit(tiny_models, tmp_path: Path, family, quantization):
+    model = load(tiny_models(family), tmp_path, quantization=quantization)
     assert model._decode_step is not None
-    ids = model.tokenize("the cat sat on the mat and the dog ran to the river", add_special_tokens=True)
+    ids = model.tokenize(TEXT, add_special_tokens=True)
     with torch.inference_mode():
-        for cut in (1, 2, 5, len(ids) - 1):
+        for cut in (1, 2, 5, 15, 16, len(ids) - 1):
             stepped = model.new_cache()
             model.extend_cache(ids[:cut], stepped)
             forwarded = stepped.copy()
@@ -41,20 +46,21 @@ def test_a_decode_step_gives_transformers_forward_logits_bit_for_bit(tiny_model_
                 assert torch.equal(mine.keys, other.keys) and torch.equal(mine.values, other.values)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("quantization", ["int8", "int4", "none"])
 def test_a_prompt_fed_alone_takes_the_step_only_where_it_gives_transformers_forward_numbers_bit_for_bit(
-    tiny_model_dir: Path, tmp_path: Path, monkeypatch, quantization
+    tiny_models, tmp_path: Path, monkeypatch, family, quantization
 ):
     """With quantized weights a prompt's chunks go through the decode step (fewer operations),
     whose numbers equal transformers' forward's bit for bit; dense weights, where the step's
     products of several rows may round otherwise, keep transformers' forward."""
     from worker.backends.transformers.decode_step import DecodeStep
 
-    model = load(tiny_model_dir, tmp_path, quantization=quantization)
+    model = load(tiny_models(family), tmp_path, quantization=quantization)
     passes = []
     forward = DecodeStep.forward
     monkeypatch.setattr(DecodeStep, "forward", lambda self, *args: passes.append(args) or forward(self, *args))
-    ids = model.tokenize("the cat sat on the mat and the dog ran to the river", add_special_tokens=True)
+    ids = model.tokenize(TEXT, add_special_tokens=True)
     with torch.inference_mode():
         fed = model.new_cache()
         decoding = model.start(ids, None, fed)
@@ -68,9 +74,10 @@ def test_a_prompt_fed_alone_takes_the_step_only_where_it_gives_transformers_forw
         assert torch.equal(mine.keys, other.keys) and torch.equal(mine.values, other.values)
 
 
-def test_a_batch_of_sequences_steps_as_each_would_alone(tiny_model_dir: Path, tmp_path: Path):
-    model = load(tiny_model_dir, tmp_path, quantization="int8")  # dense float32 products differ by batch size
-    prompts = [model.tokenize(text, add_special_tokens=True) for text in ("the cat", "a red sun over the river and")]
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_batch_of_sequences_steps_as_each_would_alone(tiny_models, tmp_path: Path, family):
+    model = load(tiny_models(family), tmp_path, quantization="int8")  # dense float32 products differ by batch size
+    prompts = [model.tokenize(text, add_special_tokens=True) for text in ("the cat", "a red sun over the river and", TEXT)]
     assert_a_batch_steps_as_each_alone(model, prompts)
 
 
@@ -89,24 +96,28 @@ def assert_a_batch_steps_as_each_alone(model, prompts: list[list[int]]) -> None:
         assert torch.equal(batched[row : row + 1], logits)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_a_prompt_chunk_fed_in_a_step_beside_a_decoding_sequence_matches_transformers_forward(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_models, tmp_path: Path, family
 ):
     """The scheduler feeds a joining prompt in the same pass as the running requests' step:
     the chunk's logits and keys match transformers' forward of it (float32 rounding apart:
     other matrix shapes), and the decoding sequence gets what it would get alone."""
-    model = load(tiny_model_dir, tmp_path)
+    model = load(tiny_models(family), tmp_path)
     running = model.tokenize("the cat sat on the mat", add_special_tokens=True)
-    joining = model.tokenize("a red sun over the river and the dog ran far away", add_special_tokens=True)
+    joining = model.tokenize(TEXT, add_special_tokens=True)
     with torch.inference_mode():
         decoding = model.new_cache()
         model.extend_cache(running[:-1], decoding)
         alone = decoding.copy()
         fed, forwarded = model.new_cache(), model.new_cache()
-        both = model._decode_step.forward([running[-1:], joining[:7]], [decoding, fed])
-        theirs = forwarded.feed(model._model, torch.tensor([joining[:7]]))
+        model.extend_cache(joining[:3], fed)
+        model.extend_cache(joining[:3], forwarded)
+        # 20 positions joining after 3: past the window of 16
+        both = model._decode_step.forward([running[-1:], joining[3:23]], [decoding, fed])
+        theirs = forwarded.feed(model._model, torch.tensor([joining[3:23]]))
         expected = model._decode_step([running[-1]], [alone])
-    assert fed.length == forwarded.length == 7 and decoding.length == alone.length == len(running)
+    assert fed.length == forwarded.length == 23 and decoding.length == alone.length == len(running)
     torch.testing.assert_close(both[1:], theirs, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(both[:1], expected, rtol=1e-5, atol=1e-5)
     for mine, other in zip(fed.kv.layers, forwarded.kv.layers):
@@ -305,18 +316,27 @@ async def test_a_cache_made_with_other_weights_is_refused_naming_the_quantizatio
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model", ["default", "gemma3-270m"])
 @pytest.mark.parametrize("load_params", [{}, {"quantization": "none"}], ids=["default", "dense"])
-async def test_smollm2_greedy_equals_in_process_generate_on_the_same_weights(tmp_path: Path, load_params: dict):
+async def test_shipped_models_greedy_equals_in_process_generate_on_the_same_weights(
+    tmp_path: Path, model: str, load_params: dict
+):
+    """Both decode through the worker's step (SmolLM2 of the Llama architecture, Gemma 3 with
+    its sliding windows); with the default weights also from a prompt longer than Gemma's
+    window of 512 (fed in chunks, which give quantized weights the same numbers)."""
     from protocol.methods import LoadParams
+    from tests.test_gemma3_real import STORY
     from worker.backends.transformers.backend import TransformersBackend
     from worker.data_dir import default_data_dir
 
     torch.set_num_threads(2)
-    reference = TransformersBackend().load(LoadParams(model="default", **load_params), data_dir=default_data_dir())
+    reference = TransformersBackend().load(LoadParams(model=model, **load_params), data_dir=default_data_dir())
+    assert reference._decode_step is not None
+    texts = ["def fibonacci(n):\n", "Once upon a time, in a land far away,", "1, 2, 3, 4, 5,"]
     host = await Host.start_in_process()
     try:
-        await host.call("load", {"model": "default", **load_params}, timeout=300)
-        for text in ("def fibonacci(n):\n", "Once upon a time, in a land far away,", "1, 2, 3, 4, 5,"):
+        await host.call("load", {"model": model, **load_params}, timeout=300)
+        for text in texts + ([STORY] if not load_params else []):
             ids = reference.tokenize(text, add_special_tokens=True)
             ours = (await host.call("generate", {"tokens": ids, "max_tokens": 48}, timeout=300))["tokens"]
             with torch.inference_mode():

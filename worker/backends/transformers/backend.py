@@ -224,7 +224,7 @@ class TransformersModel:
 
         if self._cores is not None:
             self._cores.adjust()
-        if self._chunk_decode_step is not None:  # a Llama-architecture model: no states to keep
+        if self._chunk_decode_step is not None:  # a model the step supports: no linear-attention states to keep
             return self._chunk_decode_step.forward([tokens], [cache])
         return cache.feed(self._open_model, torch.tensor([tokens], dtype=torch.long, device=self._device))
 
@@ -350,7 +350,7 @@ class TransformersModel:
         if self._decode_step is None:
             model_type = self._open_model.config.model_type
             return (
-                f"'draft' needs a model of the Llama architecture (this one is {model_type!r}): "
+                f"'draft' needs a model of the Llama or Gemma 3 architecture (this one is {model_type!r}): "
                 "its decode step checks a draft in one pass. Leave out 'draft'."
             )
         if self.info.quantization == "none":

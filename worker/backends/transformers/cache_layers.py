@@ -54,6 +54,7 @@ class KeysAndValues:
     if TYPE_CHECKING:  # given by the transformers class each layer extends
         keys: Any
         values: Any
+        is_initialized: bool
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None: ...
 
@@ -207,8 +208,13 @@ class SlidingWindowLayer(GrowingKeysAndValues, hf_compat.DynamicSlidingWindowLay
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """transformers' forward appends through this."""
-        self.cumulative_length += key_states.shape[-2]
         return self.window(*self.update_and_fetch(key_states, value_states), key_states.shape[-2])
+
+    def update_and_fetch(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # transformers' forward takes the cache's length from the count of its first layer's
+        # positions, which is this one's in Gemma 3.
+        self.cumulative_length += keys.shape[-2]
+        return super().update_and_fetch(keys, values)
 
     def window(self, keys: torch.Tensor, values: torch.Tensor, new: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What ``new`` positions just appended attend: the window before the first of them, and them."""

@@ -1,4 +1,4 @@
-"""A decode step without the framework around it, for models of the Llama architecture.
+"""A decode step without the framework around it, for models of the Llama and Gemma 3 architectures.
 
 transformers' forward is written for every case (prompts, masks, padding, hooks, many
 cache classes); one decode step of a small model on a CPU spends more time in that
@@ -6,7 +6,7 @@ generality than in arithmetic (bench/README.md has the profile). This step compu
 the same layers for one new token per sequence (and, for the scheduler, a chunk of a
 joining prompt in the same pass), with the model's own weights and rotary embedding,
 and keeps the keys and values in the same cache layers that transformers' forward fills
-(cache_layers.FullAttentionLayer): a prompt prefilled by transformers is continued here,
+(cache_layers.GrowingKeysAndValues): a prompt prefilled by transformers is continued here,
 and a cache written here is stored, restored and extended like any other.
 
 What differs from transformers' decode step, and why:
@@ -18,17 +18,26 @@ What differs from transformers' decode step, and why:
   other form, a step over 2 sequences cost 1.6 times one over 1);
 - attention is hf_compat.one_query_attention, which the worker also has transformers
   use for one query position (the ``lm_worker`` attention implementations), as the
-  model was loaded with it (exact_attention's kernel for quantized weights);
-- RMSNorm and RoPE are transformers' operations, in its order.
+  model was loaded with it (exact_attention's kernel for quantized weights); a
+  sliding-window layer attends the positions its cache layer hands transformers;
+- RMSNorm (each family's form), RoPE (Gemma 3: one per layer type) and the activation are
+  transformers' operations, in its order.
+
+Gemma 3 differs from Llama in what this step reads from the model: norms that scale by one
+plus their weight, in float32 before the cast back; norms of each query and key head; the
+output of attention and of the MLP normalized before it joins the residual stream;
+sliding-window layers with their own RoPE; the attention scale its config gives. The
+embedding's scale is its module's.
 
 So a step equals transformers' forward on the same model bit for bit, and greedy
-output equals transformers' own generate() (the tests check it on the tiny model and
+output equals transformers' own generate() (the tests check it on the tiny models and
 SmolLM2). Models this step is not written for decode through transformers' forward
 (``supports``).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -38,27 +47,36 @@ from worker.backends.transformers import hf_compat
 from worker.backends.transformers.fast_weights import fused
 
 if TYPE_CHECKING:
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from transformers import Gemma3ForCausalLM, LlamaForCausalLM, PreTrainedModel
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer, Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
-    from worker.backends.transformers.cache_layers import FullAttentionLayer
+    from worker.backends.transformers.cache_layers import GrowingKeysAndValues, SlidingWindowLayer
     from worker.backends.transformers.torch_adapter import TorchCache
 
-_ARCHITECTURES = frozenset({"llama"})
 # Up to this many sequences, weight @ x.T is the faster product (bench/README.md).
 _TRANSPOSED_ROWS = 4
 Projection = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+Norm = Callable[[torch.Tensor], torch.Tensor]
 
 
 def supports(model: PreTrainedModel) -> bool:
     config = model.config
-    return (
-        config.model_type in _ARCHITECTURES
-        and getattr(config, "hidden_act", None) == "silu"
-        and not getattr(config, "attention_bias", False)
+    plain = (
+        not getattr(config, "attention_bias", False)
         and not getattr(config, "mlp_bias", False)
         and getattr(config, "pretraining_tp", 1) == 1
     )
+    if config.model_type == "llama":
+        return plain
+    if config.model_type == "gemma3_text":  # without the soft-capping Gemma 2 has, causal
+        return (
+            plain
+            and getattr(config, "attn_logit_softcapping", None) is None
+            and getattr(config, "final_logit_softcapping", None) is None
+            and not getattr(config, "use_bidirectional_attention", False)
+        )
+    return False
 
 
 def _product(linear: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -79,11 +97,28 @@ def _projection(linears: list[torch.nn.Module]) -> Projection:
     return lambda x: one(x).split(sizes, dim=-1)
 
 
-def _rms_norm(weight: torch.Tensor, epsilon: float, x: torch.Tensor) -> torch.Tensor:
+def _llama_norm(module: LlamaRMSNorm) -> Norm:
     """transformers' LlamaRMSNorm, operation for operation."""
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + epsilon)
-    return weight * x32.to(x.dtype)
+    weight, epsilon = module.weight, module.variance_epsilon
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + epsilon)
+        return weight * x32.to(x.dtype)
+
+    return norm
+
+
+def _gemma_norm(module: Gemma3RMSNorm) -> Norm:
+    """transformers' Gemma3RMSNorm, operation for operation (its ``1 + weight`` made once)."""
+    scale, epsilon = 1.0 + module.weight.float(), module.eps
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + epsilon)
+        return (x32 * scale).type_as(x)
+
+    return norm
 
 
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -101,35 +136,62 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 
 class _Layer:
-    def __init__(self, layer: LlamaDecoderLayer) -> None:
+    def __init__(self, layer: LlamaDecoderLayer | Gemma3DecoderLayer, norm: Callable[..., Norm], rope: str | None) -> None:
         attention, mlp = layer.self_attn, layer.mlp
         self.qkv = _projection([attention.q_proj, attention.k_proj, attention.v_proj])
         self.out = _product(attention.o_proj)
         self.gate_up = _projection([mlp.gate_proj, mlp.up_proj])
         self.down = _product(mlp.down_proj)
-        self.norm_in = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
-        self.norm_mid = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
+        self.activation = mlp.act_fn.forward  # no hooks to run
+        self.scaling = float(attention.scaling)
+        self.window: int | None = getattr(attention, "sliding_window", None)  # Gemma 3's sliding layers
+        self.rope = rope
+        self.norm_in = norm(layer.input_layernorm)
+        q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+        self.heads_norms = (norm(q_norm), norm(k_norm)) if q_norm is not None and k_norm is not None else None
+        pre_mlp = getattr(layer, "pre_feedforward_layernorm", None)
+        if pre_mlp is not None:  # Gemma 3: each sublayer's output normalized too
+            self.norm_attended: Norm | None = norm(layer.post_attention_layernorm)
+            self.norm_mid = norm(pre_mlp)
+            self.norm_out: Norm | None = norm(getattr(layer, "post_feedforward_layernorm"))
+        else:  # Llama: post_attention_layernorm is the MLP's input norm
+            self.norm_attended, self.norm_mid, self.norm_out = None, norm(layer.post_attention_layernorm), None
 
 
 class DecodeStep:
     """One token for each of several sequences, each with its own cache (TorchCache)."""
 
     def __init__(self, model: PreTrainedModel) -> None:
-        # ``supports`` admits only models of the Llama architecture: their modules are Llama's
-        # (a linear may be a quantized one of fast_weights, which computes the same product).
-        llama = cast("LlamaForCausalLM", model)
-        inner = llama.model
-        config = cast("LlamaConfig", llama.config)
+        # ``supports`` admits only models of the Llama and Gemma 3 architectures, whose modules
+        # this reads (a linear may be a quantized one of fast_weights, which computes the same product).
+        model = cast("LlamaForCausalLM | Gemma3ForCausalLM", model)
+        inner = model.model
+        config = model.config
+        norm: Callable[..., Norm] = _gemma_norm if config.model_type == "gemma3_text" else _llama_norm
         self._embed = inner.embed_tokens
         self._rotary = inner.rotary_emb
-        self._norm = (inner.norm.weight, inner.norm.variance_epsilon)
-        self._head = _product(llama.lm_head)
-        self._layers = [_Layer(cast("LlamaDecoderLayer", layer)) for layer in inner.layers]
+        # Gemma 3's rotary embedding gives each layer type its own (cos, sin); Llama's has one.
+        typed = "layer_type" in inspect.signature(self._rotary.forward).parameters
+        layer_types = list(getattr(config, "layer_types", None) or []) if typed else []
+        self._ropes = sorted(set(layer_types)) or [None]
+        self._norm = norm(inner.norm)
+        self._head = _product(model.lm_head)
+        self._layers = [
+            _Layer(cast("LlamaDecoderLayer | Gemma3DecoderLayer", layer), norm, layer_types[index] if layer_types else None)
+            for index, layer in enumerate(inner.layers)
+        ]
         self._heads = config.num_attention_heads
         self._kv_heads = config.num_key_value_heads or self._heads  # None only before the config resolves it
         self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // self._heads
-        self._scaling = self._head_dim**-0.5
         self._attention = hf_compat.attention_implementation(config)
+
+    def _cos_sin(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer type's (cos, signed sin) for the positions, (total, 1, head_dim)."""
+        made = {}
+        for rope in self._ropes:
+            cos, sin = self._rotary(hidden, positions) if rope is None else self._rotary(hidden, positions, rope)
+            made[rope] = (cos, _signed_sin(sin))
+        return made
 
     def __call__(self, tokens: Sequence[int], caches: Sequence[TorchCache]) -> torch.Tensor:
         """Logits of the next position of each sequence, shape (len(tokens), vocab); each
@@ -153,35 +215,44 @@ class DecodeStep:
             [[cache.length + i] for cache, n in zip(caches, lengths) for i in range(n)], dtype=torch.long, device=device
         )
         hidden = self._embed(ids)  # (total, hidden)
-        cos, sin = self._rotary(hidden, position_ids=positions)  # (total, 1, head_dim): one row per head
-        sin = _signed_sin(sin)
+        ropes = self._cos_sin(hidden, positions)
         for index, layer in enumerate(self._layers):
-            q, k, v = layer.qkv(_rms_norm(*layer.norm_in, hidden))
-            q = _rotate(q.view(total, heads, dim), cos, sin)
-            k = _rotate(k.view(total, kv_heads, dim), cos, sin)
+            q, k, v = layer.qkv(layer.norm_in(hidden))
+            q, k = q.view(total, heads, dim), k.view(total, kv_heads, dim)
+            if layer.heads_norms is not None:
+                q, k = layer.heads_norms[0](q), layer.heads_norms[1](k)
+            cos, sin = ropes[layer.rope]
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             v = v.view(total, kv_heads, dim)
             outputs, first = [], 0
             for cache, n in zip(caches, lengths):
                 rows = slice(first, first + n)
                 first += n
-                # (1, kv_heads, n, dim), as the layers hold them: a Llama model's cache layers are
-                # all full attention, lm-worker's own (cache_layers.new_cache)
-                cached = cast("FullAttentionLayer", cache.kv.layers[index])
+                # (1, kv_heads, n, dim), as the layers hold them: the cache layers of the models this
+                # step supports are lm-worker's own full-attention and sliding-window ones (cache_layers.new_cache)
+                cached = cast("GrowingKeysAndValues", cache.kv.layers[index])
                 keys, values = cached.update_and_fetch(k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None])
                 if self._attention == hf_compat.WIDE_ATTENTION:
                     keys, values = cached.wide_state(torch.float64)
+                if layer.window is not None:
+                    keys, values = cast("SlidingWindowLayer", cached).window(keys, values, n)
                 if n == 1:
                     query = q[rows].view(kv_heads, groups, dim)
-                    attended = hf_compat.one_query_attention(query, keys[0], values[0], self._scaling, self._attention)
+                    attended = hf_compat.one_query_attention(query, keys[0], values[0], layer.scaling, self._attention)
                 else:
                     attended = hf_compat.chunk_attention(
-                        q[rows].transpose(0, 1)[None], keys, values, self._scaling, self._attention
+                        q[rows].transpose(0, 1)[None], keys, values, layer.scaling, self._attention, layer.window
                     )
                 outputs.append(attended.reshape(n, heads * dim))
-            attended = (outputs[0] if len(outputs) == 1 else torch.cat(outputs)).to(hidden.dtype)
-            hidden = hidden + layer.out(attended)
-            gate, up = layer.gate_up(_rms_norm(*layer.norm_mid, hidden))
-            hidden = hidden + layer.down(torch.nn.functional.silu(gate) * up)
+            attended = layer.out((outputs[0] if len(outputs) == 1 else torch.cat(outputs)).to(hidden.dtype))
+            if layer.norm_attended is not None:
+                attended = layer.norm_attended(attended)
+            hidden = hidden + attended
+            gate, up = layer.gate_up(layer.norm_mid(hidden))
+            mlp = layer.down(layer.activation(gate) * up)
+            if layer.norm_out is not None:
+                mlp = layer.norm_out(mlp)
+            hidden = hidden + mlp
         for cache, n in zip(caches, lengths):
             cache.length += n
         wanted = [1] * len(lengths) if last is None else last
@@ -189,4 +260,4 @@ class DecodeStep:
             ends = torch.tensor(lengths).cumsum(0).tolist()
             rows = [end - k + j for end, k in zip(ends, wanted) for j in range(k)]
             hidden = hidden[torch.tensor(rows, device=device)]
-        return self._head(_rms_norm(*self._norm, hidden))
+        return self._head(self._norm(hidden))

@@ -93,17 +93,24 @@ def one_query_attention(
 
 
 def chunk_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, implementation: str = ATTENTION
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, implementation: str = ATTENTION,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the last ``n`` positions: ``query`` (1, heads, n, dim), ``keys``,
-    ``values`` (1, kv_heads, positions, dim) ending with those n. Returns (1, n, heads, dim)
-    in the query's dtype: SDPA with the grouped heads read in place and a boolean mask, as
-    transformers calls it for a chunk of a prompt on the CPU (or the implementation's own)."""
+    ``values`` (1, kv_heads, positions, dim) ending with those n; with a ``window``, each
+    position attends only the last ``window`` positions up to its own. Returns (1, n, heads,
+    dim) in the query's dtype: SDPA with the grouped heads read in place and a boolean mask,
+    as transformers calls it for a chunk of a prompt on the CPU (or the implementation's own)."""
     n, earlier = query.shape[-2], keys.shape[-2] - query.shape[-2]
     kernel = _exact_kernel(implementation, query, keys, values)
     if kernel is not None:
-        return kernel.attention(query, keys, values, *causal_ranges(1, n, earlier + n), scaling).to(query.dtype)
+        lo, hi = causal_ranges(1, n, earlier + n)
+        if window is not None:
+            lo = (hi - window).clamp(min=0)
+        return kernel.attention(query, keys, values, lo, hi, scaling).to(query.dtype)
     mask = torch.ones(n, earlier + n, dtype=torch.bool, device=query.device).tril(diagonal=earlier)
+    if window is not None:
+        mask = mask.triu(diagonal=earlier - window + 1)
     wide = implementation != ATTENTION
     return torch.nn.functional.scaled_dot_product_attention(
         *((query.double(), keys.double(), values.double()) if wide else (query, keys, values)),
@@ -192,6 +199,10 @@ def _sdpa(
     return out.to(query.dtype), weights
 
 
+def _attends_every_key(mask: torch.Tensor) -> bool:
+    return mask.dtype == torch.bool and bool(mask.all())
+
+
 def _attention_as(implementation: str):
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         batch, heads, positions, dim = query.shape
@@ -203,6 +214,8 @@ def _attention_as(implementation: str):
             if ranges is not None:
                 scale = module.scaling if scaling is None else scaling
                 return kernel.attention(query, key, value, *ranges, scale).to(query.dtype), None
+        if positions == 1 and attention_mask is not None and _attends_every_key(attention_mask):
+            attention_mask = None  # a sliding window's full one: one query over keys the window bounds already
         if positions != 1 or attention_mask is not None or not plain or query.device.type != "cpu":
             wide = implementation != ATTENTION
             return _sdpa(module, query, key, value, attention_mask, wide, dropout=dropout, scaling=scaling, **kwargs)
