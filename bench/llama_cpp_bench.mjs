@@ -1,9 +1,11 @@
 // lm-worker beside llama.cpp (node-llama-cpp), driven from one Node process, on the same
 // model (SmolLM2-135M-Instruct: llama.cpp on the shipped Q4_1 gguf, the worker on its
-// conversion of it, with int8 weights (the default on the CPU) and dense), the same prompt tokens, greedy,
+// conversion of it, with int8 weights (the default on the CPU) and dense; with --model
+// gemma3-270m, Gemma 3 270M and its Q4_K_M gguf), the same prompt tokens, greedy,
 // interleaved round by round.
 //
 //   node bench/llama_cpp_bench.mjs [--quick] [--rounds N] [--json FILE] [--workers int8,gguf,none,int4] [--decode-only]
+//                                  [--model default|gemma3-270m]
 //
 // bench/README.md says what each figure is. Needs `make setup` and `npm run build`;
 // node-llama-cpp is installed on first use into bench/llama-cpp (exact pins, lock file).
@@ -24,6 +26,7 @@ const { values: options } = parseArgs({
     workers: { type: "string" },
     // the decode rows alone: decode, a busy core, batches (a crowded machine makes the 2,048-token rows take minutes)
     "decode-only": { type: "boolean", default: false },
+    model: { type: "string", default: "default" },
   },
 });
 const rounds = Number(options.rounds ?? (options.quick ? 1 : 3));
@@ -32,7 +35,8 @@ const LONG_PROMPT_TOKENS = 2048;
 
 // --- the two contestants -------------------------------------------------------------
 
-const gguf = shippedGguf();
+const scratch = mkdtempSync(join(tmpdir(), "lm-bench-"));
+const gguf = shippedGguf(options.model, scratch);
 const LmWorker = await lmWorkerClient();
 const llama = await cpuLlama();
 const llamaModel = await llama.loadModel({ modelPath: gguf });
@@ -40,7 +44,7 @@ let llamaContext = await llamaModel.createContext({ contextSize: 4096, threads: 
 
 async function startWorker(loadParams) {
   const worker = await LmWorker.start({ python, cwd: root, args: ["--log-level", "warning"] });
-  const info = await worker.load({ model: "default", ...loadParams });
+  const info = await worker.load({ model: options.model, ...loadParams });
   return { worker, info };
 }
 
@@ -195,7 +199,6 @@ const figures = { llama: emptyFigures() };
 const loads = [];
 const cpus = availableParallelism();
 for (const c of contestants) figures[c.name] = emptyFigures();
-const scratch = mkdtempSync(join(tmpdir(), "lm-bench-"));
 const agreement = [];
 
 try {
@@ -253,8 +256,8 @@ const rows = [
   [`first token, ${LONG_PROMPT_TOKENS}-token prompt (ms)`, "long", "lower", (w, l) => w / l, 0],
   [`first token after a restart, ${LONG_PROMPT_TOKENS} tokens cached (ms)`, "restart", "lower", (w, l) => w / l, 0],
 ];
-const report = { rounds, threads: THREADS, prompts: { decode: decodePrompt.length, short: shortPrompt.length, long: longPrompt.length, restart: restartPrompt.length }, rows: [] };
-console.log(`\nmedians of ${rounds} round(s), ${THREADS} threads each, greedy; ratio = lm-worker / llama.cpp\n`);
+const report = { model: options.model, rounds, threads: THREADS, prompts: { decode: decodePrompt.length, short: shortPrompt.length, long: longPrompt.length, restart: restartPrompt.length }, rows: [] };
+console.log(`\n${options.model}: medians of ${rounds} round(s), ${THREADS} threads each, greedy; ratio = lm-worker / llama.cpp\n`);
 const header = ["figure", "llama.cpp", ...contestants.flatMap((c) => [c.name, "ratio"])];
 console.log(`| ${header.join(" | ")} |\n|${header.map(() => " --- ").join("|")}|`);
 for (const [label, key, better, ratio, digits] of rows) {

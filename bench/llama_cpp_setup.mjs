@@ -1,4 +1,4 @@
-// What the llama.cpp benches share: the checkout's root, its Python, the shipped SmolLM2 gguf,
+// What the llama.cpp benches share: the checkout's root, its Python, the shipped models' gguf files,
 // the built Node client, and llama.cpp (node-llama-cpp 3.21.1, installed on first use into
 // bench/llama-cpp with exact pins and a lock file; not a dependency of lm-worker).
 import { execFileSync } from "node:child_process";
@@ -10,11 +10,15 @@ export const root = dirname(dirname(fileURLToPath(import.meta.url)));
 export const python = join(root, ".venv", "bin", "python");
 export const THREADS = 2; // llama.cpp's and the worker's, on this 2-core machine
 
-export function shippedGguf() {
-  return execFileSync(python, ["-c", "from worker.backends.transformers.shipped import gguf_path; print(gguf_path())"], {
-    cwd: root,
-    encoding: "utf8",
-  }).trim();
+/** The gguf of a shipped model: SmolLM2's ("default") as its package holds it; Gemma 3 270M's
+ *  ("gemma3-270m") joined from its part packages into `directory`. */
+export function shippedGguf(model = "default", directory = undefined) {
+  const code =
+    model === "default"
+      ? "from worker.backends.transformers.shipped import gguf_path; print(gguf_path())"
+      : "import sys; from pathlib import Path; from worker.backends.transformers.shipped import assembled_gemma; " +
+        "print(assembled_gemma(Path(sys.argv[1])))";
+  return execFileSync(python, ["-c", code, ...(directory ? [directory] : [])], { cwd: root, encoding: "utf8" }).trim();
 }
 
 /** The Node client as `npm run build` left it. */

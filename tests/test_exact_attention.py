@@ -63,6 +63,41 @@ def test_a_row_gets_the_same_bits_alone_in_any_chunk_and_on_any_thread(kernel, h
     assert (whole.double() - reference(query, keys, values, *causal(1, positions, n), scaling)).abs().max() < 2e-5
 
 
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 1, 256)])
+def test_a_step_of_several_sequences_in_one_call_appends_each_and_gives_each_its_numbers_alone(
+    kernel, heads, kv_heads, dim
+):
+    """Each sequence keeps its keys and values in buffers of its own, of other sizes; one call
+    writes each new key and value at the sequence's next position and attends its keys (a
+    window of them for one): each row equals the kernel called for that sequence alone."""
+    from worker.backends.transformers.exact_attention import StepPlaces
+
+    torch.manual_seed(heads)
+    lengths, capacities, windows = [1, 37, 300, 129], [256, 40, 400, 300], [None, None, None, 64]
+    buffers = [(torch.randn(1, kv_heads, c, dim), torch.randn(1, kv_heads, c, dim)) for c in capacities]
+    before = [(keys.clone(), values.clone()) for keys, values in buffers]
+    query = torch.randn(len(lengths), heads, dim)
+    fused = torch.randn(len(lengths), kv_heads * dim * 3)  # new keys and values, views of a wider row
+    new_keys = fused[:, : kv_heads * dim].view(-1, kv_heads, dim)
+    new_values = fused[:, kv_heads * dim : 2 * kv_heads * dim].view(-1, kv_heads, dim)
+    places = StepPlaces()
+    for (keys, values), held, window in zip(buffers, lengths, windows):
+        start = 0 if window is None else max(0, held + 1 - window)
+        places.add(keys, values, start, 0, held + 1 - start)
+    out = kernel.step_attention(query, new_keys, new_values, places, dim**-0.5)
+    for b, ((keys, values), held, window) in enumerate(zip(buffers, lengths, windows)):
+        old_keys, old_values = before[b]
+        assert torch.equal(keys[0, :, held], new_keys[b]) and torch.equal(values[0, :, held], new_values[b])
+        assert torch.equal(keys[:, :, :held], old_keys[:, :, :held]) and torch.equal(keys[:, :, held + 1 :], old_keys[:, :, held + 1 :])
+        assert torch.equal(values[:, :, :held], old_values[:, :, :held])
+        start = 0 if window is None else max(0, held + 1 - window)
+        alone = kernel.attention(
+            query[b : b + 1, :, None], keys[:, :, start : held + 1], values[:, :, start : held + 1],
+            *causal(1, 1, held + 1 - start), dim**-0.5,
+        )
+        assert torch.equal(out[b], alone[0, 0])
+
+
 def test_rows_attending_windows_and_padded_batches_match_float64_attention(kernel):
     """Ranges that start past the first key (a sliding window, left padding), a batch whose
     rows attend different keys, and a row attending no key at all (zeros)."""

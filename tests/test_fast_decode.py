@@ -81,6 +81,58 @@ def test_a_batch_of_sequences_steps_as_each_would_alone(tiny_models, tmp_path: P
     assert_a_batch_steps_as_each_alone(model, prompts)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_step_attends_every_sequence_in_one_kernel_call_with_the_numbers_of_each_in_turn(
+    tiny_models, tmp_path: Path, monkeypatch, family
+):
+    """One position per sequence: each layer's attention and appends are one call of the exact
+    kernel for all sequences; logits and the caches' keys and values equal those of attention
+    computed sequence by sequence, also past the tiny Gemma 3's window and with a cache read
+    back from a file (its tensors, not buffers the step grew)."""
+    from worker.backends.transformers.decode_step import DecodeStep
+
+    model = load(tiny_models(family), tmp_path, quantization="int8")
+    step = model._decode_step
+    assert step._kernel is not None
+    calls = []
+    at_once = DecodeStep._attend_at_once
+    monkeypatch.setattr(DecodeStep, "_attend_at_once", lambda self, *a: calls.append(1) or at_once(self, *a))
+    prompts = [model.tokenize(text, add_special_tokens=True) for text in ("the cat", TEXT, "a red sun over the river")]
+    with torch.inference_mode():
+        caches = []
+        for prompt in prompts:
+            cache = model.new_cache()
+            model.extend_cache(prompt[:-1], cache)
+            caches.append(cache)
+        caches[1] = loaded_back(model, caches[1], prompts[1][:-1], tmp_path)
+        in_turn = [cache.copy() for cache in caches]
+        tokens = [prompt[-1] for prompt in prompts]
+        for _ in range(20):
+            calls.clear()
+            ours = step(tokens, caches)
+            assert len(calls) == len(step._layers)
+            kernel, step._kernel = step._kernel, None
+            theirs = step(tokens, in_turn)
+            step._kernel = kernel
+            assert torch.equal(ours, theirs)
+            tokens = ours.argmax(-1).tolist()
+    for mine, other in zip(caches, in_turn):
+        assert mine.length == other.length
+        for a, b in zip(mine.kv.layers, other.kv.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def loaded_back(model, cache, tokens: list[int], tmp_path: Path):
+    """``cache`` of ``tokens`` written to a file and read back with room to grow, as a request
+    that names it reads it."""
+    from tests.test_kvc_torch_adapter import identity, room_of, save
+    from worker.kvcache.container import load
+
+    path = tmp_path / "cache.kvc"
+    save(path, model._model, cache, tokens)
+    return model.load_cache(load(path, identity(model._model), room=room_of(model._model, held=len(tokens) + 40)))
+
+
 def assert_a_batch_steps_as_each_alone(model, prompts: list[list[int]]) -> None:
     """The last token of each prompt stepped in one batch gives each row the logits it gets alone."""
     with torch.inference_mode():

@@ -132,24 +132,41 @@ class GrowingKeysAndValues(KeysAndValues):
         """Append positions; the keys and values of all of them."""
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
-        held_keys, held_values = self.keys, self.values
-        assert held_keys is not None and held_values is not None
-        held = held_keys.shape[-2] if held_keys.dim() == 4 else 0
+        held = self.held
         total = held + keys.shape[-2]
+        buffers = self.reserve(total, keys, values)
+        buffers[0][..., held:total, :] = keys
+        buffers[1][..., held:total, :] = values
+        return self.take(total)
+
+    @property
+    def held(self) -> int:
+        """How many positions the layer holds."""
+        keys = self.keys
+        return keys.shape[-2] if keys is not None and keys.dim() == 4 else 0
+
+    def reserve(self, total: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers (contiguous) with room for ``total`` positions, beginning with the layer's own:
+        the present ones, or larger ones they are copied into; ``keys`` and ``values`` are of
+        the positions to come (their shape but for the positions, and their dtype)."""
+        held = self.held
         buffers = self.buffers
-        if buffers is None or buffers[0].shape[-2] < total or not _starts(held_keys, buffers[0]):
+        if buffers is None or buffers[0].shape[-2] < total or (held and not _starts(self.keys, buffers[0])):
             capacity = growth_capacity(total)
             buffers = (
                 keys.new_empty((*keys.shape[:-2], capacity, keys.shape[-1])),
                 values.new_empty((*values.shape[:-2], capacity, values.shape[-1])),
             )
             if held:
-                buffers[0][..., :held, :] = held_keys
-                buffers[1][..., :held, :] = held_values
+                buffers[0][..., :held, :] = self.keys
+                buffers[1][..., :held, :] = self.values
             self.buffers = buffers
-        buffers[0][..., held:total, :] = keys
-        buffers[1][..., held:total, :] = values
-        self.keys, self.values = buffers[0][..., :total, :], buffers[1][..., :total, :]
+        return buffers
+
+    def take(self, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hold the first ``total`` positions of the buffers (written there); their keys and values."""
+        assert self.buffers is not None
+        self.keys, self.values = self.buffers[0].narrow(2, 0, total), self.buffers[1].narrow(2, 0, total)
         return self.keys, self.values
 
     def wide_state(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +190,7 @@ class GrowingKeysAndValues(KeysAndValues):
         """As for any layer; tensors that hold more than ``length`` positions (a file read with
         room to grow) become the buffers."""
         super().restore(keys, values, length)
-        self.buffers = (keys, values) if keys.shape[-2] > length else None
+        self.buffers = (keys, values) if keys.shape[-2] > length and keys.is_contiguous() and values.is_contiguous() else None
         self.wide = None
 
     def compact(self) -> None:
@@ -210,11 +227,11 @@ class SlidingWindowLayer(GrowingKeysAndValues, hf_compat.DynamicSlidingWindowLay
         """transformers' forward appends through this."""
         return self.window(*self.update_and_fetch(key_states, value_states), key_states.shape[-2])
 
-    def update_and_fetch(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def take(self, total: int) -> tuple[torch.Tensor, torch.Tensor]:
         # transformers' forward takes the cache's length from the count of its first layer's
         # positions, which is this one's in Gemma 3.
-        self.cumulative_length += keys.shape[-2]
-        return super().update_and_fetch(keys, values)
+        self.cumulative_length = total
+        return super().take(total)
 
     def window(self, keys: torch.Tensor, values: torch.Tensor, new: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What ``new`` positions just appended attend: the window before the first of them, and them."""

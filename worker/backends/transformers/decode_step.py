@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from worker.backends.transformers import hf_compat
+from worker.backends.transformers import exact_attention, hf_compat
 from worker.backends.transformers.fast_weights import fused
 
 if TYPE_CHECKING:
@@ -184,6 +184,11 @@ class DecodeStep:
         self._kv_heads = config.num_key_value_heads or self._heads  # None only before the config resolves it
         self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // self._heads
         self._attention = hf_compat.attention_implementation(config)
+        # A step of one position per sequence runs each layer's attention in one kernel call
+        # (with exact attention, where the kernel takes the model's heads, and float32 keys and
+        # values: the kernel writes the new ones into the cache's buffers).
+        float32 = self._embed.weight.dtype == torch.float32
+        self._kernel = hf_compat.step_kernel(self._attention, self._heads, self._kv_heads, self._head_dim) if float32 else None
 
     def _cos_sin(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
         """Each layer type's (cos, signed sin) for the positions, (total, 1, head_dim)."""
@@ -192,6 +197,59 @@ class DecodeStep:
             cos, sin = self._rotary(hidden, positions) if rope is None else self._rotary(hidden, positions, rope)
             made[rope] = (cos, _signed_sin(sin))
         return made
+
+    def _attend_each(
+        self, index: int, layer: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        caches: Sequence[TorchCache], lengths: Sequence[int],
+    ) -> torch.Tensor:
+        """Attention of each sequence's new positions in turn; (total, heads, dim)."""
+        heads, kv_heads, dim = self._heads, self._kv_heads, self._head_dim
+        outputs, first = [], 0
+        for cache, n in zip(caches, lengths):
+            rows = slice(first, first + n)
+            first += n
+            # (1, kv_heads, n, dim), as the layers hold them: the cache layers of the models this
+            # step supports are lm-worker's own full-attention and sliding-window ones (cache_layers.new_cache)
+            cached = cast("GrowingKeysAndValues", cache.kv.layers[index])
+            keys, values = cached.update_and_fetch(k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None])
+            if self._attention == hf_compat.WIDE_ATTENTION:
+                keys, values = cached.wide_state(torch.float64)
+            if layer.window is not None:
+                keys, values = cast("SlidingWindowLayer", cached).window(keys, values, n)
+            if n == 1:
+                query = q[rows].view(kv_heads, heads // kv_heads, dim)
+                attended = hf_compat.one_query_attention(query, keys[0], values[0], layer.scaling, self._attention)
+            else:
+                attended = hf_compat.chunk_attention(
+                    q[rows].transpose(0, 1)[None], keys, values, layer.scaling, self._attention, layer.window
+                )
+            outputs.append(attended.reshape(n, heads, dim))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _attend_at_once(
+        self, index: int, layer: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        caches: Sequence[TorchCache],
+    ) -> torch.Tensor:
+        """Attention of one new position of each sequence in one call of the exact kernel, which
+        also appends its key and value to the sequence's buffers (the numbers _attend_each gives:
+        the same kernel arithmetic, the same keys); (batch, heads, dim)."""
+        assert self._kernel is not None
+        like_keys, like_values = k[:1].transpose(0, 1)[None], v[:1].transpose(0, 1)[None]  # (1, kv_heads, 1, dim)
+        places = exact_attention.StepPlaces()
+        appended = []
+        for cache in caches:
+            cached = cast("GrowingKeysAndValues", cache.kv.layers[index])
+            if not cached.is_initialized:
+                cached.lazy_initialization(like_keys, like_values)
+            total = cache.length + 1
+            keys, values = cached.reserve(total, like_keys, like_values)
+            start = 0 if layer.window is None else max(0, total - layer.window)
+            places.add(keys, values, start, 0, total - start)
+            appended.append((cached, total))
+        attended = self._kernel.step_attention(q, k, v, places, layer.scaling)
+        for cached, total in appended:
+            cached.take(total)
+        return attended
 
     def __call__(self, tokens: Sequence[int], caches: Sequence[TorchCache]) -> torch.Tensor:
         """Logits of the next position of each sequence, shape (len(tokens), vocab); each
@@ -206,7 +264,6 @@ class DecodeStep:
         the weights for all of them). Logits of the last ``last[i]`` (default 1) new
         positions of each sequence, in order, shape (sum(last), vocab)."""
         heads, kv_heads, dim = self._heads, self._kv_heads, self._head_dim
-        groups = heads // kv_heads
         lengths = [len(sequence) for sequence in sequences]
         total = sum(lengths)
         device = self._embed.weight.device
@@ -216,6 +273,7 @@ class DecodeStep:
         )
         hidden = self._embed(ids)  # (total, hidden)
         ropes = self._cos_sin(hidden, positions)
+        at_once = self._kernel is not None and total == len(lengths)
         for index, layer in enumerate(self._layers):
             q, k, v = layer.qkv(layer.norm_in(hidden))
             q, k = q.view(total, heads, dim), k.view(total, kv_heads, dim)
@@ -224,27 +282,11 @@ class DecodeStep:
             cos, sin = ropes[layer.rope]
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             v = v.view(total, kv_heads, dim)
-            outputs, first = [], 0
-            for cache, n in zip(caches, lengths):
-                rows = slice(first, first + n)
-                first += n
-                # (1, kv_heads, n, dim), as the layers hold them: the cache layers of the models this
-                # step supports are lm-worker's own full-attention and sliding-window ones (cache_layers.new_cache)
-                cached = cast("GrowingKeysAndValues", cache.kv.layers[index])
-                keys, values = cached.update_and_fetch(k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None])
-                if self._attention == hf_compat.WIDE_ATTENTION:
-                    keys, values = cached.wide_state(torch.float64)
-                if layer.window is not None:
-                    keys, values = cast("SlidingWindowLayer", cached).window(keys, values, n)
-                if n == 1:
-                    query = q[rows].view(kv_heads, groups, dim)
-                    attended = hf_compat.one_query_attention(query, keys[0], values[0], layer.scaling, self._attention)
-                else:
-                    attended = hf_compat.chunk_attention(
-                        q[rows].transpose(0, 1)[None], keys, values, layer.scaling, self._attention, layer.window
-                    )
-                outputs.append(attended.reshape(n, heads * dim))
-            attended = layer.out((outputs[0] if len(outputs) == 1 else torch.cat(outputs)).to(hidden.dtype))
+            if at_once:
+                attended = self._attend_at_once(index, layer, q, k, v, caches)
+            else:
+                attended = self._attend_each(index, layer, q, k, v, caches, lengths)
+            attended = layer.out(attended.reshape(total, heads * dim).to(hidden.dtype))
             if layer.norm_attended is not None:
                 attended = layer.norm_attended(attended)
             hidden = hidden + attended

@@ -207,10 +207,14 @@ static float *room(struct room *r, int64_t floats) {
     return r->data;
 }
 
-/* One call's shapes and tensors (strides in floats; the last dimension of q, k, v contiguous). */
+/* One call's shapes and tensors (strides in floats; the last dimension of q, k, v contiguous).
+ * Each batch entry's keys and values start at kb[b] and vb[b], heads kh[b] and vh[b] apart:
+ * the sequences of a decode step keep them in buffers of their own. */
 struct call {
-    const float *q, *k, *v;
-    int64_t qsb, qsh, qsi, ksb, ksh, ksj, vsb, vsh, vsj;
+    const float *q;
+    const float *const *kb, *const *vb;
+    const int64_t *kh, *vh;
+    int64_t qsb, qsh, qsi, ksj, vsj;
     const int64_t *lo, *hi;
     float *out;
     int64_t heads, kv_heads, positions, dim, groups, blocks;
@@ -252,7 +256,7 @@ struct scratch {
 /* Tile `tile` of the keys of (b, kv head) `pair`, transposed into c->kt (moves only: the
  * numbers are the keys' own); keys past the n attended are 0 (their scores go unused). */
 static void transpose_tile(const struct call *c, int64_t pair, int64_t tile, int64_t n) {
-    const float *keys = c->k + pair / c->kv_heads * c->ksb + pair % c->kv_heads * c->ksh;
+    const float *keys = c->kb[pair / c->kv_heads] + pair % c->kv_heads * c->kh[pair / c->kv_heads];
     float *into = c->kt + (pair * c->tiles + tile) * c->dim * W;
     for (int64_t d = 0; d < c->dim; d += W) {
         vf rows[W];
@@ -296,7 +300,7 @@ static void attend_item(const struct call *c, const struct scratch *s, int64_t i
         row_lo[r] = c->lo[at];
         row_n[r] = c->hi[at] > c->lo[at] ? c->hi[at] - c->lo[at] : 0;
     }
-    const float *values = c->v + b * c->vsb + kvh * c->vsh;
+    const float *values = c->vb[b] + kvh * c->vh[b];
     /* Tiles in pairs: the pair past the last tile attended may read one tile more, which the
      * transposed keys hold (zeros past the keys), and its scores go unused. */
     const int64_t first_tile = low / W, last_tile = (high + W - 1) / W, start = first_tile * W;
@@ -334,31 +338,22 @@ static void attend_item(const struct call *c, const struct scratch *s, int64_t i
     }
 }
 
-/* Attention of query rows q[b, h, i] (b < batch, h < heads, i < positions) over keys and
- * values k[b, h / (heads / kv_heads), j], v[...]: row (b, i) attends keys lo[b*positions + i]
- * up to hi[...] (exclusive). Writes out[b, i, h, :] (contiguous). dim is a multiple of 16,
- * heads / kv_heads at most MOST_GROUPS. Work items are shared among `threads` OpenMP threads
+/* The call's work: its keys transposed, then its items, shared among `threads` OpenMP threads
  * (where built with OpenMP: the runtime torch loaded, so its threads, already awake, take
  * them). Returns 0, or -1 when memory ran out. */
-int lmw_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsi, const float *k, int64_t ksb, int64_t ksh,
-                  int64_t ksj, const float *v, int64_t vsb, int64_t vsh, int64_t vsj, const int64_t *lo,
-                  const int64_t *hi, float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t positions,
-                  int64_t dim, float scale, int threads) {
-    struct call c = {q, k, v, qsb, qsh, qsi, ksb, ksh, ksj, vsb, vsh, vsj, lo, hi, out,
-                     heads, kv_heads, positions, dim, heads / kv_heads, (positions + POSITIONS - 1) / POSITIONS, scale,
-                     NULL, 0};
-    const int64_t items = batch * kv_heads * c.blocks, pairs = batch * kv_heads;
+static int run(struct call *c, int64_t batch, int threads) {
+    const int64_t items = batch * c->kv_heads * c->blocks, pairs = batch * c->kv_heads, dim = c->dim;
     int64_t widest = 0, n = 0;
     for (int64_t item = 0; item < items; item++) {
         int64_t low, high;
-        keys_of_item(&c, item, &low, &high);
+        keys_of_item(c, item, &low, &high);
         widest = high - low > widest ? high - low : widest;
         n = high > n ? high : n;
     }
-    c.tiles = (n + W - 1) / W + 1;
-    c.kt = room(&caller_room, pairs * c.tiles * dim * W);
-    const int64_t span = (widest + W - 1) / W * W + 3 * W, rows = c.groups * POSITIONS;
-    int failed = c.kt == NULL;
+    c->tiles = (n + W - 1) / W + 1;
+    c->kt = room(&caller_room, pairs * c->tiles * dim * W);
+    const int64_t span = (widest + W - 1) / W * W + 3 * W, rows = c->groups * POSITIONS;
+    int failed = c->kt == NULL;
 #pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
     {
         float *space = room(&thread_room, (rows + 1) * span + dim + rows * dim);
@@ -371,10 +366,74 @@ int lmw_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsi, const f
             struct scratch s = {space, space + (rows + 1) * span, space + (rows + 1) * span + dim, span};
             memset(s.zeros, 0, sizeof(float) * dim);
 #pragma omp for schedule(static)
-            for (int64_t at = 0; at < pairs * c.tiles; at++) transpose_tile(&c, at / c.tiles, at % c.tiles, n);
+            for (int64_t at = 0; at < pairs * c->tiles; at++) transpose_tile(c, at / c->tiles, at % c->tiles, n);
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < items; item++) attend_item(&c, &s, item);
+            for (int64_t item = 0; item < items; item++) attend_item(c, &s, item);
         }
     }
     return failed ? -1 : 0;
+}
+
+/* Where a call's batch entries start: kb, vb, kh, vh of `batch` entries in one allocation. */
+struct bases {
+    const float **kb, **vb;
+    int64_t *kh, *vh;
+};
+
+static int bases_of(int64_t batch, struct bases *b) {
+    void *memory = malloc(batch * (2 * sizeof(float *) + 2 * sizeof(int64_t)));
+    b->kb = memory;
+    b->vb = b->kb + batch;
+    b->kh = (int64_t *)(b->vb + batch);
+    b->vh = b->kh + batch;
+    return memory != NULL;
+}
+
+/* Attention of query rows q[b, h, i] (b < batch, h < heads, i < positions) over keys and
+ * values k[b, h / (heads / kv_heads), j], v[...]: row (b, i) attends keys lo[b*positions + i]
+ * up to hi[...] (exclusive). Writes out[b, i, h, :] (contiguous). dim is a multiple of 16,
+ * heads / kv_heads at most MOST_GROUPS. Returns 0, or -1 when memory ran out. */
+int lmw_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsi, const float *k, int64_t ksb, int64_t ksh,
+                  int64_t ksj, const float *v, int64_t vsb, int64_t vsh, int64_t vsj, const int64_t *lo,
+                  const int64_t *hi, float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t positions,
+                  int64_t dim, float scale, int threads) {
+    struct bases b;
+    if (!bases_of(batch, &b)) return -1;
+    for (int64_t i = 0; i < batch; i++) {
+        b.kb[i] = k + i * ksb, b.vb[i] = v + i * vsb;
+        b.kh[i] = ksh, b.vh[i] = vsh;
+    }
+    struct call c = {q, b.kb, b.vb, b.kh, b.vh, qsb, qsh, qsi, ksj, vsj, lo, hi, out,
+                     heads, kv_heads, positions, dim, heads / kv_heads, (positions + POSITIONS - 1) / POSITIONS, scale,
+                     NULL, 0};
+    int status = run(&c, batch, threads);
+    free(b.kb);
+    return status;
+}
+
+/* A decode step's attention for `batch` sequences of one new position each, whose keys and
+ * values live in buffers of their own (rows of dim floats; each head's rows kh[b] and vh[b]
+ * floats apart, from the addresses kb[b] and vb[b]). First each sequence's new key and value
+ * (nk + b * nksb + h * nksh, nv likewise) are written at its position hi[b] - 1; then its
+ * query rows q[b, h] attend keys lo[b] up to hi[b], as lmw_attention computes them. Writes
+ * out[b, h, :]. Returns 0, or -1 when memory ran out. */
+int lmw_step_attention(const float *q, int64_t qsb, int64_t qsh, const float *nk, int64_t nksb, int64_t nksh,
+                       const float *nv, int64_t nvsb, int64_t nvsh, const int64_t *kb, const int64_t *vb,
+                       const int64_t *kh, const int64_t *vh, const int64_t *lo, const int64_t *hi, float *out,
+                       int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, float scale, int threads) {
+    struct bases b;
+    if (!bases_of(batch, &b)) return -1;
+    for (int64_t i = 0; i < batch; i++) {
+        b.kb[i] = (const float *)(intptr_t)kb[i], b.vb[i] = (const float *)(intptr_t)vb[i];
+        b.kh[i] = kh[i], b.vh[i] = vh[i];
+        for (int64_t h = 0; h < kv_heads; h++) {
+            memcpy((float *)b.kb[i] + h * kh[i] + (hi[i] - 1) * dim, nk + i * nksb + h * nksh, dim * sizeof(float));
+            memcpy((float *)b.vb[i] + h * vh[i] + (hi[i] - 1) * dim, nv + i * nvsb + h * nvsh, dim * sizeof(float));
+        }
+    }
+    struct call c = {q, b.kb, b.vb, b.kh, b.vh, qsb, qsh, 0, dim, dim, lo, hi, out,
+                     heads, kv_heads, 1, dim, heads / kv_heads, 1, scale, NULL, 0};
+    int status = run(&c, batch, threads);
+    free(b.kb);
+    return status;
 }

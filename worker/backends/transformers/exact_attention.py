@@ -24,6 +24,7 @@ fails leaves the worker on float64 attention, not without a model.
 from __future__ import annotations
 
 import _ctypes
+import array
 import ctypes
 import hashlib
 import logging
@@ -61,6 +62,7 @@ _SHARE_FROM = 1 << 16
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _I64, _I64, _I64] * 3 + [_PTR, _PTR, _PTR] + [_I64] * 5 + [ctypes.c_float, ctypes.c_int]
+_STEP_ARGTYPES = [_PTR, _I64, _I64] * 3 + [_PTR] * 7 + [_I64] * 4 + [ctypes.c_float, ctypes.c_int]
 
 
 _UNLOADABLE = "could not load"
@@ -98,23 +100,30 @@ def built_function(directory: Path, source: Path, name: str) -> CFunction:
 
 
 class Kernel:
-    def __init__(self, library: Path | None = None, function: CFunction | None = None) -> None:
+    def __init__(
+        self, library: Path | None = None, function: CFunction | None = None, step: CFunction | None = None
+    ) -> None:
         if library is not None:
-            function = library_function(library, "lmw_attention")
-        assert function is not None, "a Kernel is made from a library or from its function"
-        self._function = function
-        self._function.argtypes = _ARGTYPES
-        self._function.restype = ctypes.c_int
+            function, step = library_function(library, "lmw_attention"), library_function(library, "lmw_step_attention")
+        assert function is not None and step is not None, "a Kernel is made from a library or from its functions"
+        self._function, self._step = function, step
+        self._function.argtypes, self._step.argtypes = _ARGTYPES, _STEP_ARGTYPES
+        self._function.restype = self._step.restype = ctypes.c_int
 
     def takes(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
         """Whether the kernel computes attention of these shapes (on the CPU): keys and values
         of the query's head size (some models' values have another), a multiple of 16."""
-        heads, kv_heads, dim = query.shape[1], keys.shape[1], query.shape[-1]
+        dim = query.shape[-1]
         return (
-            query.device.type == "cpu" and dim % 16 == 0 and keys.shape[-1] == values.shape[-1] == dim
+            query.device.type == "cpu" and keys.shape[-1] == values.shape[-1] == dim
             and keys.shape[:-1] == values.shape[:-1] and keys.shape[0] == query.shape[0]
-            and heads % kv_heads == 0 and heads // kv_heads <= _MOST_GROUPS
+            and self.takes_heads(query.shape[1], keys.shape[1], dim)
         )
+
+    @staticmethod
+    def takes_heads(heads: int, kv_heads: int, dim: int) -> bool:
+        """Whether the kernel takes query and key/value heads of these numbers and size."""
+        return dim % 16 == 0 and heads % kv_heads == 0 and heads // kv_heads <= _MOST_GROUPS
 
     def attention(
         self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -139,11 +148,63 @@ class Kernel:
             raise MemoryError("exact attention: no memory for its scratch space")
         return out
 
+    def step_attention(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, places: StepPlaces, scaling: float
+    ) -> torch.Tensor:
+        """A decode step's attention for several sequences in one call: ``query`` (batch, heads,
+        dim), each sequence's new ``keys`` and ``values`` (batch, kv_heads, dim; each row's last
+        dimension contiguous), which the call first writes into the sequence's buffers at its
+        new position; ``places`` says where those are and which keys each attends. Returns
+        (batch, heads, dim) in float32, each row the numbers ``attention`` gives it."""
+        batch, heads, dim = query.shape
+        kv_heads = keys.shape[1]
+        query, keys, values = (_rows(tensor) for tensor in (query, keys, values))
+        out = torch.empty(batch, heads, dim)
+        threads = torch.get_num_threads() if heads * places.keys >= _SHARE_FROM else 1
+        status = self._step(
+            query.data_ptr(), *query.stride()[:2], keys.data_ptr(), *keys.stride()[:2],
+            values.data_ptr(), *values.stride()[:2], *places.addresses(), out.data_ptr(),
+            batch, heads, kv_heads, dim, scaling, threads,
+        )
+        if status != 0:
+            raise MemoryError("exact attention: no memory for its scratch space")
+        return out
+
 
 def _rows(tensor: torch.Tensor) -> torch.Tensor:
     """float32 with the last dimension contiguous (the kernel's strides are per row)."""
     tensor = tensor.float()
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+class StepPlaces:
+    """Where each sequence of a decode step keeps one layer's keys and values (contiguous
+    float32 buffers (1, kv_heads, capacity, dim), as GrowingKeysAndValues.reserve makes them),
+    and which it attends: the call writes the new key and value at position ``hi - 1`` from
+    ``start`` and attends ``lo`` up to ``hi``."""
+
+    __slots__ = ("_columns", "keys")
+
+    def __init__(self) -> None:
+        # int64 arrays the kernel reads in place
+        self._columns = tuple(array.array("q") for _ in range(6))
+        self.keys = 0  # keys attended, in all
+
+    def add(self, keys: torch.Tensor, values: torch.Tensor, start: int, lo: int, hi: int) -> None:
+        """A sequence whose buffers are ``keys`` and ``values``, its positions counted from ``start``."""
+        kb, vb, kh, vh, los, his = self._columns
+        rows = start * keys.shape[3] * 4  # bytes of float32 rows before ``start``
+        kb.append(keys.data_ptr() + rows)
+        vb.append(values.data_ptr() + rows)
+        kh.append(keys.stride(1))
+        vh.append(values.stride(1))
+        los.append(lo)
+        his.append(hi)
+        self.keys += hi - lo
+
+    def addresses(self) -> list[int]:
+        """Where the columns are (valid while this object lives and nothing is added)."""
+        return [column.buffer_info()[0] for column in self._columns]
 
 
 _loaded: Kernel | None = None
@@ -154,7 +215,11 @@ def kernel(data_dir: Path) -> Kernel:
     KernelUnavailable with the compiler's words when it cannot be built."""
     global _loaded
     if _loaded is None:
-        _loaded = Kernel(function=built_function(data_dir / "kernels", SOURCE, "lmw_attention"))
+        directory = data_dir / "kernels"
+        _loaded = Kernel(
+            function=built_function(directory, SOURCE, "lmw_attention"),
+            step=built_function(directory, SOURCE, "lmw_step_attention"),
+        )
     return _loaded
 
 

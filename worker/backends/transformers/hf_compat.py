@@ -129,6 +129,17 @@ def _exact_kernel(implementation: str, query: torch.Tensor, keys: torch.Tensor, 
     return kernel if kernel.takes(query, keys, values) else None
 
 
+def step_kernel(implementation: str, heads: int, kv_heads: int, dim: int):
+    """exact_attention's kernel for a decode step's attention of several sequences in one call,
+    where the implementation is EXACT_ATTENTION and the kernel takes these heads; else None."""
+    if implementation != EXACT_ATTENTION:
+        return None
+    from worker.backends.transformers import exact_attention
+
+    kernel = exact_attention.loaded()
+    return kernel if kernel.takes_heads(heads, kv_heads, dim) else None
+
+
 # The keys each query row attends as one range: (lo, hi), int64 tensors of shape (batch,
 # positions), row (b, i) attending keys lo[b, i] to hi[b, i] - 1.
 Ranges = tuple[torch.Tensor, torch.Tensor]

