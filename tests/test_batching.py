@@ -139,8 +139,8 @@ async def test_an_ack_lets_a_held_stream_flow_again(spawn_worker: SpawnWorker):
 
 
 async def test_streams_in_a_batch_equal_each_request_alone_with_caches_in_it(cache_model, tmp_path: Path):
-    """On every family of cache layers (the Llama family steps them in one pass, the others in
-    turn). In the batch: a greedy request, one from a named cache, a seeded sampled one with
+    """On every family of cache layers (the Llama and Gemma 3 families step them in one pass,
+    Qwen3.5 in turn). In the batch: a greedy request, one from a named cache, a seeded sampled one with
     auto, and one that joins while the others decode."""
     host = await Host.start_in_process("--cache-dir", str(tmp_path / "caches"))
     try:
