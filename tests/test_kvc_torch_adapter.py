@@ -280,3 +280,33 @@ def test_a_hybrid_layers_cache_cut_back_to_a_checkpoint_continues_as_it_did():
         again = cache.feed(model, ids[:, 10:])
     assert torch.equal(first, again)
     assert twin.nbytes == cache.nbytes
+
+
+def test_a_cache_restored_or_cut_back_tells_transformers_the_positions_it_holds(tiny_models, tmp_path: Path):
+    """transformers reads the positions of new tokens from the cache's first layer, which in
+    Qwen3.5 is a linear-attention layer; from transformers 5.25 such a layer counts positions
+    itself, so a restored or cut-back one must count what it holds (else every later position
+    is wrong: greedy output from a cache parted from output without one)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from worker.backends.transformers.torch_adapter import TorchCache
+
+    directory = tiny_models("qwen3_5")
+    model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    ids = AutoTokenizer.from_pretrained(directory)(PROMPT).input_ids
+    cache = TorchCache(model.config)
+    feed(model, cache, ids[:12])
+    cache.checkpoint()
+    feed(model, cache, ids[12:20])
+    cache.checkpoint()
+    path = tmp_path / "cache.kvc"
+    save(path, model, cache, ids[:20])
+    restored = TorchCache.from_file(load(path, identity(model)), model.config, "cpu")
+    assert restored.kv.get_seq_length() == restored.length == 20
+    restored.crop(12)
+    assert restored.kv.get_seq_length() == 12
+    fresh = TorchCache(model.config)
+    feed(model, fresh, ids[:12])
+    with torch.inference_mode():  # the next positions are where they are without a cache
+        assert torch.equal(restored.feed(model, torch.tensor([ids[12:20]])), fresh.feed(model, torch.tensor([ids[12:20]])))

@@ -262,9 +262,10 @@ class LinearStates:
             recurrent = {i: None if t is None else t.clone() for i, t in recurrent.items()}
         return LayerState(conv, recurrent, flags)
 
-    def restore_states(self, snapshot: LayerState) -> None:
-        """Put the states back as they were at the snapshot (copies: the model updates them in
-        place, and the snapshot may be restored again)."""
+    def restore_states(self, snapshot: LayerState, length: int) -> None:
+        """Put the states back as they were at the snapshot, taken after ``length`` positions
+        (copies: the model updates them in place, and the snapshot may be restored again)."""
+        hf_compat.set_linear_length(self, length)
         for state, flag in snapshot.has_previous_state.items():
             conv, recurrent = snapshot.conv.get(state), snapshot.recurrent.get(state)
             hf_compat.set_linear_state(

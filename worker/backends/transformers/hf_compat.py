@@ -293,6 +293,16 @@ def linear_states(layer) -> tuple[dict[int, torch.Tensor | None], dict[int, torc
     )
 
 
+def set_linear_length(layer, length: int) -> None:
+    """Make ``length`` the positions a linear-attention layer counts. From 5.25 such a layer
+    counts them, and a cache's length is read from its first layer's count (a linear layer in
+    Qwen3.5): a layer restored or cut back must count what it holds. Earlier versions keep no
+    count."""
+    count = getattr(layer, "cumulative_length_linear", None)
+    if count is not None:
+        count.fill_(length)
+
+
 def set_linear_state(layer, state: int, conv: torch.Tensor | None, recurrent: torch.Tensor | None, flag: bool) -> None:
     """Make ``conv`` and ``recurrent`` a linear-attention layer's state ``state``, as its forward left them."""
     for tensor in (conv, recurrent):

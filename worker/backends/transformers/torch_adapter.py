@@ -97,7 +97,7 @@ class TorchCache:
             if isinstance(layer, KeysAndValues):
                 layer.keep_first(keep)
             if isinstance(layer, LinearStates):
-                layer.restore_states(self.checkpoints[keep][index])
+                layer.restore_states(self.checkpoints[keep][index], keep)
         self.length = keep
         self.checkpoints = {p: states for p, states in self.checkpoints.items() if p <= keep}
 
@@ -198,7 +198,7 @@ class TorchCache:
         for index, snapshot in states.get(cache.length, {}).items():
             layer = cache.kv.layers[index]
             assert isinstance(layer, LinearStates)
-            layer.restore_states(snapshot)
+            layer.restore_states(snapshot, cache.length)
         cache.checkpoints = states  # the end too: once fed further, the cache can still come back to it
         return cache
 
