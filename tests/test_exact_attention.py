@@ -98,6 +98,49 @@ def test_a_step_of_several_sequences_in_one_call_appends_each_and_gives_each_its
         assert torch.equal(out[b], alone[0, 0])
 
 
+def test_a_step_reads_no_key_past_a_short_sequence_s_buffer(kernel, tmp_path: Path):
+    """Beside a long sequence, a short one's buffer may end right after its keys: the kernel
+    must read none past them (a page it may not read follows the buffer here; a read past it
+    kills the process, so the step runs in one of its own)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "guarded.py"
+    script.write_text(GUARDED_STEP)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "data")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "attended"
+
+
+GUARDED_STEP = """
+import ctypes, mmap, sys
+from pathlib import Path
+import torch
+from worker.backends.transformers import exact_attention
+
+kernel = exact_attention.kernel(Path(sys.argv[1]))
+kv_heads, dim, heads = 3, 64, 9
+page = mmap.PAGESIZE
+short_bytes = 2 * kv_heads * 40 * dim * 4  # keys and values of 40 positions, then a guard page
+size = (short_bytes + page - 1) // page * page
+area = mmap.mmap(-1, size + page)
+libc = ctypes.CDLL(None)
+address = ctypes.addressof(ctypes.c_char.from_buffer(area))
+assert libc.mprotect(ctypes.c_void_p(address + size), page, 0) == 0  # PROT_NONE
+whole = torch.frombuffer(area, dtype=torch.float32, count=(size + page) // 4)
+end = size // 4
+short_values = whole[end - kv_heads * 40 * dim : end].view(1, kv_heads, 40, dim)
+short_keys = whole[end - 2 * kv_heads * 40 * dim : end - kv_heads * 40 * dim].view(1, kv_heads, 40, dim)
+long_keys, long_values = torch.randn(1, kv_heads, 5000, dim), torch.randn(1, kv_heads, 5000, dim)
+places = exact_attention.StepPlaces()
+places.add(long_keys, long_values, 0, 0, 4000)
+places.add(short_keys, short_values, 0, 0, 40)
+new = torch.randn(2, kv_heads, dim)
+kernel.step_attention(torch.randn(2, heads, dim), new, new, places, dim**-0.5)
+print("attended")
+"""
+
+
 def test_rows_attending_windows_and_padded_batches_match_float64_attention(kernel):
     """Ranges that start past the first key (a sliding window, left padding), a batch whose
     rows attend different keys, and a row attending no key at all (zeros)."""

@@ -216,6 +216,7 @@ struct call {
     const int64_t *kh, *vh;
     int64_t qsb, qsh, qsi, ksj, vsj;
     const int64_t *lo, *hi;
+    int64_t *limit; /* per batch entry: the end of the keys its rows attend (run sets it) */
     float *out;
     int64_t heads, kv_heads, positions, dim, groups, blocks;
     float scale;
@@ -254,9 +255,13 @@ struct scratch {
         }
 
 /* Tile `tile` of the keys of (b, kv head) `pair`, transposed into c->kt (moves only: the
- * numbers are the keys' own); keys past the n attended are 0 (their scores go unused). */
-static void transpose_tile(const struct call *c, int64_t pair, int64_t tile, int64_t n) {
-    const float *keys = c->kb[pair / c->kv_heads] + pair % c->kv_heads * c->kh[pair / c->kv_heads];
+ * numbers are the keys' own); keys past the last that b attends are 0 (their scores go
+ * unused), and tiles past the one after it are left alone: b's items read none of them, and
+ * its buffers may end there (a decode step's sequences hold positions of their own). */
+static void transpose_tile(const struct call *c, int64_t pair, int64_t tile) {
+    const int64_t b = pair / c->kv_heads, n = c->limit[b];
+    if (tile > (n + W - 1) / W) return;
+    const float *keys = c->kb[b] + pair % c->kv_heads * c->kh[b];
     float *into = c->kt + (pair * c->tiles + tile) * c->dim * W;
     for (int64_t d = 0; d < c->dim; d += W) {
         vf rows[W];
@@ -344,9 +349,11 @@ static void attend_item(const struct call *c, const struct scratch *s, int64_t i
 static int run(struct call *c, int64_t batch, int threads) {
     const int64_t items = batch * c->kv_heads * c->blocks, pairs = batch * c->kv_heads, dim = c->dim;
     int64_t widest = 0, n = 0;
+    for (int64_t i = 0; i < batch; i++) c->limit[i] = 0;
     for (int64_t item = 0; item < items; item++) {
-        int64_t low, high;
+        int64_t low, high, *limit = &c->limit[item / (c->kv_heads * c->blocks)];
         keys_of_item(c, item, &low, &high);
+        *limit = high > *limit ? high : *limit;
         widest = high - low > widest ? high - low : widest;
         n = high > n ? high : n;
     }
@@ -366,7 +373,7 @@ static int run(struct call *c, int64_t batch, int threads) {
             struct scratch s = {space, space + (rows + 1) * span, space + (rows + 1) * span + dim, span};
             memset(s.zeros, 0, sizeof(float) * dim);
 #pragma omp for schedule(static)
-            for (int64_t at = 0; at < pairs * c->tiles; at++) transpose_tile(c, at / c->tiles, at % c->tiles, n);
+            for (int64_t at = 0; at < pairs * c->tiles; at++) transpose_tile(c, at / c->tiles, at % c->tiles);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < items; item++) attend_item(c, &s, item);
         }
@@ -374,18 +381,20 @@ static int run(struct call *c, int64_t batch, int threads) {
     return failed ? -1 : 0;
 }
 
-/* Where a call's batch entries start: kb, vb, kh, vh of `batch` entries in one allocation. */
+/* Where a call's batch entries start (kb, vb, kh, vh) and where their keys end (limit, which
+ * run fills), `batch` entries each, in one allocation. */
 struct bases {
     const float **kb, **vb;
-    int64_t *kh, *vh;
+    int64_t *kh, *vh, *limit;
 };
 
 static int bases_of(int64_t batch, struct bases *b) {
-    void *memory = malloc(batch * (2 * sizeof(float *) + 2 * sizeof(int64_t)));
+    void *memory = malloc(batch * (2 * sizeof(float *) + 3 * sizeof(int64_t)));
     b->kb = memory;
     b->vb = b->kb + batch;
     b->kh = (int64_t *)(b->vb + batch);
     b->vh = b->kh + batch;
+    b->limit = b->vh + batch;
     return memory != NULL;
 }
 
@@ -403,7 +412,7 @@ int lmw_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsi, const f
         b.kb[i] = k + i * ksb, b.vb[i] = v + i * vsb;
         b.kh[i] = ksh, b.vh[i] = vsh;
     }
-    struct call c = {q, b.kb, b.vb, b.kh, b.vh, qsb, qsh, qsi, ksj, vsj, lo, hi, out,
+    struct call c = {q, b.kb, b.vb, b.kh, b.vh, qsb, qsh, qsi, ksj, vsj, lo, hi, b.limit, out,
                      heads, kv_heads, positions, dim, heads / kv_heads, (positions + POSITIONS - 1) / POSITIONS, scale,
                      NULL, 0};
     int status = run(&c, batch, threads);
@@ -431,7 +440,7 @@ int lmw_step_attention(const float *q, int64_t qsb, int64_t qsh, const float *nk
             memcpy((float *)b.vb[i] + h * vh[i] + (hi[i] - 1) * dim, nv + i * nvsb + h * nvsh, dim * sizeof(float));
         }
     }
-    struct call c = {q, b.kb, b.vb, b.kh, b.vh, qsb, qsh, 0, dim, dim, lo, hi, out,
+    struct call c = {q, b.kb, b.vb, b.kh, b.vh, qsb, qsh, 0, dim, dim, lo, hi, b.limit, out,
                      heads, kv_heads, 1, dim, heads / kv_heads, 1, scale, NULL, 0};
     int status = run(&c, batch, threads);
     free(b.kb);
