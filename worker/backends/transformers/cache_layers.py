@@ -235,8 +235,12 @@ class SlidingWindowLayer(GrowingKeysAndValues, hf_compat.DynamicSlidingWindowLay
 
     def window(self, keys: torch.Tensor, values: torch.Tensor, new: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What ``new`` positions just appended attend: the window before the first of them, and them."""
-        visible = self.sliding_window - 1 + new
-        return keys[..., -visible:, :], values[..., -visible:, :]
+        first = self.first_visible(keys.shape[-2], new)
+        return keys[..., first:, :], values[..., first:, :]
+
+    def first_visible(self, total: int, new: int) -> int:
+        """The first of ``total`` positions that the last ``new`` of them attend together."""
+        return max(0, total - (self.sliding_window - 1 + new))
 
 
 class LayerState(NamedTuple):

@@ -243,7 +243,7 @@ class DecodeStep:
                 cached.lazy_initialization(like_keys, like_values)
             total = cache.length + 1
             keys, values = cached.reserve(total, like_keys, like_values)
-            start = 0 if layer.window is None else max(0, total - layer.window)
+            start = 0 if layer.window is None else cast("SlidingWindowLayer", cached).first_visible(total, 1)
             places.add(keys, values, start, 0, total - start)
             appended.append((cached, total))
         attended = self._kernel.step_attention(q, k, v, places, layer.scaling)

@@ -121,23 +121,24 @@ def chunk_attention(
 def _exact_kernel(implementation: str, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
     """exact_attention's kernel where the implementation is EXACT_ATTENTION and the kernel takes
     these shapes; else None."""
-    if implementation != EXACT_ATTENTION:
-        return None
-    from worker.backends.transformers import exact_attention
-
-    kernel = exact_attention.loaded()
-    return kernel if kernel.takes(query, keys, values) else None
+    kernel = _exact_kernel_of(implementation)
+    return kernel if kernel is not None and kernel.takes(query, keys, values) else None
 
 
 def step_kernel(implementation: str, heads: int, kv_heads: int, dim: int):
     """exact_attention's kernel for a decode step's attention of several sequences in one call,
     where the implementation is EXACT_ATTENTION and the kernel takes these heads; else None."""
+    kernel = _exact_kernel_of(implementation)
+    return kernel if kernel is not None and kernel.takes_heads(heads, kv_heads, dim) else None
+
+
+def _exact_kernel_of(implementation: str):
+    """exact_attention's kernel where the implementation is EXACT_ATTENTION; else None."""
     if implementation != EXACT_ATTENTION:
         return None
     from worker.backends.transformers import exact_attention
 
-    kernel = exact_attention.loaded()
-    return kernel if kernel.takes_heads(heads, kv_heads, dim) else None
+    return exact_attention.loaded()
 
 
 # The keys each query row attends as one range: (lo, hi), int64 tensors of shape (batch,
