@@ -127,14 +127,84 @@ static inline __attribute__((always_inline)) void row_times(int type, const uint
     for (int i = 0; i < X; i++) out[i * out_stride] = vector_sum(acc[i]) + sum_m[i];
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define WIDE 1
+/* Two weight rows, r and r + 1, against X activation rows (2 to 4), in 512-bit registers:
+ * the low half of each holds row r's 8 lanes, the high half row r + 1's, and the activation
+ * block sits in both halves. Each output's lanes, products and order are row_times's; only
+ * the work around them is shared by two rows (a block's scale, the activations' loads).
+ * `s` holds, per block, the X rows' sums (Q4_1's s, zeros past X), so that both rows' terms
+ * m_w · s_x are one multiply and one add for every activation row together. */
+static inline __attribute__((always_inline)) void row_pair_times(int type, const uint8_t *w, int64_t row_bytes,
+                                                                const xblock *x, const float *s, int64_t blocks,
+                                                                int X, float *out, int64_t out_stride) {
+    __m512 acc[4];
+    for (int i = 0; i < X; i++) acc[i] = _mm512_setzero_ps();
+    __m256 sum_m = _mm256_setzero_ps(); /* lane i: row r with activation row i; lane 4 + i: row r + 1 */
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i twice = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);   /* [a, a, c, c] from [a, c] */
+    const __m512i nibbles = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0); /* then the high nibbles of each second copy */
+    const int64_t step = type == Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    const uint8_t *w1 = w + row_bytes;
+    for (int64_t b = 0; b < blocks; b++, w += step, w1 += step) {
+        const __m512 wd = _mm512_insertf32x8(_mm512_set1_ps(half_to_float(w)), _mm256_set1_ps(half_to_float(w1)), 1);
+        __m512i qw;
+        __mmask64 negative = 0;
+        if (type == Q4_1) {
+            const __m256 wm = _mm256_set_m128(_mm_set1_ps(half_to_float(w1 + 2)), _mm_set1_ps(half_to_float(w + 2)));
+            sum_m = _mm256_add_ps(sum_m, _mm256_mul_ps(wm, _mm256_broadcast_ps((const __m128 *)(s + 4 * b))));
+            const __m256i packed = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(w1 + 4)),
+                                                    _mm_loadu_si128((const __m128i *)(w + 4)));
+            qw = _mm512_and_si512(_mm512_srlv_epi64(_mm512_permutexvar_epi64(twice, _mm512_castsi256_si512(packed)), nibbles), low);
+        } else {
+            const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 2))),
+                                                 _mm256_loadu_si256((const __m256i *)(w1 + 2)), 1);
+            negative = _mm512_movepi8_mask(q);
+            qw = _mm512_abs_epi8(q); /* |w| times x with w's sign, as row_times (x is never -128) */
+        }
+        for (int i = 0; i < X; i++) {
+            const xblock *xb = &x[i * blocks + b];
+            __m512i qx = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xb->q));
+            if (type != Q4_1) qx = _mm512_mask_sub_epi8(qx, negative, _mm512_setzero_si512(), qx);
+            const __m512 lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), qw, qx));
+            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(wd, _mm512_set1_ps(xb->d)), lanes, acc[i]);
+        }
+    }
+    float m[8], lanes[16];
+    _mm256_storeu_ps(m, sum_m);
+    for (int i = 0; i < X; i++) {
+        _mm512_storeu_ps(lanes, acc[i]);
+        out[i * out_stride] = lanes_sum(lanes) + m[i];
+        out[i * out_stride + 1] = lanes_sum(lanes + 8) + m[4 + i];
+    }
+}
+#endif
+
 /* Weight rows [first, last) against activation rows [0, n), four activation rows at a time. */
 static void rows_times(int type, const uint8_t *w, int64_t row_bytes, const xblock *x, int64_t blocks,
                        int64_t first, int64_t last, int64_t n, float *out, int64_t outputs) {
     for (int64_t i = 0; i < n; i += 4) {
         const int64_t left = n - i < 4 ? n - i : 4;
-        for (int64_t r = first; r < last; r++) {
+        const xblock *xs = x + i * blocks;
+        int64_t r = first;
+#ifdef WIDE
+        /* Pairs of weight rows where there are several activation rows to share them (for one,
+         * a pair's extra setup costs more than it saves). */
+        float s[blocks * 4];
+        for (int64_t b = 0; b < blocks; b++)
+            for (int64_t k = 0; k < 4; k++) s[4 * b + k] = k < left ? xs[k * blocks + b].s : 0.0f;
+        for (; left > 1 && r + 1 < last; r += 2) {
             const uint8_t *row = w + r * row_bytes;
-            const xblock *xs = x + i * blocks;
+            float *o = out + i * outputs + r;
+            switch (left) {
+            case 4: row_pair_times(type, row, row_bytes, xs, s, blocks, 4, o, outputs); break;
+            case 3: row_pair_times(type, row, row_bytes, xs, s, blocks, 3, o, outputs); break;
+            default: row_pair_times(type, row, row_bytes, xs, s, blocks, 2, o, outputs);
+            }
+        }
+#endif
+        for (; r < last; r++) {
+            const uint8_t *row = w + r * row_bytes;
             float *o = out + i * outputs + r;
             switch (left) { /* a constant X for each, so that the accumulators stay in registers */
             case 4: row_times(type, row, xs, blocks, 4, o, outputs); break;
