@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,24 +216,62 @@ def test_requests_join_a_running_batch_and_leave_it_when_done():
 
 
 def test_requests_that_start_together_take_their_first_step_together():
+    """Eight prompts of 50 tokens: more than one chunk's worth, within two."""
     clock = [0.0]
     model = CountingModel(clock)
-    tasks = [CountingTask(model, CountingDecoding(prompt_left=40), max_tokens=3) for _ in range(4)]
+    tasks = [CountingTask(model, CountingDecoding(prompt_left=50), max_tokens=3) for _ in range(8)]
     lane = ListLane(tasks)
     scheduler_over(lane, clock=lambda: clock[0]).run()
-    assert model.chunks == [40, 40, 40, 40], "each prompt whole, before any step"
-    assert model.steps == [4, 4], model.steps  # first tokens from the prompts, then two steps of all four
+    assert model.chunks == [50] * 8, "each prompt whole, before any step"
+    assert model.steps == [8, 8], model.steps  # first tokens from the prompts, then two steps of all eight
 
 
-def test_prompts_fed_before_the_first_step_stop_at_a_chunks_worth_and_the_rest_join_beside_the_steps():
-    """The first request's second token waits for the others' prompts: at most one chunk's
-    worth of them (PREFILL_CHUNK_TOKENS) since the last step."""
+class ArrivingLane(ListLane):
+    """The first task alone at first; the others arrive while its prompt is fed, and each is
+    made on another thread a moment after it begins, as the worker makes them on its cache I/O
+    thread, one after another."""
+
+    def __init__(self, model: CountingModel, first: CountingTask, later: list[CountingTask]) -> None:
+        super().__init__([first])
+        self.model, self.later = model, list(later)
+        self.maker = threading.Lock()
+
+    def next_model_job(self, wait: bool, woken):
+        if self.waiting:
+            return self.waiting.pop(0)
+        return self.later.pop(0) if self.model.chunks and self.later else None
+
+    def start_task(self, job, ready) -> None:
+        if not self.model.chunks:
+            ready(job)
+            return
+
+        def make() -> None:
+            with self.maker:
+                time.sleep(0.002)
+                ready(job)
+
+        threading.Thread(target=make).start()
+
+
+def test_requests_begun_while_the_first_prompt_is_fed_wait_for_each_other_to_be_made_and_step_together():
+    clock = [0.0]
+    model = CountingModel(clock)
+    first, *later = (CountingTask(model, CountingDecoding(prompt_left=30), max_tokens=3) for _ in range(4))
+    scheduler_over(ArrivingLane(model, first, later), clock=lambda: clock[0]).run()
+    assert model.chunks == [30, 30, 30, 30]
+    assert model.steps == [4, 4], "the first stepped before the others were made"
+
+
+def test_prompts_fed_before_the_first_step_stop_at_two_chunks_worth_and_the_rest_join_beside_the_steps():
+    """The first request's second token waits for the others' prompts: at most
+    TOGETHER_PROMPT_TOKENS of them since the last step."""
     clock = [0.0]
     model = CountingModel(clock, chunks_in_step=True)
-    first, second, third = (CountingTask(model, CountingDecoding(prompt_left=n), max_tokens=50) for n in (40, 250, 40))
+    first, second, third = (CountingTask(model, CountingDecoding(prompt_left=n), max_tokens=50) for n in (40, 490, 40))
     lane = ListLane([first, second, third])
     scheduler_over(lane, clock=lambda: clock[0]).run()
-    assert model.chunks[:2] == [40, 250]
+    assert model.chunks[:3] == [40, PREFILL_CHUNK_TOKENS, 490 - PREFILL_CHUNK_TOKENS]
     assert model.steps[0] == 2 and third.decoding.tokens == 50, model.steps[:3]  # it came beside their steps
 
 

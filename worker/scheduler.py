@@ -9,7 +9,7 @@ sized from measured times so that a round with it costs under twice a step of on
 stream alone; a model that can computes it in the same pass as the step, reading its
 weights once for both), and a request alone gets the full chunk; :class:`RoundCosts`
 keeps those times and sizes the chunk. Requests that start together are fed first and
-step together from their first step (up to a chunk's worth of their prompts), rather than
+step together from their first step (up to two chunks' worth of their prompts), rather than
 the later ones trickling in beside the first. Every other model-lane request (``load``,
 ``unload``, ``shutdown``, and those queued behind them) runs alone: it waits for the
 tasks before it to end, and the requests after it wait for it.
@@ -53,6 +53,16 @@ PROBE_CHUNK_TOKENS = 2
 RECENT_CHUNK_ROUNDS = 24
 MIN_TOKEN_S = 1e-6  # a token's cost is never taken as nothing (a chunk's size divides by it)
 DEFAULT_MAX_BATCH = 8
+# How long requests that start together wait, before their first step, for the others begun
+# with them to be made (a millisecond or two each, one after another, unless one reads a
+# stored cache): their first tokens come from their prompts, so this holds back only the
+# second. A task made later joins beside their steps.
+TOGETHER_WAIT_S = 0.05
+# Requests that start together are fed whole before their first step while their prompts come
+# to at most this many tokens since the last step: two chunks' worth, so that eight requests of
+# a few dozen tokens each (chat turns, a host's batch) decode together from the first step; the
+# first request's second token waits for them.
+TOGETHER_PROMPT_TOKENS = 2 * PREFILL_CHUNK_TOKENS
 
 # The session's job type, as admission's J: what Jobs hands out, Work gets back.
 J_out = TypeVar("J_out", bound=Queued, covariant=True)
@@ -257,10 +267,15 @@ class Scheduler(Generic[J]):
         self._jobs.wake()
 
     def _await_starting(self) -> None:
-        """Give tasks just begun a moment (a quarter of a step) to be made, so that they join
-        this round rather than the next: making one takes a millisecond or two unless it reads a
-        stored cache, and the running ones are held up no longer than that quarter."""
-        timeout = (self.costs.step_s(len(self._tasks)) or 0.0) / 4
+        """Give tasks just begun a moment to be made, so that they join this round rather than
+        the next: making one takes a millisecond or two unless it reads a stored cache. Running
+        ones that have stepped are held up no longer than a quarter of a step; ones that have
+        not (requests that start together) up to TOGETHER_WAIT_S, so that the whole batch takes
+        its first step together rather than its later requests trickling in beside it."""
+        if any(id(task) in self._stepped for _, task in self._tasks):
+            timeout = (self.costs.step_s(len(self._tasks)) or 0.0) / 4
+        else:
+            timeout = TOGETHER_WAIT_S
         with self._made_one:
             self._made_one.wait_for(lambda: not self._starting, timeout)
 
@@ -311,11 +326,11 @@ class Scheduler(Generic[J]):
         """Whether ``feeding``'s prompt is fed whole on its own, before a step of ``decoding``:
         requests that start together decode together from their first step. So while none of
         the decoding ones has taken a step (each has at most its first token), a waiting prompt
-        that fits in what is left of one chunk's worth of tokens (PREFILL_CHUNK_TOKENS, counted
-        since the last step) is fed first; a longer one joins them in chunks beside their steps."""
+        that fits in what is left of TOGETHER_PROMPT_TOKENS (counted since the last step) is fed
+        first; a longer one joins them in chunks beside their steps."""
         if not decoding or any(id(task) in self._stepped for task in decoding):
             return False
-        return self._together_tokens + feeding.decoding.prompt_left <= PREFILL_CHUNK_TOKENS
+        return self._together_tokens + feeding.decoding.prompt_left <= TOGETHER_PROMPT_TOKENS
 
     def _step_together(self, decoding: list[Task], chunk: tuple[Decoding, int] | None = None) -> None:
         """One step of the decoding tasks; with ``chunk``, a part of a prompt fed in the same pass."""
