@@ -90,12 +90,13 @@ def test_the_kernel_multiplies_gguf_blocks_as_llama_cpp_does(kernel, kind):
 
 @pytest.mark.parametrize("kind", [Q4_1, Q8_0])
 def test_activation_rows_taken_together_multiply_as_llama_cpp_does(kernel, kind):
-    """The kernel takes a weight row against up to 4 activation rows at once: 1 to 9 rows (each
-    count of the rows left over) against 23 weight rows (a work item of 16, then 7)."""
+    """The kernel takes a weight row (or, with AVX-512, a pair of rows) against up to 4 (8)
+    activation rows at once: 1 to 17 rows (each count of the rows left over, past one group and
+    two) against 23 weight rows (a work item of 16, then 7: pairs and a row alone)."""
     rng = np.random.default_rng(2)
     blocks = gguf.quants.quantize(rng.standard_normal((23, 64)).astype(np.float32), kind)
     linear = kernel.GgufLinear(int(kind), torch.from_numpy(blocks), 64)
-    for n in range(1, 10):
+    for n in range(1, 18):
         x = rng.standard_normal((n, 64)).astype(np.float32)
         assert np.array_equal(linear(torch.from_numpy(x)).numpy(), llama_cpp_product(kind, blocks, x)), n
 

@@ -129,18 +129,19 @@ static inline __attribute__((always_inline)) void row_times(int type, const uint
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
 #define WIDE 1
-/* Two weight rows, r and r + 1, against X activation rows (2 to 4), in 512-bit registers:
+#define GROUP_ROWS 8 /* activation rows taken together: a pair of weight rows is unpacked once for 8 */
+/* Two weight rows, r and r + 1, against X activation rows (2 to 8), in 512-bit registers:
  * the low half of each holds row r's 8 lanes, the high half row r + 1's, and the activation
  * block sits in both halves. Each output's lanes, products and order are row_times's; only
- * the work around them is shared by two rows (a block's scale, the activations' loads).
- * `s` holds, per block, the X rows' sums (Q4_1's s, zeros past X), so that both rows' terms
- * m_w · s_x are one multiply and one add for every activation row together. */
+ * the work around them is shared by two rows and X activation rows (a block's scales, the
+ * weights' unpacking). `s` holds, per block, the X rows' sums (Q4_1's s, zeros past X), so
+ * that both rows' terms m_w · s_x are one multiply and one add for every activation row. */
 static inline __attribute__((always_inline)) void row_pair_times(int type, const uint8_t *w, int64_t row_bytes,
                                                                 const xblock *x, const float *s, int64_t blocks,
                                                                 int X, float *out, int64_t out_stride) {
-    __m512 acc[4];
+    __m512 acc[GROUP_ROWS];
     for (int i = 0; i < X; i++) acc[i] = _mm512_setzero_ps();
-    __m256 sum_m = _mm256_setzero_ps(); /* lane i: row r with activation row i; lane 4 + i: row r + 1 */
+    __m512 sum_m = _mm512_setzero_ps(); /* lane i: row r with activation row i; lane 8 + i: row r + 1 */
     const __m512i low = _mm512_set1_epi8(0x0F);
     const __m512i twice = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);   /* [a, a, c, c] from [a, c] */
     const __m512i nibbles = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0); /* then the high nibbles of each second copy */
@@ -151,8 +152,8 @@ static inline __attribute__((always_inline)) void row_pair_times(int type, const
         __m512i qw;
         __mmask64 negative = 0;
         if (type == Q4_1) {
-            const __m256 wm = _mm256_set_m128(_mm_set1_ps(half_to_float(w1 + 2)), _mm_set1_ps(half_to_float(w + 2)));
-            sum_m = _mm256_add_ps(sum_m, _mm256_mul_ps(wm, _mm256_broadcast_ps((const __m128 *)(s + 4 * b))));
+            const __m512 wm = _mm512_insertf32x8(_mm512_set1_ps(half_to_float(w + 2)), _mm256_set1_ps(half_to_float(w1 + 2)), 1);
+            sum_m = _mm512_add_ps(sum_m, _mm512_mul_ps(wm, _mm512_broadcast_f32x8(_mm256_loadu_ps(s + GROUP_ROWS * b))));
             const __m256i packed = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(w1 + 4)),
                                                     _mm_loadu_si128((const __m128i *)(w + 4)));
             qw = _mm512_and_si512(_mm512_srlv_epi64(_mm512_permutexvar_epi64(twice, _mm512_castsi256_si512(packed)), nibbles), low);
@@ -170,33 +171,39 @@ static inline __attribute__((always_inline)) void row_pair_times(int type, const
             acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(wd, _mm512_set1_ps(xb->d)), lanes, acc[i]);
         }
     }
-    float m[8], lanes[16];
-    _mm256_storeu_ps(m, sum_m);
+    float m[16], lanes[16];
+    _mm512_storeu_ps(m, sum_m);
     for (int i = 0; i < X; i++) {
         _mm512_storeu_ps(lanes, acc[i]);
         out[i * out_stride] = lanes_sum(lanes) + m[i];
-        out[i * out_stride + 1] = lanes_sum(lanes + 8) + m[4 + i];
+        out[i * out_stride + 1] = lanes_sum(lanes + 8) + m[8 + i];
     }
 }
+#else
+#define GROUP_ROWS 4
 #endif
 
-/* Weight rows [first, last) against activation rows [0, n), four activation rows at a time. */
+/* Weight rows [first, last) against activation rows [0, n), GROUP_ROWS activation rows at a time. */
 static void rows_times(int type, const uint8_t *w, int64_t row_bytes, const xblock *x, int64_t blocks,
                        int64_t first, int64_t last, int64_t n, float *out, int64_t outputs) {
-    for (int64_t i = 0; i < n; i += 4) {
-        const int64_t left = n - i < 4 ? n - i : 4;
+    for (int64_t i = 0; i < n; i += GROUP_ROWS) {
+        const int64_t left = n - i < GROUP_ROWS ? n - i : GROUP_ROWS;
         const xblock *xs = x + i * blocks;
         int64_t r = first;
 #ifdef WIDE
         /* Pairs of weight rows where there are several activation rows to share them (for one,
          * a pair's extra setup costs more than it saves). */
-        float s[blocks * 4];
+        float s[blocks * GROUP_ROWS];
         for (int64_t b = 0; b < blocks; b++)
-            for (int64_t k = 0; k < 4; k++) s[4 * b + k] = k < left ? xs[k * blocks + b].s : 0.0f;
+            for (int64_t k = 0; k < GROUP_ROWS; k++) s[GROUP_ROWS * b + k] = k < left ? xs[k * blocks + b].s : 0.0f;
         for (; left > 1 && r + 1 < last; r += 2) {
             const uint8_t *row = w + r * row_bytes;
             float *o = out + i * outputs + r;
-            switch (left) {
+            switch (left) { /* a constant X for each, so that the accumulators stay in registers */
+            case 8: row_pair_times(type, row, row_bytes, xs, s, blocks, 8, o, outputs); break;
+            case 7: row_pair_times(type, row, row_bytes, xs, s, blocks, 7, o, outputs); break;
+            case 6: row_pair_times(type, row, row_bytes, xs, s, blocks, 6, o, outputs); break;
+            case 5: row_pair_times(type, row, row_bytes, xs, s, blocks, 5, o, outputs); break;
             case 4: row_pair_times(type, row, row_bytes, xs, s, blocks, 4, o, outputs); break;
             case 3: row_pair_times(type, row, row_bytes, xs, s, blocks, 3, o, outputs); break;
             default: row_pair_times(type, row, row_bytes, xs, s, blocks, 2, o, outputs);
@@ -205,12 +212,14 @@ static void rows_times(int type, const uint8_t *w, int64_t row_bytes, const xblo
 #endif
         for (; r < last; r++) {
             const uint8_t *row = w + r * row_bytes;
-            float *o = out + i * outputs + r;
-            switch (left) { /* a constant X for each, so that the accumulators stay in registers */
-            case 4: row_times(type, row, xs, blocks, 4, o, outputs); break;
-            case 3: row_times(type, row, xs, blocks, 3, o, outputs); break;
-            case 2: row_times(type, row, xs, blocks, 2, o, outputs); break;
-            default: row_times(type, row, xs, blocks, 1, o, outputs);
+            for (int64_t j = 0; j < left; j += 4) {
+                float *o = out + (i + j) * outputs + r;
+                switch (left - j < 4 ? left - j : 4) {
+                case 4: row_times(type, row, xs + j * blocks, blocks, 4, o, outputs); break;
+                case 3: row_times(type, row, xs + j * blocks, blocks, 3, o, outputs); break;
+                case 2: row_times(type, row, xs + j * blocks, blocks, 2, o, outputs); break;
+                default: row_times(type, row, xs + j * blocks, blocks, 1, o, outputs);
+                }
             }
         }
     }
