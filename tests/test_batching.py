@@ -44,6 +44,18 @@ async def test_concurrent_generates_stream_side_by_side_each_as_if_alone(spawn_w
         assert [c["index"] for c in host.chunks[msg_id]] == list(range(len(host.chunks[msg_id])))
 
 
+async def test_eight_requests_sent_together_with_more_than_a_chunk_of_prompts_decode_together(spawn_worker: SpawnWorker):
+    """Eight 45-token prompts (315 tokens besides the first's, past one chunk): every stream's
+    first token comes before any stream's third, so none joined beside the others' steps."""
+    host = await echo(spawn_worker)
+    started = [host.start("generate", {"prompt": letter * 45, "add_special_tokens": False}) for letter in "abcdefgh"]
+    for (_, done), letter in zip(started, "abcdefgh"):
+        assert (await done)["result"]["text"] == letter * 45
+    order = [m["params"]["id"] for m in host.messages if m.get("method") == "generate/chunk"]
+    third = next(i for i, msg_id in enumerate(order) if order[: i + 1].count(msg_id) == 3)  # any stream's third chunk
+    assert set(order[:third]) == {msg_id for msg_id, _ in started}
+
+
 async def test_a_request_joins_running_streams_mid_stream_and_they_keep_flowing(spawn_worker: SpawnWorker):
     host = await echo(spawn_worker)
     first_id, first = host.start("generate", {"prompt": "a" * 40, "add_special_tokens": False})
