@@ -101,6 +101,36 @@ def test_activation_rows_taken_together_multiply_as_llama_cpp_does(kernel, kind)
         assert np.array_equal(linear(torch.from_numpy(x)).numpy(), llama_cpp_product(kind, blocks, x)), n
 
 
+@pytest.mark.parametrize("flags", [["-mavx2", "-mfma", "-mf16c"], []], ids=["avx2", "plain-c"])
+def test_the_kernel_built_for_narrower_processors_multiplies_as_llama_cpp_does(kernel, flags, tmp_path: Path):
+    """The worker builds the kernel for the machine it runs on; these are the code paths a
+    processor without AVX-512 (or without AVX2) takes, built here on purpose and held to the
+    same numbers for every count of activation rows."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    library = tmp_path / "gguf_kernel.so"
+    subprocess.run(
+        [compiler, "-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", *flags,
+         "-o", str(library), str(kernel.KERNEL_SOURCE)],
+        check=True,
+    )
+    matmul = ctypes.CDLL(str(library)).lmw_gguf_matmul
+    matmul.argtypes, matmul.restype = kernel._ARGTYPES, ctypes.c_int
+    rng = np.random.default_rng(3)
+    for kind in (Q4_1, Q8_0):
+        blocks = gguf.quants.quantize(rng.standard_normal((23, 64)).astype(np.float32), kind)
+        for n in (1, 2, 5, 9):
+            x = rng.standard_normal((n, 64)).astype(np.float32)
+            out = np.empty((n, 23), np.float32)
+            assert matmul(int(kind), blocks.ctypes.data, 23, 64, x.ctypes.data, n, 64, out.ctypes.data, 1) == 0
+            assert np.array_equal(out, llama_cpp_product(kind, blocks, x)), (kind, n)
+
+
 def test_each_row_gets_the_numbers_it_gets_alone_and_joined_linears_their_own(kernel):
     rng = np.random.default_rng(1)
     linears = [

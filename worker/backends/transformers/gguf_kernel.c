@@ -179,13 +179,23 @@ static inline __attribute__((always_inline)) void row_pair_times(int type, const
         out[i * out_stride + 1] = lanes_sum(lanes + 8) + m[8 + i];
     }
 }
+/* The Q4_1 sums s of each group of GROUP_ROWS activation rows (from row g), per block, side by
+ * side, zeros past the last row: sums[g * blocks + GROUP_ROWS * b + k] is row g + k's. Made once
+ * a call, for every work item. */
+static void group_sums(const xblock *x, int64_t n, int64_t blocks, float *sums) {
+    for (int64_t g = 0; g < n; g += GROUP_ROWS)
+        for (int64_t b = 0; b < blocks; b++)
+            for (int64_t k = 0; k < GROUP_ROWS; k++)
+                sums[g * blocks + GROUP_ROWS * b + k] = g + k < n ? x[(g + k) * blocks + b].s : 0.0f;
+}
 #else
 #define GROUP_ROWS 4
 #endif
 
-/* Weight rows [first, last) against activation rows [0, n), GROUP_ROWS activation rows at a time. */
-static void rows_times(int type, const uint8_t *w, int64_t row_bytes, const xblock *x, int64_t blocks,
-                       int64_t first, int64_t last, int64_t n, float *out, int64_t outputs) {
+/* Weight rows [first, last) against activation rows [0, n), GROUP_ROWS activation rows at a
+ * time; `sums` holds each group's Q4_1 sums as row_pair_times takes them (group_sums). */
+static void rows_times(int type, const uint8_t *w, int64_t row_bytes, const xblock *x, const float *sums,
+                       int64_t blocks, int64_t first, int64_t last, int64_t n, float *out, int64_t outputs) {
     for (int64_t i = 0; i < n; i += GROUP_ROWS) {
         const int64_t left = n - i < GROUP_ROWS ? n - i : GROUP_ROWS;
         const xblock *xs = x + i * blocks;
@@ -193,9 +203,7 @@ static void rows_times(int type, const uint8_t *w, int64_t row_bytes, const xblo
 #ifdef WIDE
         /* Pairs of weight rows where there are several activation rows to share them (for one,
          * a pair's extra setup costs more than it saves). */
-        float s[blocks * GROUP_ROWS];
-        for (int64_t b = 0; b < blocks; b++)
-            for (int64_t k = 0; k < GROUP_ROWS; k++) s[GROUP_ROWS * b + k] = k < left ? xs[k * blocks + b].s : 0.0f;
+        const float *s = sums + i * blocks;
         for (; left > 1 && r + 1 < last; r += 2) {
             const uint8_t *row = w + r * row_bytes;
             float *o = out + i * outputs + r;
@@ -225,6 +233,8 @@ static void rows_times(int type, const uint8_t *w, int64_t row_bytes, const xblo
     }
 }
 #else
+#define GROUP_ROWS 1 /* the plain code takes activation rows one at a time */
+
 static float dot_q4_1(const uint8_t *w, const xblock *x, int64_t blocks) {
     float sum_m = 0.0f;
     float acc[8] = {0};
@@ -257,8 +267,9 @@ static float dot_q8_0(const uint8_t *w, const xblock *x, int64_t blocks) {
     return lanes_sum(acc);
 }
 
-static void rows_times(int type, const uint8_t *w, int64_t row_bytes, const xblock *x, int64_t blocks,
-                       int64_t first, int64_t last, int64_t n, float *out, int64_t outputs) {
+static void rows_times(int type, const uint8_t *w, int64_t row_bytes, const xblock *x, const float *sums,
+                       int64_t blocks, int64_t first, int64_t last, int64_t n, float *out, int64_t outputs) {
+    (void)sums; /* row_pair_times's, which this plain code has no use for */
     for (int64_t i = 0; i < n; i++)
         for (int64_t r = first; r < last; r++)
             out[i * outputs + r] = type == Q4_1 ? dot_q4_1(w + r * row_bytes, x + i * blocks, blocks)
@@ -275,20 +286,31 @@ int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t i
     if (type != Q4_1 && type != Q8_0) return 2;
     const int64_t blocks = inputs / BLOCK;
     const int64_t row_bytes = blocks * (type == Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+    const int64_t grouped = (n + GROUP_ROWS - 1) / GROUP_ROWS * GROUP_ROWS;
     xblock *quantized = malloc((size_t)(n * blocks) * sizeof *quantized);
-    if (quantized == NULL) return 1;
+    float *sums = malloc((size_t)(grouped * blocks) * sizeof *sums);
+    if (quantized == NULL || sums == NULL) {
+        free(quantized);
+        free(sums);
+        return 1;
+    }
     const int64_t items = (outputs + ROWS_TOGETHER - 1) / ROWS_TOGETHER;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; i++) quantize_row(x + i * x_stride, blocks, quantized + i * blocks);
+#ifdef WIDE
+#pragma omp single
+        group_sums(quantized, n, blocks, sums);
+#endif
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < items; item++) {
             const int64_t first = item * ROWS_TOGETHER;
             const int64_t last = first + ROWS_TOGETHER < outputs ? first + ROWS_TOGETHER : outputs;
-            rows_times(type, weights, row_bytes, quantized, blocks, first, last, n, out, outputs);
+            rows_times(type, weights, row_bytes, quantized, sums, blocks, first, last, n, out, outputs);
         }
     }
     free(quantized);
+    free(sums);
     return 0;
 }
