@@ -199,7 +199,9 @@ def test_the_kernel_is_built_once_per_machine_and_reused(kernel, tmp_path: Path)
     assert [path.name for path in tmp_path.iterdir()] == [built.name]  # no partial file left behind
 
 
-async def test_a_worker_without_a_c_compiler_loads_int8_with_float64_attention(tiny_model_dir: Path, tmp_path: Path):
+async def test_a_worker_without_a_c_compiler_loads_int8_with_float64_attention_and_pytorchs_int8_products(
+    tiny_model_dir: Path, tmp_path: Path
+):
     env = {**TORCH_ENV, "CC": str(tmp_path / "no-such-compiler"), "LM_WORKER_DATA_DIR": str(tmp_path / "data")}
     host = await Host.spawn(env=env)
     try:
@@ -210,6 +212,7 @@ async def test_a_worker_without_a_c_compiler_loads_int8_with_float64_attention(t
     finally:
         await host.close()
     assert "attention in float64" in host.stderr.decode() and "no C compiler" in host.stderr.decode()
+    assert "int8 rows multiplied by PyTorch's kernel" in host.stderr.decode()
     assert not (tmp_path / "data" / "kernels").exists() or not any((tmp_path / "data" / "kernels").glob("*.so"))
 
 
@@ -235,7 +238,9 @@ async def test_a_damaged_kernel_file_is_built_again_and_two_workers_starting_tog
             await host.close()
     for host in hosts:
         assert "attention in float64" not in host.stderr.decode()
-    assert [path.name for path in kernels.iterdir()] == [name]
+    # the attention kernel, built again, and the int8 products' kernel: no partial file left behind
+    names = sorted(path.name for path in kernels.iterdir())
+    assert len(names) == 2 and name in names and names[1].startswith("int8_kernel-"), names
     exact_attention.Kernel(kernels / name)  # loads
 
 

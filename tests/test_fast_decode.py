@@ -216,11 +216,12 @@ def test_int4_weights_give_each_row_the_numbers_it_gets_alone():
         assert torch.equal(linear(rows[start : start + count]), together[start : start + count])
 
 
-def test_int4_gives_a_linear_it_cannot_take_8_bit_rows_not_dense_weights():
+def test_int4_gives_a_linear_it_cannot_take_8_bit_rows_not_dense_weights(tmp_path: Path):
     """Every product of a quantized model gives each row the numbers it gets alone; a dense
     one would not, so a shape the int4 kernel refuses gets 8-bit rows."""
-    from worker.backends.transformers.fast_weights import Int4Linear, Int8Linear, quantize
+    from worker.backends.transformers.fast_weights import Int4Linear, Int8Linear, load_int8_kernel, quantize
 
+    load_int8_kernel(tmp_path)
     model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 40, bias=False))
     assert quantize(model, "int4") == 2
     assert [type(layer) for layer in model] == [Int4Linear, Int8Linear]

@@ -94,6 +94,8 @@ class TransformersBackend:
         # the rest of a position's arithmetic as independent of the chunk it is in.
         # (Built before a shipped model is converted: a load's stages come in one order.)
         attention = hf_compat.ATTENTION if quantization == "none" else _exact_attention(data_dir)
+        if quantization != "none":
+            _int8_kernel(data_dir)
         path = _model_path(params.model, data_dir)
         model, tokenizer = _load_pretrained(path, dtype, device, params.trust_remote_code, attention)
         blocks = _gguf_blocks(model, _gguf_source(params.model, path), data_dir) if quantization == "gguf" else {}
@@ -135,6 +137,17 @@ def _gguf_blocks(model, gguf_file: Path | None, data_dir: Path) -> dict:
     except (OSError, ValueError) as exc:  # transformers read it a moment ago; a file changed since, say
         log.warning("int8 weights instead of the gguf's own: cannot read %s: %s", gguf_file, exc)
         return {}
+
+
+def _int8_kernel(data_dir: Path) -> None:
+    """Build (on first use) the kernel that multiplies int8 rows; where it cannot be built,
+    PyTorch's int8 kernel takes them (fast_weights.TorchInt8Linear), and the log says why."""
+    from worker.backends.transformers import exact_attention, fast_weights
+
+    try:
+        fast_weights.load_int8_kernel(data_dir)
+    except exact_attention.KernelUnavailable as exc:
+        log.warning("int8 rows multiplied by PyTorch's kernel from bfloat16 inputs (about half as fast): %s", exc)
 
 
 def _exact_attention(data_dir: Path) -> str:
@@ -530,7 +543,7 @@ def _identity(path: Path, model, tokenizer, dtype: str, quantization: str, memo_
     """Everything that decides what the model computes for a token: every byte of the
     weights and tokenizer files (a .gguf file holds both), the chat template, and the
     whole configuration. Digests of big files are remembered (worker.fingerprint)."""
-    from worker.backends.transformers import hf_compat
+    from worker.backends.transformers import fast_weights, hf_compat
     from worker.fingerprint import combined_sha256, digests
     from worker.kvcache.container import Identity
     from worker.backends.transformers.torch_adapter import TorchCache
@@ -550,7 +563,7 @@ def _identity(path: Path, model, tokenizer, dtype: str, quantization: str, memo_
             tokenizer_files, known, extra=f"{type(tokenizer).__name__}\0{template if isinstance(template, str) else ''}"
         ),
         rope_theta=hf_compat.rope_theta(config),
-        config_sha256=hf_compat.config_digest(config),
+        config_sha256=hf_compat.config_digest(config, fast_weights.int8_products() if quantization != "none" else None),
         layers=config.num_hidden_layers,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0),

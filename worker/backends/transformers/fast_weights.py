@@ -1,27 +1,33 @@
-"""Weights that a decode step reads fast on the CPU: 4-bit groups, or 8-bit rows (or a
+"""Weights that a decode step reads fast on the CPU: 8-bit rows, or 4-bit groups (or a
 gguf file's own blocks: gguf_weights).
 
 A decode step reads every weight once per token, so on a CPU its time is the bytes
 read (the memory's bandwidth) plus a fixed cost per operation. Dense float32 weights
-are 4 bytes a parameter; these are ½ (int4) or 1 (int8), multiplied by PyTorch's own
-CPU kernels for weight-only quantized products.
+are 4 bytes a parameter; these are 1 (int8) or ½ (int4).
 
+- ``int8`` (the default on the CPU): one scale per output row, multiplied by the worker's
+  own kernel (int8_kernel.c) from inputs rounded to bfloat16. Each output is one chain of
+  fused multiply-adds over its inputs in order, so a row gets the numbers it gets alone, in
+  a chunk of any size and in a batch, and the same bits on every processor (the AVX2 and
+  the plain C code alike). It takes the products about twice as fast as PyTorch's own int8
+  kernel on a processor without AVX-512 (bench/README). Where it cannot be built, PyTorch's
+  kernel takes the rows (TorchInt8Linear: its sums are blocked by the processor's vector
+  width, but still row by row), and the log says why.
 - ``int4``: groups of 32 inputs share a scale and an offset (w = (q - 8)·scale + zero),
   as in the gguf files the shipped models come from (Q4_1, Q4_K), so those weights
-  keep nearly the values they were published with.
-- ``int8``: one scale per output row.
+  keep nearly the values they were published with; PyTorch's CPU kernel multiplies
+  them, fast with bfloat16 inputs only (float32 ones take 10 to 20 times longer), so the
+  linear rounds its input to bfloat16 and gives its output back in the model's dtype (as
+  the int8 kernels do).
 
-The kernels are fast with bfloat16 inputs only (float32 ones take 10 to 20 times
-longer), so a linear rounds its input to bfloat16 and gives its output back in the
-model's dtype: a float32 model keeps float32 everywhere else (norms, attention, the
-residual sum, the KV cache). The kernels compute each output row from its input row
-alone: a chunk of 256 rows gives each row the numbers it gets alone. PyTorch's attention
-does not (its sums are blocked by the shape of the call), so for these weights the
-worker computes attention with exact_attention's kernel (hf_compat.EXACT_ATTENTION,
-or float64 where it cannot be built), and a position's numbers no longer depend on
-the chunk or step it was computed in. Without that, the bfloat16 rounding made
-last-bit differences a whole bfloat16 step, and greedy output with a cache differed
-from greedy output without one (seen on SmolLM2). ``int8`` is the default on the CPU.
+A float32 model keeps float32 everywhere else (norms, attention, the residual sum, the
+KV cache). The products compute each output row from its input row alone. PyTorch's
+attention does not (its sums are blocked by the shape of the call), so for these weights
+the worker computes attention with exact_attention's kernel (hf_compat.EXACT_ATTENTION,
+or float64 where it cannot be built), and a position's numbers no longer depend on the
+chunk or step it was computed in. Without that, last-bit differences grew (through the
+bfloat16 rounding, a whole bfloat16 step), and greedy output with a cache differed from
+greedy output without one (seen on SmolLM2).
 
 Every ``nn.Linear`` of the model is replaced, the output projection (``lm_head``)
 included; embeddings stay as they are. A linear whose shape the int4 kernel does not
@@ -31,14 +37,55 @@ would not give each row the numbers it gets alone.
 
 from __future__ import annotations
 
+import ctypes
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
 import torch
 
 from worker import load_progress
-from worker.backends.transformers.gguf_weights import GgufLinear, joined
+from worker.backends.transformers.gguf_weights import GgufLinear, float_rows_product, joined
+
+if TYPE_CHECKING:
+    from worker.backends.transformers.exact_attention import CFunction
+
+KERNEL_SOURCE = Path(__file__).with_name("int8_kernel.c")
+# What the cache identity calls the kernel's arithmetic (hf_compat.config_digest): its bits
+# are not PyTorch's int8 kernel's, so a cache computed with one must not pass for the other's.
+KERNEL_PRODUCTS = "lm_worker_int8"
 
 GROUP = 32
 KERNEL_DTYPE = torch.bfloat16
 _INT4_ROW_BLOCK = 64  # rows of a packed int4 weight that the CPU kernel keeps together
+_PANEL = 16  # rows int8_kernel.c stores input-major together (PANEL there)
+_ITEM_ROWS = 64  # rows of one of its work items (ITEM · PANEL): the rows are padded to a multiple
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_ARGTYPES = [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, ctypes.c_int]
+_int8_matmul: CFunction | None = None
+
+
+def load_int8_kernel(data_dir: Path) -> None:
+    """Build (on first use) and load int8_kernel.c; raises exact_attention.KernelUnavailable.
+    Once it is loaded, quantize() gives int8 rows to Int8Linear."""
+    global _int8_matmul
+    if _int8_matmul is None:
+        from worker.backends.transformers.exact_attention import built_function
+
+        function = built_function(data_dir / "kernels", KERNEL_SOURCE, "lmw_int8_matmul")
+        function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
+        _int8_matmul = function
+
+
+def int8_products() -> str | None:
+    """KERNEL_PRODUCTS where the worker's kernel multiplies int8 rows; None where PyTorch's does."""
+    return KERNEL_PRODUCTS if _int8_matmul is not None else None
+
+
+def _int8_rows(linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight as 8-bit rows: (rows, inputs) int8 and a float32 scale per row (|q| ≤ 127)."""
+    weight = linear.weight.detach().float()
+    scale = weight.abs().amax(1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    return (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
 class Int4Linear(torch.nn.Module):
@@ -69,17 +116,67 @@ class Int4Linear(torch.nn.Module):
 
 
 class Int8Linear(torch.nn.Module):
+    """8-bit rows multiplied by int8_kernel.c (load_int8_kernel first), in its layout: the rows
+    padded with zero rows to a multiple of 64, each panel of 16 rows stored input-major
+    (``packed``: panels, inputs, 16), and a float32 scale per padded row."""
+
+    packed: torch.Tensor  # buffers (moved with the module)
+    scale: torch.Tensor
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if _int8_matmul is None:
+            raise RuntimeError("load_int8_kernel() first")
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale", scale)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self.in_features, self.out_features = packed.shape[1], out_features
+        self._function = _int8_matmul
+
+    @classmethod
+    def of(cls, linear: torch.nn.Linear, dtype: torch.dtype) -> Int8Linear:
+        q, scale = _int8_rows(linear)
+        rows, inputs = q.shape
+        padding = -rows % _ITEM_ROWS
+        panels = torch.nn.functional.pad(q, (0, 0, 0, padding)).reshape(-1, _PANEL, inputs)
+        bias = None if linear.bias is None else linear.bias.detach().to(dtype)
+        return cls(panels.transpose(1, 2).contiguous(), torch.nn.functional.pad(scale, (0, padding)), rows, bias)
+
+    @classmethod
+    def joined(cls, linears: list[Int8Linear]) -> Int8Linear | None:
+        """One linear for linears without bias that read the same input (their rows one after
+        another), each output computed as by its own linear; None unless each has whole work
+        items of rows (the padding would sit between their outputs)."""
+        if any(linear.out_features % _ITEM_ROWS or linear.bias is not None for linear in linears):
+            return None
+        return cls(
+            torch.cat([linear.packed for linear in linears]), torch.cat([linear.scale for linear in linears]),
+            sum(linear.out_features for linear in linears), None,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def product(*rows_args: int) -> None:
+            if self._function(self.packed.data_ptr(), self.scale.data_ptr(), self.out_features, self.in_features, *rows_args):
+                raise MemoryError("int8 weights: no memory for the rounded activations")
+
+        y = float_rows_product(x, self.in_features, self.out_features, product)
+        return y if self.bias is None else y + self.bias
+
+
+class TorchInt8Linear(torch.nn.Module):
+    """8-bit rows multiplied by PyTorch's CPU kernel, from inputs rounded to bfloat16 (fast only
+    with those): where int8_kernel.c cannot be built."""
+
     weight_int8: torch.Tensor  # buffers (moved with the module)
     scale: torch.Tensor
 
     def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype) -> None:
         super().__init__()
-        weight = linear.weight.detach().float()
-        scale = weight.abs().amax(1).clamp(min=torch.finfo(torch.float32).tiny) / 127
-        self.register_buffer("weight_int8", (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
+        q, scale = _int8_rows(linear)
+        self.register_buffer("weight_int8", q)
         self.register_buffer("scale", scale.to(KERNEL_DTYPE))
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
@@ -111,7 +208,8 @@ def quantize(model: torch.nn.Module, scheme: str, gguf_blocks: dict | None = Non
             kind, rows = blocks[qualified]
             setattr(parent, name, GgufLinear(kind, rows, child.in_features))
         else:
-            kind = Int4Linear if scheme == "int4" and _fits_int4(child) else Int8Linear
+            int8 = Int8Linear.of if _int8_matmul is not None else TorchInt8Linear
+            kind = Int4Linear if scheme == "int4" and _fits_int4(child) else int8
             setattr(parent, name, kind(child, dtype))
         report(replaced)
     return len(linears)
@@ -123,11 +221,12 @@ def fused(linears: list[torch.nn.Module]):
     linear's own; None unless all of them are quantized alike, without bias."""
     if not all(type(linear) is type(linears[0]) and linear.bias is None for linear in linears):
         return None
-    ggufs = [linear for linear in linears if isinstance(linear, GgufLinear)]
+    if isinstance(linears[0], GgufLinear):
+        return joined(cast("list[GgufLinear]", linears))
+    if isinstance(linears[0], Int8Linear):
+        return Int8Linear.joined(cast("list[Int8Linear]", linears))
     int4s = [linear for linear in linears if isinstance(linear, Int4Linear)]
-    int8s = [linear for linear in linears if isinstance(linear, Int8Linear)]
-    if len(ggufs) == len(linears):
-        return joined(ggufs)
+    int8s = [linear for linear in linears if isinstance(linear, TorchInt8Linear)]
     if len(int4s) == len(linears):
         if any(linear.out_features % _INT4_ROW_BLOCK for linear in int4s):
             return None  # the packed layout interleaves rows within blocks: only whole blocks join

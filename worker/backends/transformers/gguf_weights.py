@@ -28,7 +28,7 @@ import ctypes
 import mmap
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -79,20 +79,26 @@ class GgufLinear(torch.nn.Module):
         self._function = _matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float()
-        if flat.stride(-1) != 1:
-            flat = flat.contiguous()
-        rows = flat.shape[0]
-        out = torch.empty(rows, self.out_features)
-        work = rows * self.out_features * self.in_features
-        threads = torch.get_num_threads() if work >= _SHARE_FROM else 1
-        status = self._function(
-            self.kind, self.blocks.data_ptr(), self.out_features, self.in_features, flat.data_ptr(), rows,
-            flat.stride(0) if rows > 1 else self.in_features, out.data_ptr(), threads,
-        )
-        if status != 0:
-            raise MemoryError("gguf weights: no memory for the quantized activations")
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        def product(*rows_args: int) -> None:
+            if self._function(self.kind, self.blocks.data_ptr(), self.out_features, self.in_features, *rows_args) != 0:
+                raise MemoryError("gguf weights: no memory for the quantized activations")
+
+        return float_rows_product(x, self.in_features, self.out_features, product)
+
+
+def float_rows_product(x: torch.Tensor, inputs: int, outputs: int, product: Callable[..., None]) -> torch.Tensor:
+    """x's rows (float32, each `inputs` numbers) times a kernel's weights, in x's dtype: the
+    calling convention the worker's product kernels share. ``product(x, rows, row_stride, out,
+    threads)`` (addresses and counts) writes `outputs` floats per row; small products run on
+    the calling thread alone (threads wake slower than they would help)."""
+    flat = x.reshape(-1, inputs).float()
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    rows = flat.shape[0]
+    out = torch.empty(rows, outputs)
+    threads = torch.get_num_threads() if rows * outputs * inputs >= _SHARE_FROM else 1
+    product(flat.data_ptr(), rows, flat.stride(0) if rows > 1 else inputs, out.data_ptr(), threads)
+    return out.to(x.dtype).reshape(*x.shape[:-1], outputs)
 
 
 def joined(linears: list[GgufLinear]) -> GgufLinear | None:
