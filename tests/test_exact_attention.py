@@ -190,6 +190,42 @@ def test_transformers_masks_become_one_range_of_keys_per_row_or_none():
     assert key_ranges(additive + 0.5, 1, positions, n) is None  # a bias on scores, not a choice of keys
 
 
+def test_vectors_of_8_and_of_16_floats_give_the_same_bits(kernel, tmp_path: Path):
+    """The kernel's vectors are 16 floats with AVX-512 and 8 without; built here both ways (the
+    sums' lanes and order do not depend on the width), they give the same bits for every head
+    shape and a range of positions, keys and starts, so a cache means the same numbers on
+    either kind of processor."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    import torch
+
+    from worker.backends.transformers import exact_attention
+
+    compiler = shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    functions = []
+    for width in (8, 16):
+        library = tmp_path / f"attention-{width}.so"
+        subprocess.run(
+            [compiler, "-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", "-march=native",
+             f"-DW={width}", "-o", str(library), str(exact_attention.SOURCE)],
+            check=True, capture_output=True,
+        )
+        functions.append(exact_attention.Kernel(library))
+    torch.manual_seed(0)
+    for heads, kv_heads, dim in ((9, 3, 64), (4, 1, 16), (8, 2, 128), (6, 3, 32), (2, 2, 48)):
+        for positions, keys in ((1, 1), (1, 37), (5, 20), (17, 100), (40, 300), (2, 9)):
+            query = torch.randn(2, heads, positions, dim)
+            keys_, values = torch.randn(2, kv_heads, keys, dim), torch.randn(2, kv_heads, keys, dim)
+            hi = torch.arange(keys - positions + 1, keys + 1).repeat(2, 1)
+            lo = torch.randint(0, 3, hi.shape).clamp(max=hi - 1)
+            narrow, wide = (f.attention(query, keys_, values, lo, hi, 0.125) for f in functions)
+            assert torch.equal(narrow, wide), (heads, kv_heads, dim, positions, keys)
+
+
 def test_the_kernel_is_built_once_per_machine_and_reused(kernel, tmp_path: Path):
     from worker.backends.transformers import exact_attention
 

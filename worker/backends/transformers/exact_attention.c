@@ -10,10 +10,13 @@
  *   x[t]      = score[t] * scale; m = the largest x (exact whatever the order);
  *   p[t]      = exp(x[t] - m), exp being vexp below (the same function for every lane);
  *   l         = sum of p: lane t % 16 adds its p in order of t, then the 16 lane sums
- *               are added in a fixed tree (lanes i and i + 8, then i and i + 4, ...);
+ *               are added in a fixed tree (lanes i and i + 8, then i and i + 4, ...),
+ *               whatever the vectors' width;
  *   out[d]    = (sum over t of p[t] * v[lo+t][d], t from 0 up) / l.
  * Vectors run across keys (scores) or across dimensions (the weighted sum), never across
- * the terms of one sum, so how rows and keys are blocked changes nothing. Built with
+ * the terms of one sum, so how rows and keys are blocked changes nothing, nor does the
+ * vectors' width W: 16 floats where the processor has AVX-512, else 8 (a vector of 16 on AVX2
+ * is two registers, which GCC moves through memory: six to ten times slower). Built with
  * -ffp-contract=off: no multiply and add is fused into one rounding anywhere, so every
  * machine that rounds IEEE single precision gives the same bits.
  */
@@ -21,9 +24,19 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define W 16           /* lanes of a vector (vsplat spells them out) */
+#ifndef W /* lanes of a vector (a test builds both widths and compares their bits) */
+#if defined(__AVX512F__)
+#define W 16
+#else
+#define W 8
+#endif
+#endif
+#define SUM_LANES 16   /* lanes of the sum l, whatever W */
 #define POSITIONS 16   /* query positions in one work item */
-#define SCORE_ROWS 8   /* query rows whose scores are computed together */
+/* Query rows whose scores are computed together, and rows a weighted sum of DV vectors takes at
+ * once: as many as the registers hold (32 of 16 floats with AVX-512, 16 of 8 with AVX2). */
+#define SCORE_ROWS (W == 16 ? 8 : 4)
+#define SUM_ROWS(DV) (W == 16 ? ((DV) <= 4 ? 4 : (DV) == 8 ? 2 : 1) : ((DV) <= 2 ? 4 : (DV) == 4 ? 2 : 1))
 #define MOST_GROUPS 64 /* query heads per key/value head */
 
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
@@ -31,7 +44,11 @@ typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
 
 static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
-static inline vf vsplat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+static inline vf vsplat(float x) {
+    vf v;
+    for (int i = 0; i < W; i++) v[i] = x;
+    return v;
+}
 static inline vf vselect(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
 
 /* The first `count` lanes from p, the others `fill`. */
@@ -61,10 +78,11 @@ static inline vf vexp(vf x) {
     return vselect(under, vsplat(0.0f), y * (vf)exponent);
 }
 
-static inline float hsum(vf v) {
-    float lanes[W];
-    vstore(lanes, v);
-    for (int width = W / 2; width > 0; width /= 2)
+/* The sum of SUM_LANES lane sums, held in SUM_LANES / W vectors, in the fixed tree. */
+static inline float lanes_sum(const vf *sums) {
+    float lanes[SUM_LANES];
+    for (int c = 0; c < SUM_LANES / W; c++) vstore(lanes + c * W, sums[c]);
+    for (int width = SUM_LANES / 2; width > 0; width /= 2)
         for (int i = 0; i < width; i++) lanes[i] = lanes[i] + lanes[i + width];
     return lanes[0];
 }
@@ -110,10 +128,11 @@ static float softmax_in_place(float *s, int64_t n, float scale) {
         vf x = vload_part(s + whole, n - whole, -__builtin_inff()) * vsplat(scale);
         best = vselect(x > best, x, best);
     }
-    vf m = vsplat(hmax(best)), total = vsplat(0.0f);
+    vf m = vsplat(hmax(best)), total[SUM_LANES / W]; /* lanes t % SUM_LANES, W at a time */
+    for (int c = 0; c < SUM_LANES / W; c++) total[c] = vsplat(0.0f);
     for (int64_t t = 0; t < whole; t += W) {
         vf p = vexp(vload(s + t) * vsplat(scale) - m);
-        total = total + p;
+        total[t / W % (SUM_LANES / W)] = total[t / W % (SUM_LANES / W)] + p;
         vstore(s + t, p);
     }
     if (whole < n) {
@@ -121,17 +140,18 @@ static float softmax_in_place(float *s, int64_t n, float scale) {
         /* Missing lanes start at -inf, which vexp takes to 0, as the loop below sets them. */
         vstore(lanes, vexp(vload_part(s + whole, n - whole, -__builtin_inff()) * vsplat(scale) - m));
         for (int i = n - whole; i < W; i++) lanes[i] = 0.0f;
-        total = total + vload(lanes);
+        total[whole / W % (SUM_LANES / W)] = total[whole / W % (SUM_LANES / W)] + vload(lanes);
         memcpy(s + whole, lanes, (n - whole) * sizeof(float));
     }
-    return hsum(total);
+    return lanes_sum(total);
 }
 
-/* out[r] = sum over t < n[r] of p[r][t] * v[lo + t], t in order, for up to NR rows sharing lo;
- * DV vectors a row. The rows' common part is summed together, each rest alone. */
-#define DEFINE_WEIGHTED_SUM(DV, NR)                                                              \
-    static void weighted_sum_##DV##_##NR(const float *v, int64_t vsj, int rows, float *const *p,     \
-                                         const int64_t *n, float *const *out) {                       \
+/* out[r] = sum over t < n[r] of p[r][t] * v[lo + t], t in order, for up to NR = SUM_ROWS(DV)
+ * rows sharing lo; DV vectors a row. The rows' common part is summed together, each rest alone. */
+#define DEFINE_WEIGHTED_SUM(DV)                                                                  \
+    static void weighted_sum_##DV(const float *v, int64_t vsj, int rows, float *const *p,            \
+                                  const int64_t *n, float *const *out) {                              \
+        enum { NR = SUM_ROWS(DV) };                                                               \
         vf acc[NR][DV];                                                                           \
         for (int r = 0; r < NR; r++)                                                              \
             for (int c = 0; c < DV; c++) acc[r][c] = vsplat(0.0f);                                \
@@ -157,28 +177,25 @@ static float softmax_in_place(float *s, int64_t n, float scale) {
         }                                                                                         \
     }
 
-DEFINE_WEIGHTED_SUM(1, 4)
-DEFINE_WEIGHTED_SUM(2, 4)
-DEFINE_WEIGHTED_SUM(4, 4)
-DEFINE_WEIGHTED_SUM(8, 2)
-DEFINE_WEIGHTED_SUM(16, 1)
+DEFINE_WEIGHTED_SUM(1)
+DEFINE_WEIGHTED_SUM(2)
+DEFINE_WEIGHTED_SUM(4)
+DEFINE_WEIGHTED_SUM(8)
+DEFINE_WEIGHTED_SUM(16)
 
 static int weighted_sum_rows(int64_t dim) {
-    switch (dim / W) {
-    case 1: case 2: case 4: return 4;
-    case 8: return 2;
-    default: return 1;
-    }
+    const int64_t vectors = dim / W;
+    return vectors == 1 || vectors == 2 || vectors == 4 || vectors == 8 ? SUM_ROWS(vectors) : 1;
 }
 
 static void weighted_sum(int64_t dim, const float *v, int64_t vsj, int rows, float *const *p, const int64_t *n,
                          float *const *out) {
     switch (dim / W) {
-    case 1: weighted_sum_1_4(v, vsj, rows, p, n, out); return;
-    case 2: weighted_sum_2_4(v, vsj, rows, p, n, out); return;
-    case 4: weighted_sum_4_4(v, vsj, rows, p, n, out); return;
-    case 8: weighted_sum_8_2(v, vsj, rows, p, n, out); return;
-    case 16: weighted_sum_16_1(v, vsj, rows, p, n, out); return;
+    case 1: weighted_sum_1(v, vsj, rows, p, n, out); return;
+    case 2: weighted_sum_2(v, vsj, rows, p, n, out); return;
+    case 4: weighted_sum_4(v, vsj, rows, p, n, out); return;
+    case 8: weighted_sum_8(v, vsj, rows, p, n, out); return;
+    case 16: weighted_sum_16(v, vsj, rows, p, n, out); return;
     }
     /* Any other multiple of W: one row at a time, the same order. */
     for (int r = 0; r < rows; r++) {
@@ -231,13 +248,14 @@ struct scratch {
     int64_t span;
 };
 
-/* Shuffles for a 16 x 16 transpose: each stage swaps the off-diagonal blocks of 2s x 2s
+/* Shuffles for a W x W transpose: each stage swaps the off-diagonal blocks of 2s x 2s
  * blocks. GCC before 12 spells a two-vector shuffle __builtin_shuffle. */
 #if defined(__clang__) || __GNUC__ >= 12
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
 #define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
 #endif
+#if W == 16
 #define LOW_8(a, b) SHUFFLE(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
 #define HIGH_8(a, b) SHUFFLE(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31)
 #define LOW_4(a, b) SHUFFLE(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
@@ -246,6 +264,16 @@ struct scratch {
 #define HIGH_2(a, b) SHUFFLE(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31)
 #define LOW_1(a, b) SHUFFLE(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
 #define HIGH_1(a, b) SHUFFLE(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31)
+#define TRANSPOSE STAGE(8) STAGE(4) STAGE(2) STAGE(1)
+#else
+#define LOW_4(a, b) SHUFFLE(a, b, 0, 1, 2, 3, 8, 9, 10, 11)
+#define HIGH_4(a, b) SHUFFLE(a, b, 4, 5, 6, 7, 12, 13, 14, 15)
+#define LOW_2(a, b) SHUFFLE(a, b, 0, 1, 8, 9, 4, 5, 12, 13)
+#define HIGH_2(a, b) SHUFFLE(a, b, 2, 3, 10, 11, 6, 7, 14, 15)
+#define LOW_1(a, b) SHUFFLE(a, b, 0, 8, 2, 10, 4, 12, 6, 14)
+#define HIGH_1(a, b) SHUFFLE(a, b, 1, 9, 3, 11, 5, 13, 7, 15)
+#define TRANSPOSE STAGE(4) STAGE(2) STAGE(1)
+#endif
 #define STAGE(S)                                                        \
     for (int i = 0; i < W; i++)                                         \
         if (!(i & S)) {                                                 \
@@ -267,7 +295,7 @@ static void transpose_tile(const struct call *c, int64_t pair, int64_t tile) {
         vf rows[W];
         for (int j = 0; j < W; j++)
             rows[j] = tile * W + j < n ? vload(keys + (tile * W + j) * c->ksj + d) : vsplat(0.0f);
-        STAGE(8) STAGE(4) STAGE(2) STAGE(1)
+        TRANSPOSE
         for (int i = 0; i < W; i++) vstore(into + (d + i) * W, rows[i]);
     }
 }
