@@ -129,6 +129,25 @@ async def echo_worker(spawn_worker: SpawnWorker) -> Host:
     return host
 
 
+def kernel_variant(source: Path, library: Path, flags: list[str], function: str):
+    """The C function ``function`` of ``source`` built with the worker's flags plus ``flags``
+    (another processor's code path, built here on purpose), loaded with ctypes; skips the test
+    where there is no C compiler."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    subprocess.run(
+        [compiler, "-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", *flags,
+         "-o", str(library), str(source)],
+        check=True, capture_output=True,
+    )
+    return getattr(ctypes.CDLL(str(library)), function)
+
+
 def install_plugin(directory: Path, module: str, source: str, backends: dict[str, str]) -> dict[str, str]:
     """A third-party backend package: a module and a dist-info with ``lm_worker.backends``
     entry points, in ``directory``. Returns the environment that puts it on the path."""

@@ -195,25 +195,15 @@ def test_vectors_of_8_and_of_16_floats_give_the_same_bits(kernel, tmp_path: Path
     sums' lanes and order do not depend on the width), they give the same bits for every head
     shape and a range of positions, keys and starts, so a cache means the same numbers on
     either kind of processor."""
-    import ctypes
-    import shutil
-    import subprocess
-
     import torch
 
+    from tests.conftest import kernel_variant
     from worker.backends.transformers import exact_attention
 
-    compiler = shutil.which("cc")
-    if compiler is None:
-        pytest.skip("no C compiler here")
     functions = []
     for width in (8, 16):
         library = tmp_path / f"attention-{width}.so"
-        subprocess.run(
-            [compiler, "-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", "-march=native",
-             f"-DW={width}", "-o", str(library), str(exact_attention.SOURCE)],
-            check=True, capture_output=True,
-        )
+        kernel_variant(exact_attention.SOURCE, library, ["-march=native", f"-DW={width}"], "lmw_attention")
         functions.append(exact_attention.Kernel(library))
     torch.manual_seed(0)
     for heads, kv_heads, dim in ((9, 3, 64), (4, 1, 16), (8, 2, 128), (6, 3, 32), (2, 2, 48)):

@@ -107,19 +107,10 @@ def test_the_kernel_built_for_narrower_processors_multiplies_as_llama_cpp_does(k
     processor without AVX-512 (or without AVX2) takes, built here on purpose and held to the
     same numbers for every count of activation rows."""
     import ctypes
-    import shutil
-    import subprocess
 
-    compiler = shutil.which("cc")
-    if compiler is None:
-        pytest.skip("no C compiler here")
-    library = tmp_path / "gguf_kernel.so"
-    subprocess.run(
-        [compiler, "-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", *flags,
-         "-o", str(library), str(kernel.KERNEL_SOURCE)],
-        check=True,
-    )
-    matmul = ctypes.CDLL(str(library)).lmw_gguf_matmul
+    from tests.conftest import kernel_variant
+
+    matmul = kernel_variant(kernel.KERNEL_SOURCE, tmp_path / "gguf_kernel.so", flags, "lmw_gguf_matmul")
     matmul.argtypes, matmul.restype = kernel._ARGTYPES, ctypes.c_int
     rng = np.random.default_rng(3)
     for kind in (Q4_1, Q8_0):

@@ -7,12 +7,12 @@ PyTorch's int8 products is another identity."""
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.conftest import kernel_variant
 
 torch = pytest.importorskip("torch")
 
@@ -84,16 +84,7 @@ def test_the_kernel_built_for_other_processors_gives_the_same_bits(fast_weights,
     """The worker builds the kernel for the machine it runs on; the AVX2 code and the plain C
     (what a processor without AVX2 runs) are built here on purpose: the same bits as the
     loaded kernel, so a cache file means the same numbers on every machine."""
-    compiler = shutil.which("cc")
-    if compiler is None:
-        pytest.skip("no C compiler here")
-    library = tmp_path / "int8_kernel.so"
-    subprocess.run(
-        [compiler, "-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", *flags,
-         "-o", str(library), str(fast_weights.KERNEL_SOURCE)],
-        check=True,
-    )
-    matmul = ctypes.CDLL(str(library)).lmw_int8_matmul
+    matmul = kernel_variant(fast_weights.KERNEL_SOURCE, tmp_path / "int8_kernel.so", flags, "lmw_int8_matmul")
     matmul.argtypes, matmul.restype = fast_weights._ARGTYPES, ctypes.c_int
     linear = fast_weights.Int8Linear.of(a_linear(100, 96, 3), torch.float32)
     rng = np.random.default_rng(3)
