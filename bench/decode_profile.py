@@ -4,7 +4,8 @@
 
 For each path it prints the wall time of a step (median of --steps, after a prompt of
 --context tokens) and, from torch's profiler, the time in operator kernels by kind:
-matrix products of the weights, attention, copies of the cache, every other operator;
+matrix products of the weights, attention, copies of the cache, the native pass (a Llama
+model's every layer in one call, which the profiler cannot split), every other operator;
 what is left of the wall time is Python and the framework around the operators.
 """
 
@@ -34,6 +35,8 @@ KINDS = {
         "lm_worker::attention", "lm_worker::step_attention",
     ),
     "cache copies": ("aten::cat", "aten::copy_"),
+    # native_forward's one call: every layer's products, attention, norms and activations
+    "native pass": ("lm_worker::native_forward",),
 }
 
 
@@ -43,6 +46,7 @@ def name_the_worker_kernels() -> None:
     from worker.backends.transformers.exact_attention import Kernel
     from worker.backends.transformers.fast_weights import Int8Linear
     from worker.backends.transformers.gguf_weights import GgufLinear
+    from worker.backends.transformers.native_forward import NativeForward
 
     def named(owner: type, method: str, name: str) -> None:
         call = getattr(owner, method)
@@ -57,22 +61,27 @@ def name_the_worker_kernels() -> None:
     named(GgufLinear, "forward", "lm_worker::gguf_matmul")
     named(Kernel, "attention", "lm_worker::attention")
     named(Kernel, "step_attention", "lm_worker::step_attention")
+    named(NativeForward, "forward", "lm_worker::native_forward")
 DENSE = {"dtype": "float32", "quantization": "none"}
 PATHS = [
     ("transformers forward, dense float32 (the worker before)", DENSE, "forward"),
     ("transformers forward, int8 weights", {"quantization": "int8"}, "forward"),
     ("lm-worker step, dense float32", DENSE, "step"),
-    ("lm-worker step, int8 weights (the default)", {"quantization": "int8"}, "step"),
+    ("lm-worker step, int8 weights, PyTorch's operations", {"quantization": "int8"}, "operations"),
+    ("lm-worker step, int8 weights, native pass (the default)", {"quantization": "int8"}, "step"),
     ("lm-worker step, int4 weights", {"quantization": "int4"}, "step"),
 ]
 
 
-def step(model, cache, how: str) -> None:
-    """One decode step of token 42: the worker's own step, or transformers' forward."""
-    if how == "step":
-        model._decode_step([42], [cache])
-    else:
-        cache.feed(model._model, torch.tensor([[42]]))
+def stepper(model, how: str):
+    """One decode step of token 42 on a cache: the worker's own step (``operations``: decode_step's
+    PyTorch operations where the model's step is the native pass), or transformers' forward."""
+    from worker.backends.transformers.decode_step import DecodeStep
+
+    if how == "forward":
+        return lambda cache: cache.feed(model._model, torch.tensor([[42]]))
+    step = DecodeStep(model._model) if how == "operations" else model._decode_step
+    return lambda cache: step([42], [cache])
 
 
 def main() -> None:
@@ -84,23 +93,24 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     name_the_worker_kernels()
     print(f"SmolLM2-135M, {args.threads} threads, {args.context} positions cached; ms per decode step\n")
-    print("| path | step (ms) | tokens/s | weights | attention | cache copies | other operators | Python and framework |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| path | step (ms) | tokens/s | weights | attention | cache copies | native pass | other operators | Python and framework |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for label, params, how in PATHS:
         model = TransformersBackend().load(LoadParams(model="default", **params), data_dir=default_data_dir())
+        step = stepper(model, how)
         with torch.inference_mode():
             cache = model.new_cache()
             model.extend_cache(list(range(100, 100 + args.context)), cache)
             for _ in range(3):
-                step(model, cache, how)
+                step(cache)
             times = []
             for _ in range(args.steps):
                 started = time.perf_counter()
-                step(model, cache, how)
+                step(cache)
                 times.append((time.perf_counter() - started) * 1000)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
                 for _ in range(10):
-                    step(model, cache, how)
+                    step(cache)
         wall = statistics.median(times)
         by_kind = dict.fromkeys([*KINDS, "other"], 0.0)
         for event in profile.key_averages():

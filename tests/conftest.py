@@ -99,6 +99,15 @@ def tiny_as_loaded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture
+def torch_operations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Models loaded in the test compute their passes with decode_step's PyTorch operations,
+    as where native_forward.c cannot be built: for the tests of decode_step itself."""
+    from worker.backends.transformers import native_forward
+
+    monkeypatch.setattr(native_forward, "applies", lambda *args: False)
+
+
+@pytest.fixture
 async def spawn_worker() -> AsyncIterator[SpawnWorker]:
     """A worker with the given arguments, in this process; a real ``python -m worker`` process
     with ``process=True`` (or given ``python``, or an ``env`` beyond TORCH_ENV). Every worker is

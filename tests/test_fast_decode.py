@@ -1,7 +1,10 @@
 """The CPU's fast decode path: quantized weights, the decode step, keys and values kept in
 growing buffers. Each piece is held to transformers' own numbers on the same weights; the
 path as a whole is tested through the worker (greedy equals in-process generate(), the
-cache exactness tests of every family run on it as the default)."""
+cache exactness tests of every family run on it as the default). A Llama model with int8
+weights computes its passes natively (tests/test_native_forward.py); the tests of
+decode_step's PyTorch operations take them for it too (the torch_operations fixture), as
+where that kernel cannot be built."""
 
 from __future__ import annotations
 
@@ -29,7 +32,9 @@ TEXT = "the cat sat on the mat and the dog ran to the river and a red sun rose o
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("quantization", ["auto", "none", "int4"])
-def test_a_decode_step_gives_transformers_forward_logits_bit_for_bit(tiny_models, tmp_path: Path, family, quantization):
+def test_a_decode_step_gives_transformers_forward_logits_bit_for_bit(
+    tiny_models, tmp_path: Path, torch_operations, family, quantization
+):
     model = load(tiny_models(family), tmp_path, quantization=quantization)
     assert model._decode_step is not None
     ids = model.tokenize(TEXT, add_special_tokens=True)
@@ -49,7 +54,7 @@ def test_a_decode_step_gives_transformers_forward_logits_bit_for_bit(tiny_models
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("quantization", ["int8", "int4", "none"])
 def test_a_prompt_fed_alone_takes_the_step_only_where_it_gives_transformers_forward_numbers_bit_for_bit(
-    tiny_models, tmp_path: Path, monkeypatch, family, quantization
+    tiny_models, tmp_path: Path, monkeypatch, torch_operations, family, quantization
 ):
     """With quantized weights a prompt's chunks go through the decode step (fewer operations),
     whose numbers equal transformers' forward's bit for bit; dense weights, where the step's
@@ -74,8 +79,13 @@ def test_a_prompt_fed_alone_takes_the_step_only_where_it_gives_transformers_forw
         assert torch.equal(mine.keys, other.keys) and torch.equal(mine.values, other.values)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_a_batch_of_sequences_steps_as_each_would_alone(tiny_models, tmp_path: Path, family):
+@pytest.mark.parametrize(
+    ("family", "native"), [("llama", True), ("llama", False), ("gemma3", False)],
+    ids=["llama-native", "llama-torch_operations", "gemma3"],
+)
+def test_a_batch_of_sequences_steps_as_each_would_alone(tiny_models, tmp_path: Path, monkeypatch, family, native):
+    if not native:
+        monkeypatch.setattr("worker.backends.transformers.native_forward.applies", lambda *args: False)
     model = load(tiny_models(family), tmp_path, quantization="int8")  # dense float32 products differ by batch size
     prompts = [model.tokenize(text, add_special_tokens=True) for text in ("the cat", "a red sun over the river and", TEXT)]
     assert_a_batch_steps_as_each_alone(model, prompts)
@@ -83,7 +93,7 @@ def test_a_batch_of_sequences_steps_as_each_would_alone(tiny_models, tmp_path: P
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_a_step_attends_every_sequence_in_one_kernel_call_with_the_numbers_of_each_in_turn(
-    tiny_models, tmp_path: Path, monkeypatch, family
+    tiny_models, tmp_path: Path, monkeypatch, torch_operations, family
 ):
     """One position per sequence: each layer's attention and appends are one call of the exact
     kernel for all sequences; logits and the caches' keys and values equal those of attention

@@ -121,9 +121,10 @@ def test_a_cache_of_pytorchs_int8_products_is_another_identity(fast_weights, tin
     """The two kernels give a position other last bits: a cache file computed with one must not
     be read as the other's (the config digest names the worker's kernel)."""
     from tests.test_fast_decode import load
-    from worker.backends.transformers import hf_compat
+    from worker.backends.transformers import hf_compat, native_forward
 
     model = load(tiny_model_dir, tmp_path)
     config = model._model.config
-    assert model.cache_identity().config_sha256 == hf_compat.config_digest(config, fast_weights.KERNEL_PRODUCTS)
+    named = hf_compat.config_digest(config, fast_weights.KERNEL_PRODUCTS, native_forward.FORWARD)
+    assert model.cache_identity().config_sha256 == named
     assert hf_compat.config_digest(config, fast_weights.KERNEL_PRODUCTS) != hf_compat.config_digest(config)

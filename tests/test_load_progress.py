@@ -61,7 +61,7 @@ async def test_a_load_from_a_gguf_reports_each_stage_up_to_its_total_in_order_be
     assert loaded["quantization"] == "int8"
     progress, _ = _progress(host, first)
     assert _check_stages(progress) == ["building_kernel", "dequantizing", "hashing", "quantizing"]
-    assert [p["stage"] for p in progress].count("building_kernel") == 4  # two kernels (attention, int8 products)
+    assert [p["stage"] for p in progress].count("building_kernel") == 6  # three kernels (attention, int8 products, native pass)
     by_stage = {p["stage"]: p["total"] for p in progress}
     assert by_stage["hashing"] == tiny_gguf.stat().st_size
     assert by_stage["dequantizing"] == 2 * 9 + 3  # per layer: 7 linears and 2 norms; embeddings, norm, output

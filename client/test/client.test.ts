@@ -487,8 +487,8 @@ test("a load of a gguf reports its stages through onProgress, each up to its tot
     assert.equal(loaded.quantization, "int8");
     const stages = [...new Set(seen.map((p) => p.stage))];
     assert.deepEqual(stages, ["building_kernel", "dequantizing", "hashing", "quantizing"]);
-    // Each kernel built (exact attention, int8 products) is a building_kernel stage of its own.
-    assert.equal(seen.filter((p) => p.stage === "building_kernel" && p.done === 0).length, 2);
+    // Each kernel built (exact attention, int8 products, the native pass) is a building_kernel stage of its own.
+    assert.equal(seen.filter((p) => p.stage === "building_kernel" && p.done === 0).length, 3);
     for (const stage of stages) {
       const reports = seen.filter((p) => p.stage === stage);
       assert.equal(reports[0].done, 0);

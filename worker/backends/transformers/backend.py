@@ -96,6 +96,7 @@ class TransformersBackend:
         attention = hf_compat.ATTENTION if quantization == "none" else _exact_attention(data_dir)
         if quantization != "none":
             _int8_kernel(data_dir)
+            _native_forward(data_dir)
         path = _model_path(params.model, data_dir)
         model, tokenizer = _load_pretrained(path, dtype, device, params.trust_remote_code, attention)
         blocks = _gguf_blocks(model, _gguf_source(params.model, path), data_dir) if quantization == "gguf" else {}
@@ -150,6 +151,17 @@ def _int8_kernel(data_dir: Path) -> None:
         log.warning("int8 rows multiplied by PyTorch's kernel from bfloat16 inputs (about half as fast): %s", exc)
 
 
+def _native_forward(data_dir: Path) -> None:
+    """Build (on first use) the kernel that computes a Llama model's whole pass; where it cannot
+    be built, the layers' PyTorch operations do (decode_step), and the log says why."""
+    from worker.backends.transformers import exact_attention, native_forward
+
+    try:
+        native_forward.load_kernel(data_dir)
+    except exact_attention.KernelUnavailable as exc:
+        log.warning("a pass through the layers' PyTorch operations (slower): %s", exc)
+
+
 def _exact_attention(data_dir: Path) -> str:
     """The attention for quantized weights: exact_attention's kernel (built on first use), or
     float64 attention where it cannot be built (slower, as independent of chunking)."""
@@ -181,10 +193,14 @@ class TransformersModel:
         self, params: LoadParams, path: Path, model: PreTrainedModel, tokenizer, identity: Identity, device: str,
         dtype: str, quantization: str, started: float,
     ):
-        from worker.backends.transformers import decode_step
+        from worker.backends.transformers import decode_step, native_forward
 
         self._model: PreTrainedModel | None = model  # None once closed
-        self._decode_step = decode_step.DecodeStep(model) if decode_step.supports(model) else None
+        self._decode_step: decode_step.Passes | None = None
+        if native_forward.applies(model.config, dtype, quantization):
+            self._decode_step = native_forward.NativeForward(model)
+        elif decode_step.supports(model):
+            self._decode_step = decode_step.DecodeStep(model)
         # A step computes its sequences in one pass, a prompt chunk with them.
         self.chunks_in_step = self._decode_step is not None
         # A prompt chunk fed alone goes through the step too where that gives transformers'
@@ -543,7 +559,7 @@ def _identity(path: Path, model, tokenizer, dtype: str, quantization: str, memo_
     """Everything that decides what the model computes for a token: every byte of the
     weights and tokenizer files (a .gguf file holds both), the chat template, and the
     whole configuration. Digests of big files are remembered (worker.fingerprint)."""
-    from worker.backends.transformers import fast_weights, hf_compat
+    from worker.backends.transformers import fast_weights, hf_compat, native_forward
     from worker.fingerprint import combined_sha256, digests
     from worker.kvcache.container import Identity
     from worker.backends.transformers.torch_adapter import TorchCache
@@ -563,7 +579,11 @@ def _identity(path: Path, model, tokenizer, dtype: str, quantization: str, memo_
             tokenizer_files, known, extra=f"{type(tokenizer).__name__}\0{template if isinstance(template, str) else ''}"
         ),
         rope_theta=hf_compat.rope_theta(config),
-        config_sha256=hf_compat.config_digest(config, fast_weights.int8_products() if quantization != "none" else None),
+        config_sha256=hf_compat.config_digest(
+            config,
+            fast_weights.int8_products() if quantization != "none" else None,
+            native_forward.FORWARD if native_forward.applies(config, dtype, quantization) else None,
+        ),
         layers=config.num_hidden_layers,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0),

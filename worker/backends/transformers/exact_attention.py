@@ -86,6 +86,13 @@ def library_function(library: Path, name: str) -> CFunction:
         raise KernelUnavailable(f"{_UNLOADABLE} {library}: {exc}") from exc
 
 
+def address(function: CFunction) -> int:
+    """Where a loaded C function is, for native code that calls it."""
+    where = ctypes.cast(function, ctypes.c_void_p).value
+    assert where is not None, "a loaded function has an address"
+    return where
+
+
 def built_function(directory: Path, source: Path, name: str) -> CFunction:
     """The C function ``name`` of ``source``, built into ``directory`` if it is not there yet;
     raises KernelUnavailable with the compiler's words when it cannot be built."""
@@ -119,6 +126,10 @@ class Kernel:
             and keys.shape[:-1] == values.shape[:-1] and keys.shape[0] == query.shape[0]
             and self.takes_heads(query.shape[1], keys.shape[1], dim)
         )
+
+    def addresses(self) -> tuple[int, int]:
+        """Where lmw_attention and lmw_step_attention are, for native code that calls them."""
+        return address(self._function), address(self._step)
 
     @staticmethod
     def takes_heads(heads: int, kv_heads: int, dim: int) -> bool:

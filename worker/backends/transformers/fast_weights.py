@@ -131,7 +131,7 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("scale", scale)
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.in_features, self.out_features = packed.shape[1], out_features
-        self._function = _int8_matmul
+        self.function = _int8_matmul
 
     @classmethod
     def of(cls, linear: torch.nn.Linear, dtype: torch.dtype) -> Int8Linear:
@@ -156,7 +156,7 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         def product(*rows_args: int) -> None:
-            if self._function(self.packed.data_ptr(), self.scale.data_ptr(), self.out_features, self.in_features, *rows_args):
+            if self.function(self.packed.data_ptr(), self.scale.data_ptr(), self.out_features, self.in_features, *rows_args):
                 raise MemoryError("int8 weights: no memory for the rounded activations")
 
         y = float_rows_product(x, self.in_features, self.out_features, product)

@@ -76,11 +76,11 @@ class GgufLinear(torch.nn.Module):
         self.kind, self.in_features, self.out_features = kind, in_features, blocks.shape[0]
         self.bias = None
         self.register_buffer("blocks", blocks.contiguous())
-        self._function = _matmul
+        self.function = _matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         def product(*rows_args: int) -> None:
-            if self._function(self.kind, self.blocks.data_ptr(), self.out_features, self.in_features, *rows_args) != 0:
+            if self.function(self.kind, self.blocks.data_ptr(), self.out_features, self.in_features, *rows_args) != 0:
                 raise MemoryError("gguf weights: no memory for the quantized activations")
 
         return float_rows_product(x, self.in_features, self.out_features, product)

@@ -1,0 +1,107 @@
+"""A Llama model's whole pass in one native call (native_forward): which models take it, that
+it computes the layers' numbers to rounding, and that a position's numbers depend on its
+tokens alone however the pass around it is made (steps, drafts and prompt chunks together).
+The worker's greedy and cache exactness tests run on it too: it is the default path."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from tests.test_fast_decode import TEXT, load
+
+torch = pytest.importorskip("torch")
+
+
+def test_a_llama_model_with_int8_weights_computes_its_passes_natively_and_others_keep_pytorchs_operations(
+    tiny_models, tmp_path: Path
+):
+    from worker.backends.transformers.decode_step import DecodeStep
+    from worker.backends.transformers.native_forward import NativeForward
+
+    assert type(load(tiny_models("llama"), tmp_path)._decode_step) is NativeForward
+    for family, quantization in (("llama", "int4"), ("llama", "none"), ("gemma3", "int8")):
+        assert type(load(tiny_models(family), tmp_path, quantization=quantization)._decode_step) is DecodeStep
+
+
+def test_a_native_pass_gives_the_logits_of_the_layers_pytorch_operations_to_rounding(tiny_model_dir: Path, tmp_path: Path):
+    """Only RMSNorm's sum and SiLU's exponential are computed otherwise (native_forward.c):
+    the logits of a prompt and of greedy steps after it stay within rounding of decode_step's,
+    and greedy picks the same tokens."""
+    from worker.backends.transformers.decode_step import DecodeStep
+
+    model = load(tiny_model_dir, tmp_path)
+    operations = DecodeStep(model._model)
+    ids = model.tokenize(TEXT, add_special_tokens=True)
+    with torch.inference_mode():
+        native_cache, torch_cache = model.new_cache(), model.new_cache()
+        ours = model._decode_step.forward([ids], [native_cache], [len(ids)])
+        theirs = operations.forward([ids], [torch_cache], [len(ids)])
+        for _ in range(12):
+            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+            assert ours[-1].argmax() == theirs[-1].argmax()
+            token = int(ours[-1].argmax())
+            ours, theirs = model._decode_step([token], [native_cache]), operations([token], [torch_cache])
+    for mine, other in zip(native_cache.kv.layers, torch_cache.kv.layers):
+        torch.testing.assert_close(mine.keys, other.keys, rtol=1e-4, atol=1e-4)
+
+
+def test_steps_drafts_and_a_prompt_chunk_in_one_pass_give_each_sequence_what_it_gets_alone(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    """Sequences of one new position go to one attention call, those of several each to their
+    own: every sequence's logits and keys are still those of its positions fed alone, in
+    one piece."""
+    model = load(tiny_model_dir, tmp_path)
+    step = model._decode_step
+    ids = model.tokenize(TEXT, add_special_tokens=True)
+    # (positions cached before, new positions): a step, a draft of 3, a chunk of 9, a step on an empty cache
+    shapes = [(4, 1), (7, 3), (2, 9), (0, 1)]
+    with torch.inference_mode():
+        caches, alone = [], []
+        for held, _ in shapes:
+            cache = model.new_cache()
+            if held:
+                step.forward([ids[:held]], [cache])
+            caches.append(cache)
+            alone.append(cache.copy())
+        new = [ids[held : held + n] for held, n in shapes]
+        together = step.forward(new, caches, [n for _, n in shapes])
+        expected = torch.cat([step.forward([tokens], [cache], [len(tokens)]) for tokens, cache in zip(new, alone)])
+        whole = [model.new_cache() for _ in shapes]
+        in_one_piece = [step.forward([ids[: held + n]], [cache], [n]) for (held, n), cache in zip(shapes, whole)]
+    assert torch.equal(together, expected)
+    assert torch.equal(together, torch.cat(in_one_piece))
+    for cache, other, one_piece in zip(caches, alone, whole):
+        assert cache.length == other.length == one_piece.length
+        for a, b, c in zip(cache.kv.layers, other.kv.layers, one_piece.kv.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.keys, c.keys)
+            assert torch.equal(a.values, b.values) and torch.equal(a.values, c.values)
+
+
+def test_the_cache_identity_names_the_native_pass_and_a_model_without_it_keeps_another(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch, caplog
+):
+    """The native pass gives a position other last bits than PyTorch's operations: a cache
+    computed with one must not be read as the other's. Where native_forward.c cannot be built
+    the model keeps PyTorch's operations, and the log says why."""
+    from worker.backends.transformers import exact_attention, hf_compat, native_forward
+    from worker.backends.transformers.decode_step import DecodeStep
+
+    native = load(tiny_model_dir, tmp_path)
+    config = native._model.config
+    products = "lm_worker_int8"
+    assert native.cache_identity().config_sha256 == hf_compat.config_digest(config, products, native_forward.FORWARD)
+
+    def unbuildable(data_dir: Path) -> None:
+        raise exact_attention.KernelUnavailable("cc could not build native_forward.c: (the compiler's words)")
+
+    monkeypatch.setattr(native_forward, "_forward", None)
+    monkeypatch.setattr(native_forward, "load_kernel", unbuildable)
+    with caplog.at_level(logging.WARNING):
+        without = load(tiny_model_dir, tmp_path)
+    assert type(without._decode_step) is DecodeStep
+    assert without.cache_identity().config_sha256 == hf_compat.config_digest(config, products)
+    assert "could not build native_forward.c" in caplog.text

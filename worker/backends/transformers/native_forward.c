@@ -1,0 +1,267 @@
+/* A whole forward pass of a Llama-architecture model with quantized weights, in one call, for
+ * native_forward.py: the new positions of several sequences (a decode step's one each, a
+ * prompt chunk's many, a draft's few), through every layer, to the logits of the rows asked
+ * for. It does what decode_step.py does with PyTorch's operations, without an operation's
+ * dispatch, a tensor's allocation or a line of Python per layer: a step of a small model on
+ * a CPU spends more time in those than in its arithmetic (bench/README.md has the profile).
+ *
+ * The products and the attention are the worker's own kernels (int8_kernel.c or
+ * gguf_kernel.c, exact_attention.c), called through the addresses Python hands over: the
+ * same functions, the same numbers as in decode_step.py. What this file computes itself
+ * has an order of its own, fixed whatever rows a call holds, so that a position's numbers
+ * depend on its tokens alone, never on the chunk or step it is computed in:
+ *   RMSNorm:  s = Σ x[i]² summed in double, i from 0 up; r = 1 / sqrt((float)(s / n) + eps);
+ *             y[i] = w[i] · (x[i] · r), each product rounded to float;
+ *   RoPE:     y[d] = x[d] · cos[d] + x[(d + dim/2) % dim] · sin'[d] (sin' with its first
+ *             half negated), as decode_step's _rotate;
+ *   SiLU:     silu(g) = g / (1 + e) for g ≥ 0 and g · e / (1 + e) below, e = exp(-|g|)
+ *             (expf below: a polynomial, the same bits on every machine), times up.
+ * Built with -ffp-contract=off, like the kernels it calls: no multiply and add fused.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int (*int8_function)(const void *packed, const float *scale, int64_t outputs, int64_t inputs,
+                             const float *x, int64_t n, int64_t x_stride, float *out, int threads);
+typedef int (*gguf_function)(int type, const void *blocks, int64_t outputs, int64_t inputs, const float *x,
+                             int64_t n, int64_t x_stride, float *out, int threads);
+typedef int (*attention_function)(const float *q, int64_t qsb, int64_t qsh, int64_t qsi, const float *k,
+                                  int64_t ksb, int64_t ksh, int64_t ksj, const float *v, int64_t vsb, int64_t vsh,
+                                  int64_t vsj, const int64_t *lo, const int64_t *hi, float *out, int64_t batch,
+                                  int64_t heads, int64_t kv_heads, int64_t positions, int64_t dim, float scale,
+                                  int threads);
+typedef int (*step_function)(const float *q, int64_t qsb, int64_t qsh, const float *nk, int64_t nksb, int64_t nksh,
+                             const float *nv, int64_t nvsb, int64_t nvsh, const int64_t *kb, const int64_t *vb,
+                             const int64_t *kh, const int64_t *vh, const int64_t *lo, const int64_t *hi, float *out,
+                             int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, float scale, int threads);
+
+/* One linear's weights and the kernel that multiplies them (outputs 0: none). */
+struct product {
+    void *function; /* lmw_int8_matmul (type < 0) or lmw_gguf_matmul */
+    int64_t type;   /* the gguf block type; -1 for int8 rows */
+    const void *weights;
+    const float *scale; /* int8 rows' scales */
+    int64_t outputs, inputs;
+};
+
+/* q, k and v (or all three in qkv[0], the others without outputs); gate and up likewise. */
+struct layer {
+    const float *norm_in, *norm_mid;
+    struct product qkv[3], out, gate_up[2], down;
+};
+
+struct model {
+    int64_t layers, hidden, heads, kv_heads, dim, intermediate, vocab;
+    float epsilon, scaling;
+    int64_t share_from; /* a product or attention of at least this much work takes every thread */
+    const float *norm;
+    struct product head;
+    const struct layer *layer;
+    void *attention, *step; /* exact_attention.c's lmw_attention and lmw_step_attention */
+};
+
+/* One pass: `sequences` sequences, each bringing rows[b] new positions after the lengths[b] it
+ * holds; their rows one after another in `hidden` (the embeddings, overwritten). */
+struct pass {
+    int64_t sequences;
+    const int64_t *rows, *lengths;
+    const int64_t *kb, *vb, *kh, *vh; /* [layer * sequences + b]: buffers' addresses (room for the new
+                                         positions made), floats between their heads */
+    float *hidden;
+    const float *cos, *sin; /* (total, dim) each, sin signed */
+    const int64_t *wanted;  /* rows whose logits are asked for, in order */
+    int64_t wanted_count;
+    float *logits; /* (wanted_count, vocab) */
+    int threads;
+};
+
+/* exp(x) for x <= 0: 2^n times a polynomial of the rest (Cephes' expf); 0 below -87. */
+static inline float expf_nonpositive(float x) {
+    if (x < -87.0f) return 0.0f;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    const float r2 = r * r;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r2 + r;
+    p = p + 1.0f;
+    union { float f; int32_t i; } scale = {.i = ((int32_t)n + 127) << 23};
+    return p * scale.f;
+}
+
+static inline float silu(float g) {
+    const float e = expf_nonpositive(-fabsf(g));
+    return g >= 0.0f ? g / (1.0f + e) : (g * e) / (1.0f + e);
+}
+
+static void rms_norm(const float *x, const float *weight, int64_t n, float epsilon, float *y) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++) sum += (double)x[i] * (double)x[i];
+    const float r = 1.0f / sqrtf((float)(sum / (double)n) + epsilon);
+    for (int64_t i = 0; i < n; i++) y[i] = weight[i] * (x[i] * r);
+}
+
+/* Each head of a row rotated in place (decode_step's _rotate). */
+static void rotate(float *row, int64_t heads, int64_t dim, const float *cos, const float *sin) {
+    const int64_t half = dim / 2;
+    float x[dim];
+    for (int64_t h = 0; h < heads; h++) {
+        float *head = row + h * dim;
+        memcpy(x, head, (size_t)dim * sizeof(float));
+        for (int64_t d = 0; d < dim; d++) head[d] = x[d] * cos[d] + x[(d + half) % dim] * sin[d];
+    }
+}
+
+/* out (n rows, p->outputs apart) = x's rows times the weights. */
+static int multiply(const struct model *m, const struct product *p, const float *x, int64_t n, int64_t x_stride,
+                    float *out, int threads) {
+    if (n * p->outputs * p->inputs < m->share_from) threads = 1;
+    if (p->type < 0)
+        return ((int8_function)p->function)(p->weights, p->scale, p->outputs, p->inputs, x, n, x_stride, out, threads);
+    return ((gguf_function)p->function)((int)p->type, p->weights, p->outputs, p->inputs, x, n, x_stride, out, threads);
+}
+
+/* Products of linears that read the same input, side by side in `out` (n rows, `width` apart);
+ * `spare` has room for n rows of the widest. */
+static int multiply_side_by_side(const struct model *m, const struct product *products, int count, const float *x,
+                                 int64_t n, int64_t x_stride, float *out, int64_t width, float *spare, int threads) {
+    if (products[0].outputs == width) return multiply(m, products, x, n, x_stride, out, threads);
+    int64_t column = 0;
+    for (int i = 0; i < count; i++) {
+        const struct product *p = products + i;
+        if (multiply(m, p, x, n, x_stride, spare, threads)) return 1;
+        for (int64_t r = 0; r < n; r++)
+            memcpy(out + r * width + column, spare + r * p->outputs, (size_t)p->outputs * sizeof(float));
+        column += p->outputs;
+    }
+    return 0;
+}
+
+/* Scratch space of a pass (floats). */
+struct scratch {
+    float *normed, *qkv, *attended, *added, *gate_up, *act, *spare, *step_rows, *step_out;
+    int64_t *lo, *hi;  /* sequences + total each: the step call's rows first, then another call's */
+    int64_t *kb, *vb, *kh, *vh; /* sequences each: the step call's buffers */
+};
+
+/* Attention of layer l: each sequence's new keys and values written into its buffers, then
+ * its rows attend: sequences of one new row together in one step call, the others each in
+ * a call of their own (the kernel gives a row the same numbers either way). */
+static int attend(const struct model *m, const struct pass *p, int64_t l, const struct scratch *s, int64_t qkv_width) {
+    const int64_t heads = m->heads, kv_heads = m->kv_heads, dim = m->dim, width = heads * dim;
+    const float *q = s->qkv, *k = s->qkv + width, *v = s->qkv + width + kv_heads * dim;
+    int64_t first = 0, singles = 0, step_keys = 0;
+    for (int64_t b = 0; b < p->sequences; b++) {
+        const int64_t at = l * p->sequences + b, rows = p->rows[b], length = p->lengths[b];
+        float *keys = (float *)(intptr_t)p->kb[at], *values = (float *)(intptr_t)p->vb[at];
+        if (rows == 1) {
+            float *row = s->step_rows + singles * qkv_width;
+            memcpy(row, s->qkv + first * qkv_width, (size_t)qkv_width * sizeof(float));
+            s->lo[singles] = 0, s->hi[singles] = length + 1;
+            step_keys += length + 1;
+            singles++;
+        } else {
+            for (int64_t i = 0; i < rows; i++)
+                for (int64_t h = 0; h < kv_heads; h++) {
+                    const int64_t from = (first + i) * qkv_width + h * dim, to = (length + i) * dim;
+                    memcpy(keys + h * p->kh[at] + to, k + from, (size_t)dim * sizeof(float));
+                    memcpy(values + h * p->vh[at] + to, v + from, (size_t)dim * sizeof(float));
+                }
+            int64_t *lo = s->lo + p->sequences, *hi = s->hi + p->sequences;
+            for (int64_t i = 0; i < rows; i++) lo[i] = 0, hi[i] = length + i + 1;
+            const int threads = heads * rows * (length + rows) >= m->share_from ? p->threads : 1;
+            if (((attention_function)m->attention)(q + first * qkv_width, 0, dim, qkv_width, keys, 0, p->kh[at], dim,
+                                                   values, 0, p->vh[at], dim, lo, hi, s->attended + first * width, 1,
+                                                   heads, kv_heads, rows, dim, m->scaling, threads))
+                return 1;
+        }
+        first += rows;
+    }
+    if (singles == 0) return 0;
+    /* the step call's buffers: those of the sequences with one new row, in order */
+    int64_t *kb = s->kb, *vb = s->vb, *kh = s->kh, *vh = s->vh, one = 0;
+    for (int64_t b = 0; b < p->sequences; b++)
+        if (p->rows[b] == 1) {
+            const int64_t at = l * p->sequences + b;
+            kb[one] = p->kb[at], vb[one] = p->vb[at], kh[one] = p->kh[at], vh[one] = p->vh[at];
+            one++;
+        }
+    const int threads = heads * step_keys >= m->share_from ? p->threads : 1;
+    const float *rows = s->step_rows;
+    if (((step_function)m->step)(rows, qkv_width, dim, rows + width, qkv_width, dim, rows + width + kv_heads * dim,
+                                 qkv_width, dim, kb, vb, kh, vh, s->lo, s->hi, s->step_out, singles, heads, kv_heads,
+                                 dim, m->scaling, threads))
+        return 1;
+    first = 0, one = 0;
+    for (int64_t b = 0; b < p->sequences; b++) {
+        if (p->rows[b] == 1)
+            memcpy(s->attended + first * width, s->step_out + (one++) * width, (size_t)width * sizeof(float));
+        first += p->rows[b];
+    }
+    return 0;
+}
+
+static int layer_pass(const struct model *m, const struct pass *p, int64_t l, const struct scratch *s, int64_t total) {
+    const struct layer *layer = m->layer + l;
+    const int64_t hidden = m->hidden, dim = m->dim, width = m->heads * dim;
+    const int64_t qkv_width = width + 2 * m->kv_heads * dim, inner = m->intermediate;
+    for (int64_t r = 0; r < total; r++) rms_norm(p->hidden + r * hidden, layer->norm_in, hidden, m->epsilon, s->normed + r * hidden);
+    if (multiply_side_by_side(m, layer->qkv, 3, s->normed, total, hidden, s->qkv, qkv_width, s->spare, p->threads))
+        return 1;
+    for (int64_t r = 0; r < total; r++) {
+        float *row = s->qkv + r * qkv_width;
+        rotate(row, m->heads, dim, p->cos + r * dim, p->sin + r * dim);
+        rotate(row + width, m->kv_heads, dim, p->cos + r * dim, p->sin + r * dim);
+    }
+    if (attend(m, p, l, s, qkv_width)) return 1;
+    if (multiply(m, &layer->out, s->attended, total, width, s->added, p->threads)) return 1;
+    for (int64_t i = 0; i < total * hidden; i++) p->hidden[i] = p->hidden[i] + s->added[i];
+    for (int64_t r = 0; r < total; r++) rms_norm(p->hidden + r * hidden, layer->norm_mid, hidden, m->epsilon, s->normed + r * hidden);
+    if (multiply_side_by_side(m, layer->gate_up, 2, s->normed, total, hidden, s->gate_up, 2 * inner, s->spare, p->threads))
+        return 1;
+    for (int64_t r = 0; r < total; r++) {
+        const float *gate = s->gate_up + r * 2 * inner, *up = gate + inner;
+        float *act = s->act + r * inner;
+        for (int64_t i = 0; i < inner; i++) act[i] = silu(gate[i]) * up[i];
+    }
+    if (multiply(m, &layer->down, s->act, total, inner, s->added, p->threads)) return 1;
+    for (int64_t i = 0; i < total * hidden; i++) p->hidden[i] = p->hidden[i] + s->added[i];
+    return 0;
+}
+
+/* The pass; returns 0, or 1 when memory ran out. */
+int lmw_forward(const struct model *m, const struct pass *p) {
+    int64_t total = 0;
+    for (int64_t b = 0; b < p->sequences; b++) total += p->rows[b];
+    const int64_t hidden = m->hidden, width = m->heads * m->dim, inner = m->intermediate;
+    const int64_t qkv_width = width + 2 * m->kv_heads * m->dim;
+    int64_t widest = qkv_width > 2 * inner ? qkv_width : 2 * inner;
+    const int64_t rows = total > p->wanted_count ? total : p->wanted_count;
+    const int64_t floats = rows * (hidden + qkv_width + width + hidden + 2 * inner + inner + widest + qkv_width + width);
+    float *room = malloc((size_t)floats * sizeof(float));
+    int64_t *places = malloc((size_t)(2 * (p->sequences + total) + 4 * p->sequences) * sizeof(int64_t));
+    int status = 1;
+    if (room == NULL || places == NULL) goto done;
+    struct scratch s;
+    s.normed = room, s.qkv = s.normed + rows * hidden, s.attended = s.qkv + rows * qkv_width;
+    s.added = s.attended + rows * width, s.gate_up = s.added + rows * hidden, s.act = s.gate_up + rows * 2 * inner;
+    s.spare = s.act + rows * inner, s.step_rows = s.spare + rows * widest, s.step_out = s.step_rows + rows * qkv_width;
+    s.lo = places, s.hi = s.lo + p->sequences + total, s.kb = s.hi + p->sequences + total;
+    s.vb = s.kb + p->sequences, s.kh = s.vb + p->sequences, s.vh = s.kh + p->sequences;
+    for (int64_t l = 0; l < m->layers; l++)
+        if (layer_pass(m, p, l, &s, total)) goto done;
+    for (int64_t i = 0; i < p->wanted_count; i++)
+        rms_norm(p->hidden + p->wanted[i] * hidden, m->norm, hidden, m->epsilon, s.normed + i * hidden);
+    status = multiply(m, &m->head, s.normed, p->wanted_count, hidden, p->logits, p->threads);
+done:
+    free(room);
+    free(places);
+    return status != 0;
+}

@@ -1,0 +1,211 @@
+"""A forward pass of a Llama-architecture model with quantized weights in one native call.
+
+decode_step.py computes a decode step with PyTorch's operations, one by one: about 30 a
+layer, each with its dispatch, its output tensor and its line of Python. For SmolLM2 on two
+cores that framework work took longer than the products themselves (bench/README.md:
+about 10 of a 16 ms step, the int8 products 6). native_forward.c does a whole pass (every
+layer, then the logits of the rows asked for) in one call, calling the same product and
+attention kernels, so a step costs little more than its arithmetic.
+
+What it computes differs from decode_step's PyTorch operations in the last bits of two
+steps only, RMSNorm's sum and SiLU's exponential (native_forward.c says how it computes
+them: one fixed order, the same bits on every machine): PyTorch's are blocked by the
+processor's vectors. It is the model's arithmetic for every pass, the prompt's chunks as
+well as the steps and drafts, so a position's numbers still depend on its tokens alone, and
+the cache identity names it (``FORWARD``: hf_compat.config_digest), so caches computed with
+PyTorch's operations are another identity.
+
+It takes models of the Llama architecture whose every linear multiplies int8 rows or gguf
+blocks with the worker's kernels, with exact attention (``applies``); others keep
+decode_step.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from worker.backends.transformers import exact_attention, fast_weights, gguf_weights, hf_compat
+from worker.backends.transformers.decode_step import Passes, signed_sin
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM, PretrainedConfig, PreTrainedModel
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
+
+    from worker.backends.transformers.cache_layers import GrowingKeysAndValues
+    from worker.backends.transformers.exact_attention import CFunction
+    from worker.backends.transformers.torch_adapter import TorchCache
+
+SOURCE = Path(__file__).with_name("native_forward.c")
+# What the cache identity calls this arithmetic (hf_compat.config_digest).
+FORWARD = "lm_worker_native"
+# A product or attention call of at least this much work takes every thread (the kernels' own rule).
+_SHARE_FROM = 1 << 16
+
+_I64, _PTR, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class _Product(ctypes.Structure):
+    _fields_ = [("function", _PTR), ("type", _I64), ("weights", _PTR), ("scale", _PTR), ("outputs", _I64), ("inputs", _I64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("norm_in", _PTR), ("norm_mid", _PTR), ("qkv", _Product * 3), ("out", _Product), ("gate_up", _Product * 2),
+        ("down", _Product),
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("layers", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("dim", _I64), ("intermediate", _I64),
+        ("vocab", _I64), ("epsilon", _FLOAT), ("scaling", _FLOAT), ("share_from", _I64), ("norm", _PTR),
+        ("head", _Product), ("layer", ctypes.POINTER(_Layer)), ("attention", _PTR), ("step", _PTR),
+    ]
+
+
+class _Pass(ctypes.Structure):
+    _fields_ = [
+        ("sequences", _I64), ("rows", _PTR), ("lengths", _PTR), ("kb", _PTR), ("vb", _PTR), ("kh", _PTR), ("vh", _PTR),
+        ("hidden", _PTR), ("cos", _PTR), ("sin", _PTR), ("wanted", _PTR), ("wanted_count", _I64), ("logits", _PTR),
+        ("threads", ctypes.c_int),
+    ]
+
+
+_forward: CFunction | None = None
+
+
+def load_kernel(data_dir: Path) -> None:
+    """Build (on first use) and load native_forward.c; raises exact_attention.KernelUnavailable."""
+    global _forward
+    if _forward is None:
+        function = exact_attention.built_function(data_dir / "kernels", SOURCE, "lmw_forward")
+        function.argtypes, function.restype = [ctypes.POINTER(_Model), ctypes.POINTER(_Pass)], ctypes.c_int
+        _forward = function
+
+
+def applies(config: PretrainedConfig, dtype: str, quantization: str) -> bool:
+    """Whether a model of this configuration, loaded with this dtype and quantization, computes
+    its passes here: the Llama architecture without biases, SiLU, float32, every linear
+    multiplied by the worker's kernels (int8 rows, gguf blocks), exact attention of heads its
+    kernel takes."""
+    if _forward is None or dtype != "float32" or quantization not in ("int8", "gguf"):
+        return False
+    if fast_weights.int8_products() is None:
+        return False
+    if config.model_type != "llama" or getattr(config, "hidden_act", None) != "silu":
+        return False
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        return False
+    if getattr(config, "pretraining_tp", 1) != 1 or hf_compat.attention_implementation(config) != hf_compat.EXACT_ATTENTION:
+        return False
+    heads = config.num_attention_heads
+    kv_heads = config.num_key_value_heads or heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return exact_attention.Kernel.takes_heads(heads, kv_heads, dim)
+
+
+def _product(linear: torch.nn.Module) -> _Product:
+    if isinstance(linear, fast_weights.Int8Linear) and linear.bias is None:
+        return _Product(
+            exact_attention.address(linear.function), -1, linear.packed.data_ptr(), linear.scale.data_ptr(),
+            linear.out_features, linear.in_features,
+        )
+    if isinstance(linear, gguf_weights.GgufLinear):
+        return _Product(
+            exact_attention.address(linear.function), linear.kind, linear.blocks.data_ptr(), None,
+            linear.out_features, linear.in_features,
+        )
+    raise TypeError(f"native_forward takes int8 rows and gguf blocks, not {type(linear).__name__}")
+
+
+class NativeForward(Passes):
+    """A Llama model's passes, each one call of native_forward.c."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        assert _forward is not None, "load_kernel() first"
+        model = cast("LlamaForCausalLM", model)
+        inner, config = model.model, model.config
+        self._embed, self._rotary = inner.embed_tokens, inner.rotary_emb
+        self._heads = config.num_attention_heads
+        self._kv_heads = config.num_key_value_heads or self._heads
+        self._dim = getattr(config, "head_dim", None) or config.hidden_size // self._heads
+        self._like = torch.empty(1, self._kv_heads, 1, self._dim)  # a layer's positions to come, for its buffers
+        kernel = exact_attention.loaded()
+        self._kept: list[torch.nn.Module] = []  # joined linears, whose weights the call reads
+        decoder_layers = [cast("LlamaDecoderLayer", layer) for layer in inner.layers]
+        norm = cast("LlamaRMSNorm", inner.norm)
+        layers = (_Layer * len(decoder_layers))()
+        for index, layer in enumerate(decoder_layers):
+            attention, mlp = layer.self_attn, layer.mlp
+            layers[index] = _Layer(
+                layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                self._side_by_side([attention.q_proj, attention.k_proj, attention.v_proj], 3),
+                _product(attention.o_proj),
+                self._side_by_side([mlp.gate_proj, mlp.up_proj], 2),
+                _product(mlp.down_proj),
+            )
+        head = _product(model.lm_head)
+        self._layers = layers
+        self._model = _Model(
+            len(decoder_layers), config.hidden_size, self._heads, self._kv_heads, self._dim, config.intermediate_size,
+            head.outputs, norm.variance_epsilon, float(decoder_layers[0].self_attn.scaling), _SHARE_FROM,
+            norm.weight.data_ptr(), head, layers, *kernel.addresses(),
+        )
+        self._vocab = head.outputs
+
+    def _side_by_side(self, linears: list[torch.nn.Module], count: int):
+        """Products of linears that read the same input: one joined where they join."""
+        joined = fast_weights.fused(linears)
+        if isinstance(joined, (fast_weights.Int8Linear, gguf_weights.GgufLinear)):
+            self._kept.append(joined)
+            products = [_product(joined)]
+        else:
+            products = [_product(linear) for linear in linears]
+        return (_Product * count)(*products, *[_Product() for _ in range(count - len(products))])
+
+    def forward(
+        self, sequences: Sequence[Sequence[int]], caches: Sequence[TorchCache], last: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        rows = [len(sequence) for sequence in sequences]
+        lengths = [cache.length for cache in caches]
+        ids = torch.tensor([token for sequence in sequences for token in sequence], dtype=torch.long)
+        positions = torch.tensor([[length + i] for length, n in zip(lengths, rows) for i in range(n)], dtype=torch.long)
+        hidden = self._embed(ids).float().contiguous()  # (total, hidden); the call overwrites it
+        cos, sin = self._rotary(hidden, positions)
+        cos, sin = cos.reshape(len(positions), self._dim).contiguous(), signed_sin(sin).reshape(len(positions), self._dim).contiguous()
+        places = [array.array("q") for _ in range(4)]  # kb, vb, kh, vh: [layer * sequences + b]
+        held = []
+        for index in range(self._model.layers):
+            for cache, length, n in zip(caches, lengths, rows):
+                cached = cast("GrowingKeysAndValues", cache.kv.layers[index])
+                if not cached.is_initialized:
+                    cached.lazy_initialization(self._like, self._like)
+                keys, values = cached.reserve(length + n, self._like, self._like)
+                for column, value in zip(places, (keys.data_ptr(), values.data_ptr(), keys.stride(1), values.stride(1))):
+                    column.append(value)
+                held.append((cached, length + n))
+        ends, wanted = 0, array.array("q")
+        for n, keep in zip(rows, [1] * len(rows) if last is None else last):
+            ends += n
+            wanted.extend(range(ends - keep, ends))
+        logits = torch.empty(len(wanted), self._vocab)
+        counts, starts = array.array("q", rows), array.array("q", lengths)
+        call = _Pass(
+            len(rows), counts.buffer_info()[0], starts.buffer_info()[0], *(column.buffer_info()[0] for column in places),
+            hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(), wanted.buffer_info()[0], len(wanted), logits.data_ptr(),
+            torch.get_num_threads(),
+        )
+        assert _forward is not None
+        if _forward(ctypes.byref(self._model), ctypes.byref(call)) != 0:
+            raise MemoryError("native forward: no memory for a pass's scratch space")
+        for cached, total in held:
+            cached.take(total)
+        for cache, n in zip(caches, rows):
+            cache.length += n
+        return logits
