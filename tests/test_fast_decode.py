@@ -1,8 +1,8 @@
 """The CPU's fast decode path: quantized weights, the decode step, keys and values kept in
 growing buffers. Each piece is held to transformers' own numbers on the same weights; the
 path as a whole is tested through the worker (greedy equals in-process generate(), the
-cache exactness tests of every family run on it as the default). A Llama model with int8
-weights computes its passes natively (tests/test_native_forward.py); the tests of
+cache exactness tests of every family run on it as the default). Llama and Gemma 3 models
+with int8 weights compute their passes natively (tests/test_native_forward.py); the tests of
 decode_step's PyTorch operations take them for it too (the torch_operations fixture), as
 where that kernel cannot be built."""
 
@@ -79,10 +79,8 @@ def test_a_prompt_fed_alone_takes_the_step_only_where_it_gives_transformers_forw
         assert torch.equal(mine.keys, other.keys) and torch.equal(mine.values, other.values)
 
 
-@pytest.mark.parametrize(
-    ("family", "native"), [("llama", True), ("llama", False), ("gemma3", False)],
-    ids=["llama-native", "llama-torch_operations", "gemma3"],
-)
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch_operations"])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_a_batch_of_sequences_steps_as_each_would_alone(tiny_models, tmp_path: Path, monkeypatch, family, native):
     if not native:
         monkeypatch.setattr("worker.backends.transformers.native_forward.applies", lambda *args: False)

@@ -15,24 +15,29 @@ from tests.test_fast_decode import TEXT, load
 torch = pytest.importorskip("torch")
 
 
-def test_a_llama_model_with_int8_weights_computes_its_passes_natively_and_others_keep_pytorchs_operations(
+def test_llama_and_gemma3_models_with_int8_weights_compute_their_passes_natively_and_others_keep_pytorchs_operations(
     tiny_models, tmp_path: Path
 ):
     from worker.backends.transformers.decode_step import DecodeStep
     from worker.backends.transformers.native_forward import NativeForward
 
-    assert type(load(tiny_models("llama"), tmp_path)._decode_step) is NativeForward
-    for family, quantization in (("llama", "int4"), ("llama", "none"), ("gemma3", "int8")):
+    for family in ("llama", "gemma3"):
+        assert type(load(tiny_models(family), tmp_path)._decode_step) is NativeForward
+    for family, quantization in (("llama", "int4"), ("llama", "none"), ("gemma3", "none")):
         assert type(load(tiny_models(family), tmp_path, quantization=quantization)._decode_step) is DecodeStep
+    assert load(tiny_models("qwen3_5"), tmp_path)._decode_step is None
 
 
-def test_a_native_pass_gives_the_logits_of_the_layers_pytorch_operations_to_rounding(tiny_model_dir: Path, tmp_path: Path):
-    """Only RMSNorm's sum and SiLU's exponential are computed otherwise (native_forward.c):
-    the logits of a prompt and of greedy steps after it stay within rounding of decode_step's,
-    and greedy picks the same tokens."""
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_native_pass_gives_the_logits_of_the_layers_pytorch_operations_to_rounding(
+    tiny_models, tmp_path: Path, family
+):
+    """Only RMSNorm's sum and the activation's exponential are computed otherwise
+    (native_forward.c): the logits of a prompt (past Gemma 3's window) and of greedy steps
+    after it stay within rounding of decode_step's, and greedy picks the same tokens."""
     from worker.backends.transformers.decode_step import DecodeStep
 
-    model = load(tiny_model_dir, tmp_path)
+    model = load(tiny_models(family), tmp_path)
     operations = DecodeStep(model._model)
     ids = model.tokenize(TEXT, add_special_tokens=True)
     with torch.inference_mode():
@@ -48,17 +53,20 @@ def test_a_native_pass_gives_the_logits_of_the_layers_pytorch_operations_to_roun
         torch.testing.assert_close(mine.keys, other.keys, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_steps_drafts_and_a_prompt_chunk_in_one_pass_give_each_sequence_what_it_gets_alone(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_models, tmp_path: Path, family
 ):
     """Sequences of one new position go to one attention call, those of several each to their
     own: every sequence's logits and keys are still those of its positions fed alone, in
-    one piece."""
-    model = load(tiny_model_dir, tmp_path)
+    one piece, also where they pass the tiny Gemma 3's window of 16 positions."""
+    model = load(tiny_models(family), tmp_path)
     step = model._decode_step
     ids = model.tokenize(TEXT, add_special_tokens=True)
-    # (positions cached before, new positions): a step, a draft of 3, a chunk of 9, a step on an empty cache
-    shapes = [(4, 1), (7, 3), (2, 9), (0, 1)]
+    # (positions cached before, new positions): a step, a draft of 3, a chunk of 9, a step on an
+    # empty cache, a chunk across the window's edge, a step past it
+    shapes = [(4, 1), (7, 3), (2, 9), (0, 1), (12, 8), (24, 1)]
+    assert len(ids) > 25
     with torch.inference_mode():
         caches, alone = [], []
         for held, _ in shapes:

@@ -199,7 +199,7 @@ class TransformersModel:
         self._decode_step: decode_step.Passes | None = None
         if native_forward.applies(model.config, dtype, quantization):
             self._decode_step = native_forward.NativeForward(model)
-        elif decode_step.supports(model):
+        elif decode_step.supports(model.config):
             self._decode_step = decode_step.DecodeStep(model)
         # A step computes its sequences in one pass, a prompt chunk with them.
         self.chunks_in_step = self._decode_step is not None

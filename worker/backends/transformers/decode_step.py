@@ -47,7 +47,7 @@ from worker.backends.transformers import exact_attention, hf_compat
 from worker.backends.transformers.fast_weights import fused
 
 if TYPE_CHECKING:
-    from transformers import Gemma3ForCausalLM, LlamaForCausalLM, PreTrainedModel
+    from transformers import Gemma3ForCausalLM, LlamaForCausalLM, PretrainedConfig, PreTrainedModel
     from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer, Gemma3RMSNorm
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
@@ -60,8 +60,8 @@ Projection = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 Norm = Callable[[torch.Tensor], torch.Tensor]
 
 
-def supports(model: PreTrainedModel) -> bool:
-    config = model.config
+def supports(config: PretrainedConfig) -> bool:
+    """Whether this step computes models of this configuration (the Llama and Gemma 3 architectures)."""
     plain = (
         not getattr(config, "attention_bias", False)
         and not getattr(config, "mlp_bias", False)
@@ -135,6 +135,26 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
+class Ropes:
+    """A model's rotary embeddings: Gemma 3's gives each layer type its own (cos, sin); Llama's has one."""
+
+    def __init__(self, model: LlamaForCausalLM | Gemma3ForCausalLM) -> None:
+        self._rotary = model.model.rotary_emb
+        typed = "layer_type" in inspect.signature(self._rotary.forward).parameters
+        layer_types = list(getattr(model.config, "layer_types", None) or []) if typed else []
+        self.kinds: list[str | None] = sorted(set(layer_types)) or [None]
+        # each layer's kind
+        self.of_layers: list[str | None] = list(layer_types) or [None] * len(model.model.layers)
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        """Each kind's (cos, signed sin) for the positions ((total, 1) of them): (total, 1, head_dim) each."""
+        made = {}
+        for rope in self.kinds:
+            cos, sin = self._rotary(hidden, positions) if rope is None else self._rotary(hidden, positions, rope)
+            made[rope] = (cos, signed_sin(sin))
+        return made
+
+
 class _Layer:
     def __init__(self, layer: LlamaDecoderLayer | Gemma3DecoderLayer, norm: Callable[..., Norm], rope: str | None) -> None:
         attention, mlp = layer.self_attn, layer.mlp
@@ -187,16 +207,12 @@ class DecodeStep(Passes):
         config = model.config
         norm: Callable[..., Norm] = _gemma_norm if config.model_type == "gemma3_text" else _llama_norm
         self._embed = inner.embed_tokens
-        self._rotary = inner.rotary_emb
-        # Gemma 3's rotary embedding gives each layer type its own (cos, sin); Llama's has one.
-        typed = "layer_type" in inspect.signature(self._rotary.forward).parameters
-        layer_types = list(getattr(config, "layer_types", None) or []) if typed else []
-        self._ropes = sorted(set(layer_types)) or [None]
+        self._ropes = Ropes(model)
         self._norm = norm(inner.norm)
         self._head = _product(model.lm_head)
         self._layers = [
-            _Layer(cast("LlamaDecoderLayer | Gemma3DecoderLayer", layer), norm, layer_types[index] if layer_types else None)
-            for index, layer in enumerate(inner.layers)
+            _Layer(cast("LlamaDecoderLayer | Gemma3DecoderLayer", layer), norm, rope)
+            for layer, rope in zip(inner.layers, self._ropes.of_layers)
         ]
         self._heads = config.num_attention_heads
         self._kv_heads = config.num_key_value_heads or self._heads  # None only before the config resolves it
@@ -207,14 +223,6 @@ class DecodeStep(Passes):
         # values: the kernel writes the new ones into the cache's buffers).
         float32 = self._embed.weight.dtype == torch.float32
         self._kernel = hf_compat.step_kernel(self._attention, self._heads, self._kv_heads, self._head_dim) if float32 else None
-
-    def _cos_sin(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer type's (cos, signed sin) for the positions, (total, 1, head_dim)."""
-        made = {}
-        for rope in self._ropes:
-            cos, sin = self._rotary(hidden, positions) if rope is None else self._rotary(hidden, positions, rope)
-            made[rope] = (cos, signed_sin(sin))
-        return made
 
     def _attend_each(
         self, index: int, layer: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -285,7 +293,7 @@ class DecodeStep(Passes):
             [[cache.length + i] for cache, n in zip(caches, lengths) for i in range(n)], dtype=torch.long, device=device
         )
         hidden = self._embed(ids)  # (total, hidden)
-        ropes = self._cos_sin(hidden, positions)
+        ropes = self._ropes(hidden, positions)
         at_once = self._kernel is not None and total == len(lengths)
         for index, layer in enumerate(self._layers):
             q, k, v = layer.qkv(layer.norm_in(hidden))

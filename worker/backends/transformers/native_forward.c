@@ -1,4 +1,4 @@
-/* A whole forward pass of a Llama-architecture model with quantized weights, in one call, for
+/* A whole forward pass of a Llama or Gemma 3 model with quantized weights, in one call, for
  * native_forward.py: the new positions of several sequences (a decode step's one each, a
  * prompt chunk's many, a draft's few), through every layer, to the logits of the rows asked
  * for. It does what decode_step.py does with PyTorch's operations, without an operation's
@@ -10,12 +10,15 @@
  * same functions, the same numbers as in decode_step.py. What this file computes itself
  * has an order of its own, fixed whatever rows a call holds, so that a position's numbers
  * depend on its tokens alone, never on the chunk or step it is computed in:
- *   RMSNorm:  s = Σ x[i]² summed in double, i from 0 up; r = 1 / sqrt((float)(s / n) + eps);
- *             y[i] = w[i] · (x[i] · r), each product rounded to float;
- *   RoPE:     y[d] = x[d] · cos[d] + x[(d + dim/2) % dim] · sin'[d] (sin' with its first
+ *   RMSNorm:  s = sum of x[i]^2 in double, i from 0 up; r = 1 / sqrt((float)(s / n) + eps);
+ *             y[i] = w[i] * (x[i] * r), each product rounded to float (w: Llama's weight,
+ *             Gemma's 1 + weight, made in float32 once);
+ *   RoPE:     y[d] = x[d] * cos[d] + x[(d + dim/2) % dim] * sin'[d] (sin' with its first
  *             half negated), as decode_step's _rotate;
- *   SiLU:     silu(g) = g / (1 + e) for g ≥ 0 and g · e / (1 + e) below, e = exp(-|g|)
- *             (expf below: a polynomial, the same bits on every machine), times up.
+ *   SiLU:     silu(g) = g / (1 + e) for g >= 0 and g * e / (1 + e) below, e = exp(-|g|);
+ *   GELU (tanh form, Gemma): 0.5 * g * (1 + tanh(0.7978845608 * (g + 0.044715 * g^3))),
+ *             tanh(y) = sign(y) * (1 - e) / (1 + e), e = exp(-2|y|);
+ *             exp being expf_nonpositive below (a polynomial: the same bits on every machine).
  * Built with -ffp-contract=off, like the kernels it calls: no multiply and add fused.
  */
 #include <math.h>
@@ -46,14 +49,20 @@ struct product {
     int64_t outputs, inputs;
 };
 
-/* q, k and v (or all three in qkv[0], the others without outputs); gate and up likewise. */
+/* q, k and v (or all three in qkv[0], the others without outputs); gate and up likewise.
+ * Gemma 3 also normalizes each query and key head, and each sublayer's output before it joins
+ * the residual stream (NULL where a model does not). */
 struct layer {
-    const float *norm_in, *norm_mid;
+    const float *norm_in, *norm_mid, *norm_q, *norm_k, *norm_attended, *norm_out;
+    int64_t window; /* a sliding-window layer attends this many positions up to its own; 0: all */
+    int64_t rope;   /* which of the pass's (cos, sin) tables it rotates with */
     struct product qkv[3], out, gate_up[2], down;
 };
 
+enum activation { SILU, GELU_TANH };
+
 struct model {
-    int64_t layers, hidden, heads, kv_heads, dim, intermediate, vocab;
+    int64_t layers, hidden, heads, kv_heads, dim, intermediate, vocab, activation;
     float epsilon, scaling;
     int64_t share_from; /* a product or attention of at least this much work takes every thread */
     const float *norm;
@@ -70,7 +79,7 @@ struct pass {
     const int64_t *kb, *vb, *kh, *vh; /* [layer * sequences + b]: buffers' addresses (room for the new
                                          positions made), floats between their heads */
     float *hidden;
-    const float *cos, *sin; /* (total, dim) each, sin signed */
+    const float *cos, *sin; /* (ropes, total, dim) each, sin signed */
     const int64_t *wanted;  /* rows whose logits are asked for, in order */
     int64_t wanted_count;
     float *logits; /* (wanted_count, vocab) */
@@ -99,6 +108,13 @@ static inline float expf_nonpositive(float x) {
 static inline float silu(float g) {
     const float e = expf_nonpositive(-fabsf(g));
     return g >= 0.0f ? g / (1.0f + e) : (g * e) / (1.0f + e);
+}
+
+static inline float gelu_tanh(float g) {
+    const float y = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
+    const float e = expf_nonpositive(-2.0f * fabsf(y));
+    const float t = (1.0f - e) / (1.0f + e);
+    return 0.5f * g * (1.0f + (y >= 0.0f ? t : -t));
 }
 
 static void rms_norm(const float *x, const float *weight, int64_t n, float epsilon, float *y) {
@@ -154,8 +170,12 @@ struct scratch {
 /* Attention of layer l: each sequence's new keys and values written into its buffers, then
  * its rows attend: sequences of one new row together in one step call, the others each in
  * a call of their own (the kernel gives a row the same numbers either way). */
+/* The first key a row attending keys up to hi (exclusive) sees. */
+static inline int64_t visible(int64_t window, int64_t hi) { return window > 0 && hi > window ? hi - window : 0; }
+
 static int attend(const struct model *m, const struct pass *p, int64_t l, const struct scratch *s, int64_t qkv_width) {
     const int64_t heads = m->heads, kv_heads = m->kv_heads, dim = m->dim, width = heads * dim;
+    const int64_t window = m->layer[l].window;
     const float *q = s->qkv, *k = s->qkv + width, *v = s->qkv + width + kv_heads * dim;
     int64_t first = 0, singles = 0, step_keys = 0;
     for (int64_t b = 0; b < p->sequences; b++) {
@@ -164,8 +184,8 @@ static int attend(const struct model *m, const struct pass *p, int64_t l, const 
         if (rows == 1) {
             float *row = s->step_rows + singles * qkv_width;
             memcpy(row, s->qkv + first * qkv_width, (size_t)qkv_width * sizeof(float));
-            s->lo[singles] = 0, s->hi[singles] = length + 1;
-            step_keys += length + 1;
+            s->lo[singles] = visible(window, length + 1), s->hi[singles] = length + 1;
+            step_keys += length + 1 - s->lo[singles];
             singles++;
         } else {
             for (int64_t i = 0; i < rows; i++)
@@ -175,7 +195,7 @@ static int attend(const struct model *m, const struct pass *p, int64_t l, const 
                     memcpy(values + h * p->vh[at] + to, v + from, (size_t)dim * sizeof(float));
                 }
             int64_t *lo = s->lo + p->sequences, *hi = s->hi + p->sequences;
-            for (int64_t i = 0; i < rows; i++) lo[i] = 0, hi[i] = length + i + 1;
+            for (int64_t i = 0; i < rows; i++) hi[i] = length + i + 1, lo[i] = visible(window, hi[i]);
             const int threads = heads * rows * (length + rows) >= m->share_from ? p->threads : 1;
             if (((attention_function)m->attention)(q + first * qkv_width, 0, dim, qkv_width, keys, 0, p->kh[at], dim,
                                                    values, 0, p->vh[at], dim, lo, hi, s->attended + first * width, 1,
@@ -208,6 +228,15 @@ static int attend(const struct model *m, const struct pass *p, int64_t l, const 
     return 0;
 }
 
+/* hidden += a sublayer's output (normalized first where `norm` is given), row by row. */
+static void add_to_stream(float *hidden, float *added, int64_t total, int64_t width, const float *norm, float epsilon) {
+    for (int64_t r = 0; r < total; r++) {
+        float *row = added + r * width, *into = hidden + r * width;
+        if (norm != NULL) rms_norm(row, norm, width, epsilon, row);
+        for (int64_t i = 0; i < width; i++) into[i] = into[i] + row[i];
+    }
+}
+
 static int layer_pass(const struct model *m, const struct pass *p, int64_t l, const struct scratch *s, int64_t total) {
     const struct layer *layer = m->layer + l;
     const int64_t hidden = m->hidden, dim = m->dim, width = m->heads * dim;
@@ -215,24 +244,33 @@ static int layer_pass(const struct model *m, const struct pass *p, int64_t l, co
     for (int64_t r = 0; r < total; r++) rms_norm(p->hidden + r * hidden, layer->norm_in, hidden, m->epsilon, s->normed + r * hidden);
     if (multiply_side_by_side(m, layer->qkv, 3, s->normed, total, hidden, s->qkv, qkv_width, s->spare, p->threads))
         return 1;
+    const float *cos = p->cos + layer->rope * total * dim, *sin = p->sin + layer->rope * total * dim;
     for (int64_t r = 0; r < total; r++) {
         float *row = s->qkv + r * qkv_width;
-        rotate(row, m->heads, dim, p->cos + r * dim, p->sin + r * dim);
-        rotate(row + width, m->kv_heads, dim, p->cos + r * dim, p->sin + r * dim);
+        if (layer->norm_q != NULL) {
+            for (int64_t h = 0; h < m->heads; h++) rms_norm(row + h * dim, layer->norm_q, dim, m->epsilon, row + h * dim);
+            for (int64_t h = 0; h < m->kv_heads; h++)
+                rms_norm(row + width + h * dim, layer->norm_k, dim, m->epsilon, row + width + h * dim);
+        }
+        rotate(row, m->heads, dim, cos + r * dim, sin + r * dim);
+        rotate(row + width, m->kv_heads, dim, cos + r * dim, sin + r * dim);
     }
     if (attend(m, p, l, s, qkv_width)) return 1;
     if (multiply(m, &layer->out, s->attended, total, width, s->added, p->threads)) return 1;
-    for (int64_t i = 0; i < total * hidden; i++) p->hidden[i] = p->hidden[i] + s->added[i];
+    add_to_stream(p->hidden, s->added, total, hidden, layer->norm_attended, m->epsilon);
     for (int64_t r = 0; r < total; r++) rms_norm(p->hidden + r * hidden, layer->norm_mid, hidden, m->epsilon, s->normed + r * hidden);
     if (multiply_side_by_side(m, layer->gate_up, 2, s->normed, total, hidden, s->gate_up, 2 * inner, s->spare, p->threads))
         return 1;
     for (int64_t r = 0; r < total; r++) {
         const float *gate = s->gate_up + r * 2 * inner, *up = gate + inner;
         float *act = s->act + r * inner;
-        for (int64_t i = 0; i < inner; i++) act[i] = silu(gate[i]) * up[i];
+        if (m->activation == GELU_TANH)
+            for (int64_t i = 0; i < inner; i++) act[i] = gelu_tanh(gate[i]) * up[i];
+        else
+            for (int64_t i = 0; i < inner; i++) act[i] = silu(gate[i]) * up[i];
     }
     if (multiply(m, &layer->down, s->act, total, inner, s->added, p->threads)) return 1;
-    for (int64_t i = 0; i < total * hidden; i++) p->hidden[i] = p->hidden[i] + s->added[i];
+    add_to_stream(p->hidden, s->added, total, hidden, layer->norm_out, m->epsilon);
     return 0;
 }
 

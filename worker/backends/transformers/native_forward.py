@@ -1,4 +1,4 @@
-"""A forward pass of a Llama-architecture model with quantized weights in one native call.
+"""A forward pass of a Llama or Gemma 3 model with quantized weights in one native call.
 
 decode_step.py computes a decode step with PyTorch's operations, one by one: about 30 a
 layer, each with its dispatch, its output tensor and its line of Python. For SmolLM2 on two
@@ -7,17 +7,17 @@ about 10 of a 16 ms step, the int8 products 6). native_forward.c does a whole pa
 layer, then the logits of the rows asked for) in one call, calling the same product and
 attention kernels, so a step costs little more than its arithmetic.
 
-What it computes differs from decode_step's PyTorch operations in the last bits of two
-steps only, RMSNorm's sum and SiLU's exponential (native_forward.c says how it computes
-them: one fixed order, the same bits on every machine): PyTorch's are blocked by the
-processor's vectors. It is the model's arithmetic for every pass, the prompt's chunks as
-well as the steps and drafts, so a position's numbers still depend on its tokens alone, and
-the cache identity names it (``FORWARD``: hf_compat.config_digest), so caches computed with
-PyTorch's operations are another identity.
+What it computes differs from decode_step's PyTorch operations in the last bits of the
+steps it computes itself, RMSNorm's sum and the activation's exponential (native_forward.c
+says how: one fixed order, the same bits on every machine), where PyTorch's are blocked by
+the processor's vectors. It is the model's arithmetic for every pass, the prompt's chunks
+as well as the steps and drafts, so a position's numbers still depend on its tokens alone,
+and the cache identity names it (``FORWARD``: hf_compat.config_digest), so caches computed
+with PyTorch's operations are another identity.
 
-It takes models of the Llama architecture whose every linear multiplies int8 rows or gguf
-blocks with the worker's kernels, with exact attention (``applies``); others keep
-decode_step.
+It takes the models decode_step takes (the Llama and Gemma 3 architectures) whose every
+linear multiplies int8 rows or gguf blocks with the worker's kernels, with exact attention
+(``applies``); others keep decode_step, and so do these where the kernel cannot be built.
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from worker.backends.transformers import exact_attention, fast_weights, gguf_weights, hf_compat
-from worker.backends.transformers.decode_step import Passes, signed_sin
+from worker.backends.transformers import decode_step, exact_attention, fast_weights, gguf_weights, hf_compat
+from worker.backends.transformers.decode_step import Passes
 
 if TYPE_CHECKING:
-    from transformers import LlamaForCausalLM, PretrainedConfig, PreTrainedModel
+    from transformers import Gemma3ForCausalLM, LlamaForCausalLM, PretrainedConfig, PreTrainedModel
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer, Gemma3RMSNorm
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
     from worker.backends.transformers.cache_layers import GrowingKeysAndValues
@@ -47,6 +48,9 @@ FORWARD = "lm_worker_native"
 # A product or attention call of at least this much work takes every thread (the kernels' own rule).
 _SHARE_FROM = 1 << 16
 
+# native_forward.c's enum activation
+_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
+
 _I64, _PTR, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
@@ -56,15 +60,16 @@ class _Product(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [
-        ("norm_in", _PTR), ("norm_mid", _PTR), ("qkv", _Product * 3), ("out", _Product), ("gate_up", _Product * 2),
-        ("down", _Product),
+        ("norm_in", _PTR), ("norm_mid", _PTR), ("norm_q", _PTR), ("norm_k", _PTR), ("norm_attended", _PTR),
+        ("norm_out", _PTR), ("window", _I64), ("rope", _I64), ("qkv", _Product * 3), ("out", _Product),
+        ("gate_up", _Product * 2), ("down", _Product),
     ]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [
         ("layers", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("dim", _I64), ("intermediate", _I64),
-        ("vocab", _I64), ("epsilon", _FLOAT), ("scaling", _FLOAT), ("share_from", _I64), ("norm", _PTR),
+        ("vocab", _I64), ("activation", _I64), ("epsilon", _FLOAT), ("scaling", _FLOAT), ("share_from", _I64), ("norm", _PTR),
         ("head", _Product), ("layer", ctypes.POINTER(_Layer)), ("attention", _PTR), ("step", _PTR),
     ]
 
@@ -91,23 +96,25 @@ def load_kernel(data_dir: Path) -> None:
 
 def applies(config: PretrainedConfig, dtype: str, quantization: str) -> bool:
     """Whether a model of this configuration, loaded with this dtype and quantization, computes
-    its passes here: the Llama architecture without biases, SiLU, float32, every linear
-    multiplied by the worker's kernels (int8 rows, gguf blocks), exact attention of heads its
-    kernel takes."""
+    its passes here: a model decode_step takes (Llama, Gemma 3) with its usual activation
+    (SiLU, GELU's tanh form), in float32, every linear multiplied by the worker's kernels
+    (int8 rows, gguf blocks), with exact attention of heads its kernel takes."""
     if _forward is None or dtype != "float32" or quantization not in ("int8", "gguf"):
         return False
-    if fast_weights.int8_products() is None:
+    if fast_weights.int8_products() is None or hf_compat.attention_implementation(config) != hf_compat.EXACT_ATTENTION:
         return False
-    if config.model_type != "llama" or getattr(config, "hidden_act", None) != "silu":
-        return False
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        return False
-    if getattr(config, "pretraining_tp", 1) != 1 or hf_compat.attention_implementation(config) != hf_compat.EXACT_ATTENTION:
+    if not decode_step.supports(config) or _activation(config) is None:
         return False
     heads = config.num_attention_heads
     kv_heads = config.num_key_value_heads or heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return exact_attention.Kernel.takes_heads(heads, kv_heads, dim)
+
+
+def _activation(config: PretrainedConfig) -> int | None:
+    """native_forward.c's number for the MLP's activation, None for one it does not compute."""
+    name = getattr(config, "hidden_act", None) if config.model_type == "llama" else getattr(config, "hidden_activation", None)
+    return _ACTIVATIONS.get(name or "")
 
 
 def _product(linear: torch.nn.Module) -> _Product:
@@ -125,39 +132,60 @@ def _product(linear: torch.nn.Module) -> _Product:
 
 
 class NativeForward(Passes):
-    """A Llama model's passes, each one call of native_forward.c."""
+    """A Llama or Gemma 3 model's passes, each one call of native_forward.c."""
 
     def __init__(self, model: PreTrainedModel) -> None:
         assert _forward is not None, "load_kernel() first"
-        model = cast("LlamaForCausalLM", model)
+        model = cast("LlamaForCausalLM | Gemma3ForCausalLM", model)
         inner, config = model.model, model.config
-        self._embed, self._rotary = inner.embed_tokens, inner.rotary_emb
+        self._gemma = config.model_type == "gemma3_text"
+        self._embed, self._ropes = inner.embed_tokens, decode_step.Ropes(model)
         self._heads = config.num_attention_heads
         self._kv_heads = config.num_key_value_heads or self._heads
         self._dim = getattr(config, "head_dim", None) or config.hidden_size // self._heads
         self._like = torch.empty(1, self._kv_heads, 1, self._dim)  # a layer's positions to come, for its buffers
-        kernel = exact_attention.loaded()
-        self._kept: list[torch.nn.Module] = []  # joined linears, whose weights the call reads
-        decoder_layers = [cast("LlamaDecoderLayer", layer) for layer in inner.layers]
-        norm = cast("LlamaRMSNorm", inner.norm)
+        self._kept: list[torch.Tensor | torch.nn.Module] = []  # what the call reads that nothing else holds
+        decoder_layers = [cast("LlamaDecoderLayer | Gemma3DecoderLayer", layer) for layer in inner.layers]
         layers = (_Layer * len(decoder_layers))()
         for index, layer in enumerate(decoder_layers):
             attention, mlp = layer.self_attn, layer.mlp
+            # Gemma 3 normalizes each sublayer's output too; Llama's post_attention_layernorm is the MLP's input norm
+            pre_mlp = getattr(layer, "pre_feedforward_layernorm", None)
+            norm_mid = layer.post_attention_layernorm if pre_mlp is None else pre_mlp
+            window = getattr(attention, "sliding_window", None)
             layers[index] = _Layer(
-                layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                self._scale(layer.input_layernorm), self._scale(norm_mid),
+                self._scale(getattr(attention, "q_norm", None)), self._scale(getattr(attention, "k_norm", None)),
+                self._scale(layer.post_attention_layernorm if pre_mlp is not None else None),
+                self._scale(getattr(layer, "post_feedforward_layernorm", None)),
+                window or 0, self._ropes.kinds.index(self._ropes.of_layers[index]),
                 self._side_by_side([attention.q_proj, attention.k_proj, attention.v_proj], 3),
                 _product(attention.o_proj),
                 self._side_by_side([mlp.gate_proj, mlp.up_proj], 2),
                 _product(mlp.down_proj),
             )
         head = _product(model.lm_head)
+        final = cast("LlamaRMSNorm | Gemma3RMSNorm", inner.norm)
+        epsilon = final.eps if self._gemma else final.variance_epsilon
         self._layers = layers
         self._model = _Model(
             len(decoder_layers), config.hidden_size, self._heads, self._kv_heads, self._dim, config.intermediate_size,
-            head.outputs, norm.variance_epsilon, float(decoder_layers[0].self_attn.scaling), _SHARE_FROM,
-            norm.weight.data_ptr(), head, layers, *kernel.addresses(),
+            head.outputs, _activation(config), epsilon, float(decoder_layers[0].self_attn.scaling), _SHARE_FROM,
+            self._scale(final), head, layers, *exact_attention.loaded().addresses(),
         )
         self._vocab = head.outputs
+
+    def _scale(self, norm: torch.nn.Module | None) -> int | None:
+        """Where an RMSNorm's scale is (Llama's weight; Gemma's one plus its weight, in float32,
+        as transformers computes it): None without the norm."""
+        if norm is None:
+            return None
+        weight = cast(torch.Tensor, norm.weight)
+        if not self._gemma:
+            return weight.data_ptr()
+        scale = 1.0 + weight.float()
+        self._kept.append(scale)
+        return scale.data_ptr()
 
     def _side_by_side(self, linears: list[torch.nn.Module], count: int):
         """Products of linears that read the same input: one joined where they join."""
@@ -177,8 +205,9 @@ class NativeForward(Passes):
         ids = torch.tensor([token for sequence in sequences for token in sequence], dtype=torch.long)
         positions = torch.tensor([[length + i] for length, n in zip(lengths, rows) for i in range(n)], dtype=torch.long)
         hidden = self._embed(ids).float().contiguous()  # (total, hidden); the call overwrites it
-        cos, sin = self._rotary(hidden, positions)
-        cos, sin = cos.reshape(len(positions), self._dim).contiguous(), signed_sin(sin).reshape(len(positions), self._dim).contiguous()
+        tables = self._ropes(hidden, positions).values()  # in the order of Ropes.kinds
+        cos = torch.stack([cos.reshape(len(positions), self._dim) for cos, _ in tables])  # (ropes, total, dim)
+        sin = torch.stack([sin.reshape(len(positions), self._dim) for _, sin in tables])
         places = [array.array("q") for _ in range(4)]  # kb, vb, kh, vh: [layer * sequences + b]
         held = []
         for index in range(self._model.layers):
