@@ -42,6 +42,8 @@ def reference(query, keys, values, lo, hi, scaling) -> torch.Tensor:
 
 @pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 2, 16), (2, 1, 128), (2, 2, 256)])
 def test_a_row_gets_the_same_bits_alone_in_any_chunk_and_on_any_thread(kernel, heads, kv_heads, dim):
+    """Also where two threads split a call into work items of fewer positions than one thread
+    does (a single key/value head)."""
     torch.manual_seed(dim)
     positions, n = 70, 300
     query = torch.randn(1, heads, positions, dim) * 2

@@ -32,7 +32,7 @@
 #endif
 #endif
 #define SUM_LANES 16   /* lanes of the sum l, whatever W */
-#define POSITIONS 16   /* query positions in one work item */
+#define POSITIONS 16   /* query positions in one work item, at most */
 /* Query rows whose scores are computed together, and rows a weighted sum of DV vectors takes at
  * once: as many as the registers hold (32 of 16 floats with AVX-512, 16 of 8 with AVX2). */
 #define SCORE_ROWS (W == 16 ? 8 : 4)
@@ -44,10 +44,13 @@ typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
 
 static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+/* x in every lane, written out: GCC makes the loop form five shuffles, not one broadcast. */
 static inline vf vsplat(float x) {
-    vf v;
-    for (int i = 0; i < W; i++) v[i] = x;
-    return v;
+#if W == 16
+    return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#else
+    return (vf){x, x, x, x, x, x, x, x};
+#endif
 }
 static inline vf vselect(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
 
@@ -235,10 +238,11 @@ struct call {
     const int64_t *lo, *hi;
     int64_t *limit; /* per batch entry: the end of the keys its rows attend (run sets it) */
     float *out;
-    int64_t heads, kv_heads, positions, dim, groups, blocks;
+    int64_t heads, kv_heads, positions, dim, groups;
     float scale;
     float *kt;     /* the keys transposed, W at a time: kt[((b * kv_heads + kvh) * tiles + tile) * dim * W + d * W + j % W] */
     int64_t tiles; /* tiles of W keys per (b, kv head): up to the last key any row attends */
+    int64_t block, blocks; /* positions of a work item (run sets them), and the items of a (b, kv head) */
 };
 
 /* A thread's scratch space: scores (then p) of an item's rows, a row of zeros, the rows'
@@ -302,8 +306,8 @@ static void transpose_tile(const struct call *c, int64_t pair, int64_t tile) {
 
 /* The range of keys the rows of item's positions attend together: [*low, *high). */
 static void keys_of_item(const struct call *c, int64_t item, int64_t *low, int64_t *high) {
-    int64_t b = item / (c->kv_heads * c->blocks), i0 = (item % c->blocks) * POSITIONS;
-    int64_t i1 = i0 + POSITIONS < c->positions ? i0 + POSITIONS : c->positions;
+    int64_t b = item / (c->kv_heads * c->blocks), i0 = (item % c->blocks) * c->block;
+    int64_t i1 = i0 + c->block < c->positions ? i0 + c->block : c->positions;
     *low = INT64_MAX, *high = 0;
     for (int64_t i = i0; i < i1; i++) {
         int64_t at = b * c->positions + i;
@@ -314,14 +318,14 @@ static void keys_of_item(const struct call *c, int64_t item, int64_t *low, int64
     }
 }
 
-/* The work item (b, kv head, block of POSITIONS positions): every query head of that key/value
+/* The work item (b, kv head, block of c->block positions): every query head of that key/value
  * head, at those positions. Rows are ordered by position, then head: the heads of one position
  * attend the same keys. */
 static void attend_item(const struct call *c, const struct scratch *s, int64_t item) {
     const int64_t groups = c->groups, dim = c->dim, span = s->span;
     int64_t b = item / (c->kv_heads * c->blocks), kvh = item / c->blocks % c->kv_heads;
-    int64_t i0 = (item % c->blocks) * POSITIONS, low, high;
-    int64_t i1 = i0 + POSITIONS < c->positions ? i0 + POSITIONS : c->positions;
+    int64_t i0 = (item % c->blocks) * c->block, low, high;
+    int64_t i1 = i0 + c->block < c->positions ? i0 + c->block : c->positions;
     int rows = (int)((i1 - i0) * groups);
     const float *row_q[POSITIONS * MOST_GROUPS];
     int64_t row_lo[POSITIONS * MOST_GROUPS], row_n[POSITIONS * MOST_GROUPS];
@@ -375,6 +379,13 @@ static void attend_item(const struct call *c, const struct scratch *s, int64_t i
  * (where built with OpenMP: the runtime torch loaded, so its threads, already awake, take
  * them). Returns 0, or -1 when memory ran out. */
 static int run(struct call *c, int64_t batch, int threads) {
+    /* Blocks of POSITIONS positions, halved while they would leave threads without work to
+     * share (a short question after a long cache: 10 positions, 3 key/value heads). A row's
+     * numbers do not depend on the rows beside it. */
+    c->block = POSITIONS;
+    while (threads > 1 && c->block > 1 && batch * c->kv_heads * ((c->positions + c->block - 1) / c->block) < 4 * threads)
+        c->block /= 2;
+    c->blocks = (c->positions + c->block - 1) / c->block;
     const int64_t items = batch * c->kv_heads * c->blocks, pairs = batch * c->kv_heads, dim = c->dim;
     int64_t widest = 0, n = 0;
     for (int64_t i = 0; i < batch; i++) c->limit[i] = 0;
@@ -441,8 +452,7 @@ int lmw_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsi, const f
         b.kh[i] = ksh, b.vh[i] = vsh;
     }
     struct call c = {q, b.kb, b.vb, b.kh, b.vh, qsb, qsh, qsi, ksj, vsj, lo, hi, b.limit, out,
-                     heads, kv_heads, positions, dim, heads / kv_heads, (positions + POSITIONS - 1) / POSITIONS, scale,
-                     NULL, 0};
+                     heads, kv_heads, positions, dim, heads / kv_heads, scale, NULL, 0, 0, 0};
     int status = run(&c, batch, threads);
     free(b.kb);
     return status;
@@ -469,7 +479,7 @@ int lmw_step_attention(const float *q, int64_t qsb, int64_t qsh, const float *nk
         }
     }
     struct call c = {q, b.kb, b.vb, b.kh, b.vh, qsb, qsh, 0, dim, dim, lo, hi, b.limit, out,
-                     heads, kv_heads, 1, dim, heads / kv_heads, 1, scale, NULL, 0};
+                     heads, kv_heads, 1, dim, heads / kv_heads, scale, NULL, 0, 0, 0};
     int status = run(&c, batch, threads);
     free(b.kb);
     return status;
