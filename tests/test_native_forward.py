@@ -15,6 +15,18 @@ from tests.test_fast_decode import TEXT, load
 torch = pytest.importorskip("torch")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def native_kernel(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The native pass built (once a process), or these tests skipped where it cannot be
+    (no C compiler: the worker then keeps PyTorch's operations, as the last test checks)."""
+    from worker.backends.transformers import exact_attention, native_forward
+
+    try:
+        native_forward.load_kernel(tmp_path_factory.mktemp("data"))
+    except exact_attention.KernelUnavailable as exc:
+        pytest.skip(f"the native pass cannot be built here: {exc}")
+
+
 def test_llama_and_gemma3_models_with_int8_weights_compute_their_passes_natively_and_others_keep_pytorchs_operations(
     tiny_models, tmp_path: Path
 ):
@@ -113,3 +125,33 @@ def test_the_cache_identity_names_the_native_pass_and_a_model_without_it_keeps_a
     assert type(without._decode_step) is DecodeStep
     assert without.cache_identity().config_sha256 == hf_compat.config_digest(config, products)
     assert "could not build native_forward.c" in caplog.text
+
+
+async def test_a_cache_file_from_pytorchs_operations_is_refused_by_a_worker_on_the_native_pass(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch
+):
+    """A cache written before the native pass (or by a worker that could not build it) has
+    other last bits: the worker refuses it by name, saying the arithmetic may be what differs."""
+    from worker.backends.transformers import native_forward
+    from worker.host import Host, WorkerError
+
+    caches = str(tmp_path / "caches")
+    with monkeypatch.context() as patched:
+        patched.setattr(native_forward, "applies", lambda *args: False)
+        before = await Host.start_in_process("--cache-dir", caches)
+        try:
+            await before.call("load", {"model": str(tiny_model_dir)})
+            await before.call("prefill", {"prompt": TEXT, "cache": "before"})
+        finally:
+            await before.close()
+    host = await Host.start_in_process("--cache-dir", caches)
+    try:
+        await host.call("load", {"model": str(tiny_model_dir)})
+        with pytest.raises(WorkerError) as caught:
+            await host.call("generate", {"prompt": TEXT + " again", "cache": "before", "max_tokens": 2})
+        assert caught.value.kind == "cache_identity_mismatch"
+        assert "config_sha256" in caught.value.message and "arithmetic" in caught.value.message
+        plain = await host.call("generate", {"prompt": TEXT, "max_tokens": 2})  # and it keeps serving
+        assert len(plain["tokens"]) == 2
+    finally:
+        await host.close()

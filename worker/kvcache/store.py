@@ -382,9 +382,12 @@ def _not_found(ref: str, field: str = "params.cache") -> RpcError:
 
 
 def _mismatch(ref: str, exc: IdentityMismatch, field: str) -> RpcError:
+    # The configuration's digest also names how the worker computes the model (its attention,
+    # int8 products and native pass): a cache from another worker version may differ there alone.
+    what = "another configuration or arithmetic" if exc.field == "config_sha256" else "another model or tokenizer"
     return RpcError(
         ErrorKind.CACHE_IDENTITY_MISMATCH,
-        f"Cache {ref!r} was computed by another model or tokenizer ({exc.field} is {exc.found!r} there, "
+        f"Cache {ref!r} was computed by {what} ({exc.field} is {exc.found!r} there, "
         f"{exc.expected!r} here), so it cannot be used; prefill it again with this model.",
         field=field,
     )
