@@ -81,9 +81,9 @@ def test_a_prompt_fed_alone_takes_the_step_only_where_it_gives_transformers_forw
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch_operations"])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_a_batch_of_sequences_steps_as_each_would_alone(tiny_models, tmp_path: Path, monkeypatch, family, native):
+def test_a_batch_of_sequences_steps_as_each_would_alone(tiny_models, tmp_path: Path, request, family, native):
     if not native:
-        monkeypatch.setattr("worker.backends.transformers.native_forward.applies", lambda *args: False)
+        request.getfixturevalue("torch_operations")
     model = load(tiny_models(family), tmp_path, quantization="int8")  # dense float32 products differ by batch size
     prompts = [model.tokenize(text, add_special_tokens=True) for text in ("the cat", "a red sun over the river and", TEXT)]
     assert_a_batch_steps_as_each_alone(model, prompts)

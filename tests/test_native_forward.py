@@ -155,3 +155,27 @@ async def test_a_cache_file_from_pytorchs_operations_is_refused_by_a_worker_on_t
         assert len(plain["tokens"]) == 2
     finally:
         await host.close()
+
+
+async def test_a_worker_process_decodes_natively_and_gives_the_same_greedy_tokens_from_a_cache_file(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    """Through `python -m worker` over its pipes: the load builds the native pass (no fallback
+    on stderr), and greedy output from a stored cache equals greedy output without one."""
+    from tests.conftest import TORCH_ENV
+    from worker.host import Host
+
+    env = {**TORCH_ENV, "LM_WORKER_DATA_DIR": str(tmp_path / "data")}
+    host = await Host.spawn("--cache-dir", str(tmp_path / "caches"), env=env)
+    try:
+        await host.call("load", {"model": str(tiny_model_dir)}, timeout=120)
+        prompt = TEXT + " and then"
+        plain = await host.call("generate", {"prompt": prompt, "max_tokens": 12})
+        await host.call("prefill", {"prompt": TEXT, "cache": "story"})
+        cached = await host.call("generate", {"prompt": prompt, "max_tokens": 12, "cache": "story"})
+    finally:
+        await host.close()
+    assert cached["usage"]["cache_read_tokens"] > 0
+    assert cached["tokens"] == plain["tokens"]
+    assert "PyTorch operations" not in host.stderr.decode()
+    assert any(path.name.startswith("native_forward-") for path in (tmp_path / "data" / "kernels").iterdir())

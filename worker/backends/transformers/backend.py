@@ -152,8 +152,8 @@ def _int8_kernel(data_dir: Path) -> None:
 
 
 def _native_forward(data_dir: Path) -> None:
-    """Build (on first use) the kernel that computes a Llama model's whole pass; where it cannot
-    be built, the layers' PyTorch operations do (decode_step), and the log says why."""
+    """Build (on first use) the kernel that computes a Llama or Gemma 3 model's whole pass; where
+    it cannot be built, the layers' PyTorch operations do (decode_step), and the log says why."""
     from worker.backends.transformers import exact_attention, native_forward
 
     try:
@@ -203,10 +203,10 @@ class TransformersModel:
             self._decode_step = decode_step.DecodeStep(model)
         # A step computes its sequences in one pass, a prompt chunk with them.
         self.chunks_in_step = self._decode_step is not None
-        # A prompt chunk fed alone goes through the step too where that gives transformers'
-        # forward's numbers bit for bit (quantized weights): fewer operations a layer (fused
-        # projections, no mask), a tenth less time for a short chunk such as a question
-        # after a restored cache.
+        # A prompt chunk fed alone goes through the step too where a position's numbers do not
+        # depend on the pass it is in (quantized weights): the native pass, or decode_step's
+        # operations (transformers' forward's numbers bit for bit, fewer operations a layer),
+        # so a prompt and the steps after it are one arithmetic.
         self._chunk_decode_step = self._decode_step if quantization != "none" else None
         self._tokenizer = tokenizer
         self._device = device
