@@ -64,7 +64,7 @@ enum activation { SILU, GELU_TANH };
 struct model {
     int64_t layers, hidden, heads, kv_heads, dim, intermediate, vocab, activation;
     float epsilon, scaling;
-    int64_t share_from; /* a product or attention of at least this much work takes every thread */
+    int64_t share_from; /* work of at least this much (multiply-adds, numbers) takes every thread */
     const float *norm;
     struct product head;
     const struct layer *layer;
@@ -86,11 +86,18 @@ struct pass {
     int threads;
 };
 
-/* exp(x) for x <= 0: 2^n times a polynomial of the rest (Cephes' expf); 0 below -87, NaN for NaN. */
+/* The threads for work of `work` multiply-adds (or numbers): one below the model's share_from. */
+static inline int threads_for(const struct model *m, const struct pass *p, int64_t work) {
+    return work >= m->share_from ? p->threads : 1;
+}
+
+/* exp(x) for x <= 0: 2^n times a polynomial of the rest (Cephes' expf); 0 below -87, NaN for NaN.
+ * Without a branch (the part below -87 computes exp(-87) and drops it), so that loops of it
+ * are vectorized: the lanes do the same operations as this code does for one number. */
 static inline float expf_nonpositive(float x) {
-    if (!(x >= -87.0f)) return x != x ? x : 0.0f;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
+    const float c = x >= -87.0f ? x : -87.0f;
+    const float n = floorf(c * 1.44269504088896341f + 0.5f);
+    float r = c - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
     const float r2 = r * r;
     float p = 1.9875691500e-4f;
@@ -101,13 +108,17 @@ static inline float expf_nonpositive(float x) {
     p = p * r + 5.0000001201e-1f;
     p = p * r2 + r;
     p = p + 1.0f;
-    union { float f; int32_t i; } scale = {.i = ((int32_t)n + 127) << 23};
-    return p * scale.f;
+    float scale;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    memcpy(&scale, &bits, sizeof scale);
+    const float e = p * scale;
+    return x >= -87.0f ? e : x != x ? x : 0.0f;
 }
 
 static inline float silu(float g) {
     const float e = expf_nonpositive(-fabsf(g));
-    return g >= 0.0f ? g / (1.0f + e) : (g * e) / (1.0f + e);
+    const float positive = g / (1.0f + e), negative = (g * e) / (1.0f + e);
+    return g >= 0.0f ? positive : negative;
 }
 
 static inline float gelu_tanh(float g) {
@@ -138,9 +149,9 @@ static void rotate(float *row, int64_t heads, int64_t dim, const float *cos, con
 }
 
 /* out (n rows, p->outputs apart) = x's rows times the weights. */
-static int multiply(const struct model *m, const struct product *p, const float *x, int64_t n, int64_t x_stride,
-                    float *out, int threads) {
-    if (n * p->outputs * p->inputs < m->share_from) threads = 1;
+static int multiply(const struct model *m, const struct pass *pass, const struct product *p, const float *x, int64_t n,
+                    int64_t x_stride, float *out) {
+    const int threads = threads_for(m, pass, n * p->outputs * p->inputs);
     if (p->type < 0)
         return ((int8_function)p->function)(p->weights, p->scale, p->outputs, p->inputs, x, n, x_stride, out, threads);
     return ((gguf_function)p->function)((int)p->type, p->weights, p->outputs, p->inputs, x, n, x_stride, out, threads);
@@ -148,13 +159,14 @@ static int multiply(const struct model *m, const struct product *p, const float 
 
 /* Products of linears that read the same input, side by side in `out` (n rows, `width` apart);
  * `spare` has room for n rows of the widest. */
-static int multiply_side_by_side(const struct model *m, const struct product *products, int count, const float *x,
-                                 int64_t n, int64_t x_stride, float *out, int64_t width, float *spare, int threads) {
-    if (products[0].outputs == width) return multiply(m, products, x, n, x_stride, out, threads);
+static int multiply_side_by_side(const struct model *m, const struct pass *pass, const struct product *products,
+                                 int count, const float *x, int64_t n, int64_t x_stride, float *out, int64_t width,
+                                 float *spare) {
+    if (products[0].outputs == width) return multiply(m, pass, products, x, n, x_stride, out);
     int64_t column = 0;
     for (int i = 0; i < count; i++) {
         const struct product *p = products + i;
-        if (multiply(m, p, x, n, x_stride, spare, threads)) return 1;
+        if (multiply(m, pass, p, x, n, x_stride, spare)) return 1;
         for (int64_t r = 0; r < n; r++)
             memcpy(out + r * width + column, spare + r * p->outputs, (size_t)p->outputs * sizeof(float));
         column += p->outputs;
@@ -198,7 +210,7 @@ static int attend(const struct model *m, const struct pass *p, int64_t l, const 
                 }
             int64_t *lo = s->lo + p->sequences, *hi = s->hi + p->sequences;
             for (int64_t i = 0; i < rows; i++) hi[i] = length + i + 1, lo[i] = visible(window, hi[i]);
-            const int threads = heads * rows * (length + rows) >= m->share_from ? p->threads : 1;
+            const int threads = threads_for(m, p, heads * rows * (length + rows));
             if (((attention_function)m->attention)(q + first * qkv_width, 0, dim, qkv_width, keys, 0, p->kh[at], dim,
                                                    values, 0, p->vh[at], dim, lo, hi, s->attended + first * width, 1,
                                                    heads, kv_heads, rows, dim, m->scaling, threads))
@@ -215,7 +227,7 @@ static int attend(const struct model *m, const struct pass *p, int64_t l, const 
             kb[one] = p->kb[at], vb[one] = p->vb[at], kh[one] = p->kh[at], vh[one] = p->vh[at];
             one++;
         }
-    const int threads = heads * step_keys >= m->share_from ? p->threads : 1;
+    const int threads = threads_for(m, p, heads * step_keys);
     const float *rows = s->step_rows;
     if (((step_function)m->step)(rows, qkv_width, dim, rows + width, qkv_width, dim, rows + width + kv_heads * dim,
                                  qkv_width, dim, kb, vb, kh, vh, s->lo, s->hi, s->step_out, singles, heads, kv_heads,
@@ -230,25 +242,39 @@ static int attend(const struct model *m, const struct pass *p, int64_t l, const 
     return 0;
 }
 
+/* The row loops below share their rows among the threads where they hold enough numbers: a
+ * row's numbers are its own whichever thread computes them. */
+
+/* y's rows = x's rows normalized (RMSNorm with `weight`). */
+static void norm_rows(const struct model *m, const struct pass *p, const float *x, const float *weight,
+                      int64_t total, float *y) {
+    const int64_t width = m->hidden;
+    const int threads = threads_for(m, p, total * width);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t r = 0; r < total; r++) rms_norm(x + r * width, weight, width, m->epsilon, y + r * width);
+}
+
 /* hidden += a sublayer's output (normalized first where `norm` is given), row by row. */
-static void add_to_stream(float *hidden, float *added, int64_t total, int64_t width, const float *norm, float epsilon) {
+static void add_to_stream(const struct model *m, const struct pass *p, float *added, int64_t total, const float *norm) {
+    const int64_t width = m->hidden;
+    const int threads = threads_for(m, p, total * width);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t r = 0; r < total; r++) {
-        float *row = added + r * width, *into = hidden + r * width;
-        if (norm != NULL) rms_norm(row, norm, width, epsilon, row);
+        float *row = added + r * width, *into = p->hidden + r * width;
+        if (norm != NULL) rms_norm(row, norm, width, m->epsilon, row);
         for (int64_t i = 0; i < width; i++) into[i] = into[i] + row[i];
     }
 }
 
-static int layer_pass(const struct model *m, const struct pass *p, int64_t l, const struct scratch *s, int64_t total) {
-    const struct layer *layer = m->layer + l;
-    const int64_t hidden = m->hidden, dim = m->dim, width = m->heads * dim;
-    const int64_t qkv_width = width + 2 * m->kv_heads * dim, inner = m->intermediate;
-    for (int64_t r = 0; r < total; r++) rms_norm(p->hidden + r * hidden, layer->norm_in, hidden, m->epsilon, s->normed + r * hidden);
-    if (multiply_side_by_side(m, layer->qkv, 3, s->normed, total, hidden, s->qkv, qkv_width, s->spare, p->threads))
-        return 1;
+/* Each row's query and key heads normalized (Gemma 3) and rotated, in place. */
+static void place_heads(const struct model *m, const struct pass *p, const struct layer *layer, float *qkv,
+                        int64_t qkv_width, int64_t total) {
+    const int64_t dim = m->dim, width = m->heads * dim;
     const float *cos = p->cos + layer->rope * total * dim, *sin = p->sin + layer->rope * total * dim;
+    const int threads = threads_for(m, p, total * qkv_width);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t r = 0; r < total; r++) {
-        float *row = s->qkv + r * qkv_width;
+        float *row = qkv + r * qkv_width;
         if (layer->norm_q != NULL) {
             for (int64_t h = 0; h < m->heads; h++) rms_norm(row + h * dim, layer->norm_q, dim, m->epsilon, row + h * dim);
             for (int64_t h = 0; h < m->kv_heads; h++)
@@ -257,22 +283,40 @@ static int layer_pass(const struct model *m, const struct pass *p, int64_t l, co
         rotate(row, m->heads, dim, cos + r * dim, sin + r * dim);
         rotate(row + width, m->kv_heads, dim, cos + r * dim, sin + r * dim);
     }
-    if (attend(m, p, l, s, qkv_width)) return 1;
-    if (multiply(m, &layer->out, s->attended, total, width, s->added, p->threads)) return 1;
-    add_to_stream(p->hidden, s->added, total, hidden, layer->norm_attended, m->epsilon);
-    for (int64_t r = 0; r < total; r++) rms_norm(p->hidden + r * hidden, layer->norm_mid, hidden, m->epsilon, s->normed + r * hidden);
-    if (multiply_side_by_side(m, layer->gate_up, 2, s->normed, total, hidden, s->gate_up, 2 * inner, s->spare, p->threads))
-        return 1;
+}
+
+/* act's rows = activation(gate) * up, from gate_up's rows (gate, then up). */
+static void activate(const struct model *m, const struct pass *p, const float *gate_up, int64_t total, float *act) {
+    const int64_t inner = m->intermediate;
+    const int threads = threads_for(m, p, total * inner);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t r = 0; r < total; r++) {
-        const float *gate = s->gate_up + r * 2 * inner, *up = gate + inner;
-        float *act = s->act + r * inner;
+        const float *gate = gate_up + r * 2 * inner, *up = gate + inner;
+        float *out = act + r * inner;
         if (m->activation == GELU_TANH)
-            for (int64_t i = 0; i < inner; i++) act[i] = gelu_tanh(gate[i]) * up[i];
+            for (int64_t i = 0; i < inner; i++) out[i] = gelu_tanh(gate[i]) * up[i];
         else
-            for (int64_t i = 0; i < inner; i++) act[i] = silu(gate[i]) * up[i];
+            for (int64_t i = 0; i < inner; i++) out[i] = silu(gate[i]) * up[i];
     }
-    if (multiply(m, &layer->down, s->act, total, inner, s->added, p->threads)) return 1;
-    add_to_stream(p->hidden, s->added, total, hidden, layer->norm_out, m->epsilon);
+}
+
+static int layer_pass(const struct model *m, const struct pass *p, int64_t l, const struct scratch *s, int64_t total) {
+    const struct layer *layer = m->layer + l;
+    const int64_t hidden = m->hidden, dim = m->dim, width = m->heads * dim;
+    const int64_t qkv_width = width + 2 * m->kv_heads * dim, inner = m->intermediate;
+    norm_rows(m, p, p->hidden, layer->norm_in, total, s->normed);
+    if (multiply_side_by_side(m, p, layer->qkv, 3, s->normed, total, hidden, s->qkv, qkv_width, s->spare))
+        return 1;
+    place_heads(m, p, layer, s->qkv, qkv_width, total);
+    if (attend(m, p, l, s, qkv_width)) return 1;
+    if (multiply(m, p, &layer->out, s->attended, total, width, s->added)) return 1;
+    add_to_stream(m, p, s->added, total, layer->norm_attended);
+    norm_rows(m, p, p->hidden, layer->norm_mid, total, s->normed);
+    if (multiply_side_by_side(m, p, layer->gate_up, 2, s->normed, total, hidden, s->gate_up, 2 * inner, s->spare))
+        return 1;
+    activate(m, p, s->gate_up, total, s->act);
+    if (multiply(m, p, &layer->down, s->act, total, inner, s->added)) return 1;
+    add_to_stream(m, p, s->added, total, layer->norm_out);
     return 0;
 }
 
@@ -299,7 +343,7 @@ int lmw_forward(const struct model *m, const struct pass *p) {
         if (layer_pass(m, p, l, &s, total)) goto done;
     for (int64_t i = 0; i < p->wanted_count; i++)
         rms_norm(p->hidden + p->wanted[i] * hidden, m->norm, hidden, m->epsilon, s.normed + i * hidden);
-    status = multiply(m, &m->head, s.normed, p->wanted_count, hidden, p->logits, p->threads);
+    status = multiply(m, p, &m->head, s.normed, p->wanted_count, hidden, p->logits);
 done:
     free(room);
     free(places);
