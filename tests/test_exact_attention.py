@@ -208,7 +208,7 @@ def test_vectors_of_8_and_of_16_floats_give_the_same_bits(kernel, tmp_path: Path
         kernel_variant(exact_attention.SOURCE, library, ["-march=native", f"-DW={width}"], "lmw_attention")
         functions.append(exact_attention.Kernel(library))
     torch.manual_seed(0)
-    for heads, kv_heads, dim in ((9, 3, 64), (4, 1, 16), (8, 2, 128), (6, 3, 32), (2, 2, 48)):
+    for heads, kv_heads, dim in ((9, 3, 64), (4, 1, 16), (8, 2, 128), (6, 3, 32), (2, 2, 48), (4, 1, 256)):
         for positions, keys in ((1, 1), (1, 37), (5, 20), (17, 100), (40, 300), (2, 9)):
             query = torch.randn(2, heads, positions, dim)
             keys_, values = torch.randn(2, kv_heads, keys, dim), torch.randn(2, kv_heads, keys, dim)

@@ -34,10 +34,14 @@
 #define SUM_LANES 16   /* lanes of the sum l, whatever W */
 #define POSITIONS 16   /* query positions in one work item, at most */
 /* Query rows whose scores are computed together, and rows a weighted sum of DV vectors takes at
- * once: as many as the registers hold (32 of 16 floats with AVX-512, 16 of 8 with AVX2). */
+ * once: as many as the registers hold (32 of 16 floats with AVX-512, 16 of 8 with AVX2). A
+ * weighted sum takes a row's vectors SLICE at a time (fewer where dim / W is not a multiple). */
 #define SCORE_ROWS (W == 16 ? 8 : 4)
-#define SUM_ROWS(DV) (W == 16 ? ((DV) <= 4 ? 4 : (DV) == 8 ? 2 : 1) : ((DV) <= 2 ? 4 : (DV) == 4 ? 2 : 1))
+#define SUM_ROWS(DV) (W == 16 ? ((DV) <= 4 ? 4 : 2) : ((DV) <= 2 ? 4 : (DV) == 4 ? 2 : 1))
+#define SLICE 8
+#define MOST_SUM_ROWS 4
 #define MOST_GROUPS 64 /* query heads per key/value head */
+#define VALUE_BLOCK 64 /* values an item's rows sum together (16 KB of 64 floats each) */
 
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
@@ -98,6 +102,14 @@ static inline float hmax(vf v) {
     return best;
 }
 
+/* Keeps v in a register: GCC otherwise reads a tile's keys from memory again for each row (into
+ * every multiply), and the loads, not the multiplies, bound the scores (25% of the attention). */
+#if defined(__x86_64__) && ((W == 8 && defined(__AVX__)) || (W == 16 && defined(__AVX512F__)))
+#define IN_REGISTER(v) __asm__("" : "+v"(v))
+#else
+#define IN_REGISTER(v) (void)0
+#endif
+
 /* Scores of SCORE_ROWS rows against two tiles of W keys whose dimensions `kt` holds
  * transposed (kt[d * W + key], the second tile dim * W floats on). Missing rows point at a
  * row of zeros and write to a spare buffer. */
@@ -106,6 +118,8 @@ static inline void scores_of_tiles(int64_t dim, const float *kt, const float *co
     for (int r = 0; r < SCORE_ROWS; r++) first[r] = second[r] = vsplat(0.0f);
     for (int64_t d = 0; d < dim; d++) {
         vf keys = vload(kt + d * W), more = vload(kt + (dim + d) * W);
+        IN_REGISTER(keys);
+        IN_REGISTER(more);
         for (int r = 0; r < SCORE_ROWS; r++) {
             vf query = vsplat(rows[r][d]);
             first[r] = first[r] + keys * query;
@@ -149,19 +163,20 @@ static float softmax_in_place(float *s, int64_t n, float scale) {
     return lanes_sum(total);
 }
 
-/* out[r] = sum over t < n[r] of p[r][t] * v[lo + t], t in order, for up to NR = SUM_ROWS(DV)
- * rows sharing lo; DV vectors a row. The rows' common part is summed together, each rest alone. */
+/* The part t0 <= t < t1 of out[r] = sum over t < n[r] of p[r][t] * v[lo + t], t in order, for
+ * up to NR = SUM_ROWS(DV) rows sharing lo; DV vectors a row. The sum so far is in out[r] (from
+ * 0 where t0 is 0). The rows' common part is summed together, each rest alone. */
 #define DEFINE_WEIGHTED_SUM(DV)                                                                  \
     static void weighted_sum_##DV(const float *v, int64_t vsj, int rows, float *const *p,            \
-                                  const int64_t *n, float *const *out) {                              \
+                                  const int64_t *n, float *const *out, int64_t t0, int64_t t1) {      \
         enum { NR = SUM_ROWS(DV) };                                                               \
         vf acc[NR][DV];                                                                           \
-        for (int r = 0; r < NR; r++)                                                              \
-            for (int c = 0; c < DV; c++) acc[r][c] = vsplat(0.0f);                                \
+        for (int r = 0; r < rows; r++)                                                            \
+            for (int c = 0; c < DV; c++) acc[r][c] = t0 == 0 ? vsplat(0.0f) : vload(out[r] + c * W); \
         int64_t common = n[0];                                                                    \
         for (int r = 1; r < rows; r++) common = n[r] < common ? n[r] : common;                    \
         if (rows == NR) {                                                                         \
-            for (int64_t t = 0; t < common; t++) {                                                \
+            for (int64_t t = t0; t < common && t < t1; t++) {                                     \
                 const float *vt = v + t * vsj;                                                    \
                 for (int c = 0; c < DV; c++) {                                                    \
                     vf values = vload(vt + c * W);                                                \
@@ -172,7 +187,7 @@ static float softmax_in_place(float *s, int64_t n, float scale) {
             common = 0;                                                                           \
         }                                                                                         \
         for (int r = 0; r < rows; r++) {                                                          \
-            for (int64_t t = common; t < n[r]; t++) {                                             \
+            for (int64_t t = common > t0 ? common : t0; t < n[r] && t < t1; t++) {                \
                 const float *vt = v + t * vsj;                                                    \
                 for (int c = 0; c < DV; c++) acc[r][c] = acc[r][c] + vsplat(p[r][t]) * vload(vt + c * W); \
             }                                                                                     \
@@ -184,28 +199,28 @@ DEFINE_WEIGHTED_SUM(1)
 DEFINE_WEIGHTED_SUM(2)
 DEFINE_WEIGHTED_SUM(4)
 DEFINE_WEIGHTED_SUM(8)
-DEFINE_WEIGHTED_SUM(16)
 
-static int weighted_sum_rows(int64_t dim) {
-    const int64_t vectors = dim / W;
-    return vectors == 1 || vectors == 2 || vectors == 4 || vectors == 8 ? SUM_ROWS(vectors) : 1;
+/* The vectors of a row a weighted sum takes at once: SLICE, or fewer where they divide dim / W. */
+static int64_t sum_slice(int64_t dim) {
+    int64_t slice = SLICE;
+    while ((dim / W) % slice) slice /= 2;
+    return slice;
 }
 
+static int weighted_sum_rows(int64_t dim) { return SUM_ROWS(sum_slice(dim)); }
+
+/* weighted_sum_S for each slice of the rows' vectors (every number's sum the same either way). */
 static void weighted_sum(int64_t dim, const float *v, int64_t vsj, int rows, float *const *p, const int64_t *n,
-                         float *const *out) {
-    switch (dim / W) {
-    case 1: weighted_sum_1(v, vsj, rows, p, n, out); return;
-    case 2: weighted_sum_2(v, vsj, rows, p, n, out); return;
-    case 4: weighted_sum_4(v, vsj, rows, p, n, out); return;
-    case 8: weighted_sum_8(v, vsj, rows, p, n, out); return;
-    case 16: weighted_sum_16(v, vsj, rows, p, n, out); return;
-    }
-    /* Any other multiple of W: one row at a time, the same order. */
-    for (int r = 0; r < rows; r++) {
-        for (int64_t c = 0; c < dim; c += W) {
-            vf acc = vsplat(0.0f);
-            for (int64_t t = 0; t < n[r]; t++) acc = acc + vsplat(p[r][t]) * vload(v + t * vsj + c);
-            vstore(out[r] + c, acc);
+                         float *const *out, int64_t t0, int64_t t1) {
+    const int64_t slice = sum_slice(dim);
+    for (int64_t c = 0; c < dim; c += slice * W) {
+        float *part[MOST_SUM_ROWS];
+        for (int r = 0; r < rows; r++) part[r] = out[r] + c;
+        switch (slice) {
+        case 1: weighted_sum_1(v + c, vsj, rows, p, n, part, t0, t1); break;
+        case 2: weighted_sum_2(v + c, vsj, rows, p, n, part, t0, t1); break;
+        case 4: weighted_sum_4(v + c, vsj, rows, p, n, part, t0, t1); break;
+        default: weighted_sum_8(v + c, vsj, rows, p, n, part, t0, t1);
         }
     }
 }
@@ -360,13 +375,19 @@ static void attend_item(const struct call *c, const struct scratch *s, int64_t i
         row_out[r] = s->sums + r * dim;
         totals[r] = row_n[r] ? softmax_in_place(row_p[r], row_n[r], c->scale) : 0.0f;
     }
+    /* The rows' weighted sums, VALUE_BLOCK values at a time: every row takes a block while the
+     * processor's cache holds it (a row's sum still runs over its values in order). */
     int together = weighted_sum_rows(dim);
-    for (int r0 = 0; r0 < rows;) {
-        int count = 1;
-        while (count < together && r0 + count < rows && row_lo[r0 + count] == row_lo[r0]) count++;
-        weighted_sum(dim, values + row_lo[r0] * c->vsj, c->vsj, count, row_p + r0, row_n + r0, row_out + r0);
-        r0 += count;
-    }
+    int64_t most = 0;
+    for (int r = 0; r < rows; r++) most = row_n[r] > most ? row_n[r] : most;
+    for (int64_t t0 = 0; t0 < (most ? most : 1); t0 += VALUE_BLOCK)
+        for (int r0 = 0; r0 < rows;) {
+            int count = 1;
+            while (count < together && r0 + count < rows && row_lo[r0 + count] == row_lo[r0]) count++;
+            weighted_sum(dim, values + row_lo[r0] * c->vsj, c->vsj, count, row_p + r0, row_n + r0, row_out + r0, t0,
+                         t0 + VALUE_BLOCK);
+            r0 += count;
+        }
     for (int r = 0; r < rows; r++) {
         int64_t i = i0 + r / groups, h = kvh * groups + r % groups;
         float *target = c->out + ((b * c->positions + i) * c->heads + h) * dim;
