@@ -52,8 +52,8 @@ def int8_rows(linear: torch.nn.Linear) -> tuple[np.ndarray, np.ndarray]:
 
 def test_each_output_is_one_chain_of_multiply_adds_for_every_count_of_rows(fast_weights):
     """1 to 13 activation rows (each grouping the kernel has: 4 panels against one row, pairs
-    against two, a panel against 3 to 6, and the rows past 6) and 64, against weight rows that
-    fill no whole work item (23, 100) and several (576)."""
+    against two, a panel against 3 to 6, and the rows past 6) and 64 (work units of 60 rows and
+    of 4), against weight rows that fill no whole work item (23, 100) and several (576)."""
     rng = np.random.default_rng(0)
     for rows, inputs in ((23, 64), (100, 96), (576, 576)):
         linear = a_linear(rows, inputs, rows)
