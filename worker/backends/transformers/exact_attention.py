@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker import load_progress
+from worker.backends.transformers.torch_threads import threads_for
 from worker.files import is_regular
 
 if TYPE_CHECKING:
@@ -59,8 +60,6 @@ _OPTIONS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
 # A build takes about a second; a compiler that takes this long is hung, and the load waits on it.
 COMPILE_TIMEOUT_S = 30.0
 _MOST_GROUPS = 64  # query heads per key/value head the kernel takes (MOST_GROUPS there)
-# Calls with fewer query-key pairs than this run on the calling thread alone.
-_SHARE_FROM = 1 << 16
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _I64, _I64, _I64] * 3 + [_PTR, _PTR, _PTR] + [_I64] * 5 + [ctypes.c_float, ctypes.c_int]
@@ -151,7 +150,7 @@ class Kernel:
         kv_heads = keys.shape[1]
         out = torch.empty(batch, positions, heads, dim)
         # A decode step's call is too small to share between threads.
-        threads = torch.get_num_threads() if heads * positions * keys.shape[2] >= _SHARE_FROM else 1
+        threads = threads_for(heads * positions * keys.shape[2])
         status = self._function(
             query.data_ptr(), *query.stride()[:3], keys.data_ptr(), *keys.stride()[:3],
             values.data_ptr(), *values.stride()[:3], lo.data_ptr(), hi.data_ptr(), out.data_ptr(),
@@ -173,7 +172,7 @@ class Kernel:
         kv_heads = keys.shape[1]
         query, keys, values = (_rows(tensor) for tensor in (query, keys, values))
         out = torch.empty(batch, heads, dim)
-        threads = torch.get_num_threads() if heads * places.keys >= _SHARE_FROM else 1
+        threads = threads_for(heads * places.keys)
         status = self._step(
             query.data_ptr(), *query.stride()[:2], keys.data_ptr(), *keys.stride()[:2],
             values.data_ptr(), *values.stride()[:2], *places.addresses(), out.data_ptr(),

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from worker.backends.transformers.torch_threads import threads_for
 from worker.files import open_regular
 
 if TYPE_CHECKING:
@@ -44,8 +45,6 @@ ARCHITECTURES = {"llama": "LLAMA"}  # transformers' model_type: gguf's MODEL_ARC
 # ggml's type number: bytes per block of 32 weights
 BLOCK_BYTES = {3: 20, 8: 34}  # Q4_1, Q8_0
 BLOCK = 32
-# Calls with fewer multiply-adds than this run on the calling thread alone.
-_SHARE_FROM = 1 << 16
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, ctypes.c_int]
@@ -96,7 +95,7 @@ def float_rows_product(x: torch.Tensor, inputs: int, outputs: int, product: Call
         flat = flat.contiguous()
     rows = flat.shape[0]
     out = torch.empty(rows, outputs)
-    threads = torch.get_num_threads() if rows * outputs * inputs >= _SHARE_FROM else 1
+    threads = threads_for(rows * outputs * inputs)
     product(flat.data_ptr(), rows, flat.stride(0) if rows > 1 else inputs, out.data_ptr(), threads)
     return out.to(x.dtype).reshape(*x.shape[:-1], outputs)
 

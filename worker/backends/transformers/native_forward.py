@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from worker.backends.transformers import decode_step, exact_attention, fast_weights, gguf_weights, hf_compat
+from worker.backends.transformers import decode_step, exact_attention, fast_weights, gguf_weights, hf_compat, torch_threads
 from worker.backends.transformers.decode_step import Passes
 
 if TYPE_CHECKING:
@@ -45,8 +45,6 @@ if TYPE_CHECKING:
 SOURCE = Path(__file__).with_name("native_forward.c")
 # What the cache identity calls this arithmetic (hf_compat.config_digest).
 FORWARD = "lm_worker_native"
-# A product or attention call of at least this much work takes every thread (the kernels' own rule).
-_SHARE_FROM = 1 << 16
 
 # native_forward.c's enum activation
 _ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
@@ -170,7 +168,7 @@ class NativeForward(Passes):
         self._layers = layers
         self._model = _Model(
             len(decoder_layers), config.hidden_size, self._heads, self._kv_heads, self._dim, config.intermediate_size,
-            head.outputs, _activation(config), epsilon, float(decoder_layers[0].self_attn.scaling), _SHARE_FROM,
+            head.outputs, _activation(config), epsilon, float(decoder_layers[0].self_attn.scaling), torch_threads.SHARE_FROM,
             self._scale(final), head, layers, *exact_attention.loaded().addresses(),
         )
         self._vocab = head.outputs

@@ -31,7 +31,19 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
+# A kernel call of less work than this (multiply-adds; query-key pairs for attention) runs on
+# the calling thread alone: waking the other threads costs more than they would save. The
+# native pass (native_forward.c) is handed the same number.
+SHARE_FROM = 1 << 16
+
 _state = threading.local()
+
+
+def threads_for(work: int) -> int:
+    """The threads a kernel call of ``work`` takes: torch's intra-op threads, one below SHARE_FROM."""
+    import torch
+
+    return torch.get_num_threads() if work >= SHARE_FROM else 1
 
 
 def keep_to_one_thread() -> None:
