@@ -146,12 +146,13 @@ def kernel_variant(source: Path, library: Path, flags: list[str], function: str)
     import shutil
     import subprocess
 
+    from worker.backends.transformers.exact_attention import FLAGS
+
     compiler = shutil.which("cc")
     if compiler is None:
         pytest.skip("no C compiler here")
     subprocess.run(
-        [compiler, "-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", *flags,
-         "-o", str(library), str(source)],
+        [compiler, *FLAGS, *flags, "-o", str(library), str(source)],
         check=True, capture_output=True,
     )
     return getattr(ctypes.CDLL(str(library)), function)

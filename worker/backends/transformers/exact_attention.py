@@ -52,7 +52,7 @@ SOURCE = Path(__file__).with_name("exact_attention.c")
 # -ffp-contract=off: every multiply and add rounds on its own, as the source's order says.
 # -fno-trapping-math: nothing reads the floating-point exception flags, so GCC may compute both
 # sides of a choice in vectors (native_forward's activations); no number changes.
-_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-shared", "-fPIC"]
 # Tried in turn: -march=native for the machine's widest vectors, -fopenmp for threads
 # (linked against libgomp.so.1, the OpenMP runtime torch has loaded, so the kernel's threads
 # are torch's own). Some compilers take neither.
@@ -249,7 +249,7 @@ def _build(directory: Path, again: bool = False, source: Path = SOURCE) -> Path:
     path, text = source, source.read_bytes()
     machine = _machine()
     for options in _OPTIONS:
-        flags = [*options, *_FLAGS]
+        flags = [*options, *FLAGS]
         digest = hashlib.sha256(repr((text, compiler, flags, machine)).encode()).hexdigest()[:16]
         library = directory / f"{path.stem}-{digest}.so"
         if is_regular(library) and not again:  # a FIFO there would block the loader, holding the GIL
