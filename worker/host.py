@@ -59,7 +59,9 @@ class Host:
         framing: Framing = Framing.NDJSON,
         python: str = sys.executable,
         env: dict[str, str] | None = None,
+        checkout: Path = REPO_ROOT,
     ) -> Host:
+        """``python -m worker args`` from ``checkout`` (another one's sources: bench/checkout_bench.py)."""
         process = await asyncio.create_subprocess_exec(
             python,
             "-m",
@@ -68,7 +70,7 @@ class Host:
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            cwd=REPO_ROOT,  # so that -m finds the sources in a checkout that is not installed
+            cwd=checkout,  # so that -m finds the sources in a checkout that is not installed
             env={**os.environ, **(env or {})},
         )
         return cls(process, framing)
