@@ -207,12 +207,10 @@ static int64_t sum_slice(int64_t dim) {
     return slice;
 }
 
-static int weighted_sum_rows(int64_t dim) { return SUM_ROWS(sum_slice(dim)); }
-
-/* weighted_sum_S for each slice of the rows' vectors (every number's sum the same either way). */
-static void weighted_sum(int64_t dim, const float *v, int64_t vsj, int rows, float *const *p, const int64_t *n,
-                         float *const *out, int64_t t0, int64_t t1) {
-    const int64_t slice = sum_slice(dim);
+/* weighted_sum_S for each slice (sum_slice(dim) vectors) of the rows' vectors (every number's
+ * sum the same either way). */
+static void weighted_sum(int64_t dim, int64_t slice, const float *v, int64_t vsj, int rows, float *const *p,
+                         const int64_t *n, float *const *out, int64_t t0, int64_t t1) {
     for (int64_t c = 0; c < dim; c += slice * W) {
         float *part[MOST_SUM_ROWS];
         for (int r = 0; r < rows; r++) part[r] = out[r] + c;
@@ -377,14 +375,15 @@ static void attend_item(const struct call *c, const struct scratch *s, int64_t i
     }
     /* The rows' weighted sums, VALUE_BLOCK values at a time: every row takes a block while the
      * processor's cache holds it (a row's sum still runs over its values in order). */
-    int together = weighted_sum_rows(dim);
+    const int64_t slice = sum_slice(dim);
+    const int together = SUM_ROWS(slice);
     int64_t most = 0;
     for (int r = 0; r < rows; r++) most = row_n[r] > most ? row_n[r] : most;
     for (int64_t t0 = 0; t0 < (most ? most : 1); t0 += VALUE_BLOCK)
         for (int r0 = 0; r0 < rows;) {
             int count = 1;
             while (count < together && r0 + count < rows && row_lo[r0 + count] == row_lo[r0]) count++;
-            weighted_sum(dim, values + row_lo[r0] * c->vsj, c->vsj, count, row_p + r0, row_n + r0, row_out + r0, t0,
+            weighted_sum(dim, slice, values + row_lo[r0] * c->vsj, c->vsj, count, row_p + r0, row_n + r0, row_out + r0, t0,
                          t0 + VALUE_BLOCK);
             r0 += count;
         }
