@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from worker.backends.transformers import decode_step, exact_attention, fast_weights, gguf_weights, hf_compat, torch_threads
+from worker.backends.transformers import decode_step, exact_attention, fast_weights, gguf_weights, hf_compat
+from worker.backends.transformers.torch_threads import SHARE_FROM
 from worker.backends.transformers.decode_step import Passes
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ class NativeForward(Passes):
         self._layers = layers
         self._model = _Model(
             len(decoder_layers), config.hidden_size, self._heads, self._kv_heads, self._dim, config.intermediate_size,
-            head.outputs, _activation(config), epsilon, float(decoder_layers[0].self_attn.scaling), torch_threads.SHARE_FROM,
+            head.outputs, _activation(config), epsilon, float(decoder_layers[0].self_attn.scaling), SHARE_FROM,
             self._scale(final), head, layers, *exact_attention.loaded().addresses(),
         )
         self._vocab = head.outputs
