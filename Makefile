@@ -13,7 +13,7 @@ NODE_STAMP := node_modules/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup compile typecheck demo test test-fast bench bench-llama-cpp bench-openai schemas vllm
+.PHONY: setup compile typecheck demo test test-fast test-device bench bench-llama-cpp bench-openai schemas vllm
 
 setup: $(STAMP) $(NODE_STAMP) $(VLLM_STAMP)
 
@@ -60,6 +60,12 @@ test: compile typecheck $(NODE_STAMP) $(VLLM_STAMP)
 test-fast: compile typecheck $(NODE_STAMP)
 	$(BIN)/python -m pytest -q -m 'not slow'
 	npm test
+
+# The cache exactness tests (marked device) with their models loaded on DEVICE, e.g.
+# make test-device DEVICE=cuda on a machine with a GPU; the tiny models only.
+DEVICE ?= cuda
+test-device: compile
+	$(BIN)/python -m pytest -q -m 'device and not slow' --device $(DEVICE)
 
 # pyright, as [tool.pyright] in pyproject.toml says; its check for a newer release (a request
 # to the package index) is turned off.

@@ -60,6 +60,29 @@ def tiny_gguf(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return write_gguf(tiny_model_dir, tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="the device the cache exactness tests (those taking the device fixture) load their models on: "
+        "cpu (the default), cuda, cuda:N or mps, to run the same tests on a GPU",
+    )
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Tests that take the device fixture are marked ``device``: ``-m device --device cuda``
+    runs just them on a GPU."""
+    if "device" in getattr(item, "fixturenames", ()):
+        item.add_marker(pytest.mark.device)
+
+
+@pytest.fixture(scope="session")
+def device(request: pytest.FixtureRequest) -> str:
+    """The device of ``--device``: the cache exactness tests load on it, so that the same tests
+    check greedy from a cache against greedy without one on a GPU."""
+    return request.config.getoption("--device")
+
+
 # Every family of cache layers: full attention, sliding window, linear attention; then (slow
 # tier) the default SmolLM2.
 CACHE_MODELS = ["llama", "gemma3", "qwen3_5", pytest.param("default", marks=pytest.mark.slow)]

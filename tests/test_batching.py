@@ -150,24 +150,28 @@ async def test_an_ack_lets_a_held_stream_flow_again(spawn_worker: SpawnWorker):
 # --- on real models: greedy tokens side by side equal those alone ---
 
 
-async def test_streams_in_a_batch_equal_each_request_alone_with_caches_in_it(cache_model, tmp_path: Path):
+async def test_streams_in_a_batch_equal_each_request_alone_with_caches_in_it(cache_model, tmp_path: Path, device: str):
     """On every family of cache layers (the Llama and Gemma 3 families step them in one pass,
     Qwen3.5 in turn). In the batch: a greedy request, one from a named cache, a seeded sampled one with
     auto, and one that joins while the others decode."""
     host = await Host.start_in_process("--cache-dir", str(tmp_path / "caches"))
     try:
-        await host.call("load", {"model": cache_model}, timeout=300)
+        await host.call("load", {"model": cache_model, "device": device}, timeout=300)
         system = "the cat sat on the mat and the dog runs quickly to the river. " * 3
         # Prompts every model here continues for at least 16 tokens; the first runs to its 300
         # (SmolLM2 ended "The river is" after 29), so that the others join it while it decodes
-        # even on a crowded machine (their prompts may come a token a round beside it).
+        # even on a crowded machine (their prompts may come a token a round beside it). Which
+        # prompt a model runs that long from depends on its numbers, so on the device's (a tiny
+        # model of 512 tokens ends a 300-token run about half the time, at its end token).
+        openings = ["The river is long and the river is", "Once upon a time", "In the morning", "The dog", "Why"]
+        long = await first_to_run_its_length(host, [{"prompt": system + o, "max_tokens": 300} for o in openings])
         requests = [
-            {"prompt": system + "The river is long and the river is", "max_tokens": 300},
+            long["params"],
             {"prompt": system + "And the sea?", "max_tokens": 16},
             {"prompt": "hello world, the sun", "temperature": 0.9, "seed": 7, "max_tokens": 16},
             {"prompt": system + "Then the dog", "max_tokens": 16},
         ]
-        alone = [(await host.call("generate", r))["tokens"] for r in requests]
+        alone = [long["tokens"]] + [(await host.call("generate", r))["tokens"] for r in requests[1:]]
         ids = (await host.call("tokenize", {"text": requests[1]["prompt"]}))["tokens"]
         await host.call("prefill", {"tokens": ids[:30], "cache": "system"})  # a prefix of that prompt's tokens
         caches = [{}, {"cache": "system"}, {"cache": "auto"}, {"cache": "auto"}]
@@ -181,6 +185,16 @@ async def test_streams_in_a_batch_equal_each_request_alone_with_caches_in_it(cac
         assert overlapped(host, started[0][0], started[1][0]) and overlapped(host, started[0][0], started[3][0])
     finally:
         await host.close()
+
+
+async def first_to_run_its_length(host: Host, candidates: list[dict]) -> dict:
+    """The first of ``candidates`` that the loaded model continues to its max_tokens alone, with
+    its tokens: a stream that others can join while it decodes."""
+    for params in candidates:
+        result = await host.call("generate", params, timeout=300)
+        if result["finish_reason"] == "length":
+            return {"params": params, "tokens": result["tokens"]}
+    raise AssertionError("the model ends every candidate prompt early here, so no stream outlasts the others")
 
 
 @pytest.mark.slow

@@ -52,11 +52,11 @@ async def test_json_object_output_is_an_object(spawn_worker: SpawnWorker, tiny_m
         assert result["finish_reason"] == "length" and result["text"].startswith("{")
 
 
-async def test_constrained_output_from_a_cache_equals_it_without_one(cache_model: str, tmp_path: Path):
+async def test_constrained_output_from_a_cache_equals_it_without_one(cache_model: str, tmp_path: Path, device: str):
     """On every family of cache layers: from a named cache, and from auto's stored turn."""
     host = await Host.start_in_process("--cache-dir", str(tmp_path / "caches"))
     try:
-        await host.call("load", {"model": cache_model}, timeout=600)
+        await host.call("load", {"model": cache_model, "device": device}, timeout=600)
         prompt = "the cat sat on the mat and the dog runs quickly to the river. " * 3 + "As JSON:"
         params = {"prompt": prompt, "max_tokens": 150, "response_format": json_schema(SCHEMAS["nested_object"])}
         plain = await host.call("generate", params, timeout=300)

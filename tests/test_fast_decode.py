@@ -447,3 +447,19 @@ def test_a_cache_computed_with_one_attention_implementation_is_another_identity_
         config._attn_implementation = implementation
         digests.add(hf_compat.config_digest(config))
     assert len(digests) == 3
+
+
+def test_a_cache_computed_on_a_gpu_is_another_identity_than_on_the_cpu(tiny_model_dir: Path):
+    """A GPU's kernels give a position other last bits than the CPU's (and one GPU model's than
+    another's), with the same dtype and configuration: the processor is in the digest, and
+    caches computed on the CPU keep the identity they always had."""
+    from transformers import AutoConfig
+
+    from worker.backends.transformers import backend, hf_compat
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config._attn_implementation = hf_compat.ATTENTION
+    on_cpu = hf_compat.config_digest(config, device=backend._arithmetic_device("cpu"))
+    gpus = {hf_compat.config_digest(config, device=gpu) for gpu in ("cuda NVIDIA H200", "cuda NVIDIA A100", "mps")}
+    assert on_cpu == hf_compat.config_digest(config)
+    assert len(gpus) == 3 and on_cpu not in gpus

@@ -13,10 +13,10 @@ SYSTEM = "the cat sat on the mat and the dog runs quickly to the river. " * 3
 QUESTION = "hello world, the sun and the moon"
 
 
-async def worker(model: Path | str, cache_dir: Path) -> Host:
-    """A worker on ``model`` (a directory, or "default") using ``cache_dir``."""
+async def worker(model: Path | str, cache_dir: Path, device: str = "cpu", **load) -> Host:
+    """A worker on ``model`` (a directory, or "default") using ``cache_dir``, loaded on ``device``."""
     host = await Host.start_in_process("--cache-dir", str(cache_dir))
-    await host.call("load", {"model": str(model)}, timeout=300)
+    await host.call("load", {"model": str(model), "device": device, **load}, timeout=300)
     return host
 
 
@@ -29,7 +29,7 @@ def cache_dir(tmp_path: Path) -> Path:
     return tmp_path / "caches"
 
 
-async def test_every_kind_of_cache_gives_the_greedy_output_of_no_cache(cache_model, cache_dir):
+async def test_every_kind_of_cache_gives_the_greedy_output_of_no_cache(cache_model, cache_dir, device):
     """On every family of cache layers. The system prompt is longer than the sliding window of the
     tiny gemma3 model; "other" extends "system", so that it can be cut back to the system prompt
     also on a model with linear-attention state (where a cache is cut back only to positions it
@@ -37,7 +37,7 @@ async def test_every_kind_of_cache_gives_the_greedy_output_of_no_cache(cache_mod
     system = [{"role": "system", "content": "You are a helpful assistant. Answer in one short sentence. " * 2}]
     chat = system + [{"role": "user", "content": "Which river flows through Paris?"}]
     other = system + [{"role": "user", "content": "Which river flows through Rome?"}]
-    first = await worker(cache_model, cache_dir)
+    first = await worker(cache_model, cache_dir, device)
     try:
         plain = await chat_tokens(first, chat)
         made = await first.call("prefill", {"messages": system, "add_generation_prompt": False, "cache": "system"})
@@ -54,7 +54,7 @@ async def test_every_kind_of_cache_gives_the_greedy_output_of_no_cache(cache_mod
         }
     finally:
         await first.close()
-    second = await worker(cache_model, cache_dir)  # another process reads the files
+    second = await worker(cache_model, cache_dir, device)  # another process reads the files
     try:
         outputs["disk, other process"] = await chat_tokens(second, chat, cache="system")
         outputs["trimmed named cache"] = await chat_tokens(
@@ -338,9 +338,9 @@ async def test_prefill_refuses_an_empty_prompt_a_trim_without_base_and_names_a_b
         await host.close()
 
 
-async def prefilled_bytes(model, cache_dir: Path, ref: str) -> int:
+async def prefilled_bytes(model, cache_dir: Path, ref: str, device: str = "cpu") -> int:
     """The size of the cache of SYSTEM, measured in a worker of its own."""
-    probe = await worker(model, cache_dir)
+    probe = await worker(model, cache_dir, device)
     try:
         return (await probe.call("prefill", {"prompt": SYSTEM, "cache": ref}))["bytes"]
     finally:
@@ -364,11 +364,11 @@ async def test_the_cache_directory_is_bounded_by_evicting_the_least_recently_use
     assert listed["max_bytes"] == 2 * size + size // 2 and listed["total_bytes"] <= listed["max_bytes"]
 
 
-async def test_memory_caches_keep_within_their_budget_dropping_the_least_recently_used(cache_model, cache_dir):
-    size = await prefilled_bytes(cache_model, cache_dir, "memory://probe")
+async def test_memory_caches_keep_within_their_budget_dropping_the_least_recently_used(cache_model, cache_dir, device):
+    size = await prefilled_bytes(cache_model, cache_dir, "memory://probe", device)
     host = await Host.start_in_process("--cache-dir", str(cache_dir), "--memory-cache-max-bytes", str(2 * size))
     try:
-        await host.call("load", {"model": str(cache_model)}, timeout=300)
+        await host.call("load", {"model": str(cache_model), "device": device}, timeout=300)
         for ref in ("memory://a", "memory://b"):
             await host.call("prefill", {"prompt": SYSTEM, "cache": ref})
         await greedy(host, SYSTEM, cache="memory://a")  # a is now used more recently than b
@@ -378,7 +378,7 @@ async def test_memory_caches_keep_within_their_budget_dropping_the_least_recentl
             await host.call("prefill", {"prompt": SYSTEM * 4, "cache": "memory://big"})
         assert (await greedy(host, SYSTEM, cache="memory://c"))["usage"]["cache_read_tokens"] > 0
         await host.call("unload")
-        await host.call("load", {"model": str(cache_model)}, timeout=300)
+        await host.call("load", {"model": str(cache_model), "device": device}, timeout=300)
         after_unload = (await host.call("cache/list"))["caches"]
     finally:
         await host.close()

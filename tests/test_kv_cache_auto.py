@@ -15,15 +15,15 @@ async def chat(host: Host, messages: list[dict], **extra) -> dict:
     return await host.call("generate", {"messages": messages, "max_tokens": 12, **extra}, timeout=300)
 
 
-async def test_auto_reuses_each_earlier_turn_exactly_across_three_turns_and_a_restart(cache_model, cache_dir):
+async def test_auto_reuses_each_earlier_turn_exactly_across_three_turns_and_a_restart(cache_model, cache_dir, device):
     turns = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]]
     results, uncached, prompts = [], [], []
-    host = await worker(cache_model, cache_dir)
+    host = await worker(cache_model, cache_dir, device)
     try:
         for turn in range(3):
             if turn == 2:  # the third turn comes after a restart: the caches are read from disk
                 await host.close()
-                host = await worker(cache_model, cache_dir)
+                host = await worker(cache_model, cache_dir, device)
             messages = turns[-1]
             uncached.append(await chat(host, messages))
             prompts.append((await host.call("render", {"messages": messages}))["count"])
@@ -165,10 +165,10 @@ def test_auto_stores_nothing_for_a_generate_cancelled_before_its_first_chunk(tmp
     assert list(tmp_path.iterdir()) == []
 
 
-async def test_an_auto_prefill_is_where_auto_generates_start_and_builds_on_what_is_stored(cache_model, cache_dir):
+async def test_an_auto_prefill_is_where_auto_generates_start_and_builds_on_what_is_stored(cache_model, cache_dir, device):
     system = [{"role": "system", "content": SYSTEM}]
     conversation = system + [{"role": "user", "content": QUESTION}]
-    host = await worker(cache_model, cache_dir)
+    host = await worker(cache_model, cache_dir, device)
     try:
         plain = await chat(host, conversation)
         warm = await host.call("prefill", {"messages": system, "add_generation_prompt": False, "cache": "auto"})

@@ -102,7 +102,7 @@ class TransformersBackend:
         blocks = _gguf_blocks(model, _gguf_source(params.model, path), data_dir) if quantization == "gguf" else {}
         if quantization == "gguf" and not blocks:
             quantization = "int8"  # nothing of the file's own to keep: the rule for the other linears
-        identity = _identity(path, model, tokenizer, dtype, quantization, data_dir / "digests")
+        identity = _identity(path, model, tokenizer, dtype, quantization, device, data_dir / "digests")
         if quantization != "none":
             from worker.backends.transformers.fast_weights import quantize
 
@@ -555,7 +555,7 @@ _TOKENIZER_FILES = frozenset(
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 
 
-def _identity(path: Path, model, tokenizer, dtype: str, quantization: str, memo_dir: Path) -> Identity:
+def _identity(path: Path, model, tokenizer, dtype: str, quantization: str, device: str, memo_dir: Path) -> Identity:
     """Everything that decides what the model computes for a token: every byte of the
     weights and tokenizer files (a .gguf file holds both), the chat template, and the
     whole configuration. Digests of big files are remembered (worker.fingerprint)."""
@@ -583,6 +583,7 @@ def _identity(path: Path, model, tokenizer, dtype: str, quantization: str, memo_
             config,
             fast_weights.int8_products() if quantization != "none" else None,
             native_forward.FORWARD if native_forward.applies(config, dtype, quantization) else None,
+            _arithmetic_device(device),
         ),
         layers=config.num_hidden_layers,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
@@ -592,6 +593,18 @@ def _identity(path: Path, model, tokenizer, dtype: str, quantization: str, memo_
         cache_class="DynamicCache",
         attention_type=kinds.pop() if len(kinds) == 1 else "hybrid",
     )
+
+
+def _arithmetic_device(device: str) -> str | None:
+    """The processor that computes a cache's numbers where it is not the CPU: a GPU's kernels
+    (and which kernels its libraries pick for its architecture) give a position other last bits
+    than the CPU's, so a cache made on one must not pass for one of the other."""
+    import torch
+
+    kind = device.split(":")[0]
+    if kind == "cuda":
+        return f"cuda {torch.cuda.get_device_name(torch.device(device))}"
+    return None if kind == "cpu" else kind
 
 
 def _check_device(device: str) -> str:

@@ -337,15 +337,19 @@ def attention_implementation(config: transformers.PretrainedConfig) -> str:
 
 
 def config_digest(
-    config: transformers.PretrainedConfig, products: str | None = None, forward: str | None = None
+    config: transformers.PretrainedConfig,
+    products: str | None = None,
+    forward: str | None = None,
+    device: str | None = None,
 ) -> str:
     """SHA-256 of the configuration as transformers resolved it, less what does not change the
     computation (where the model was loaded from, which transformers wrote it, the dtype,
     which the identity holds separately), with the attention the worker computes with where
     it is not SDPA in float32 (to_dict leaves it out), the kernel of its int8 products where
-    it is not PyTorch's (``products``: fast_weights.int8_products), and the native pass where
-    it computes the layers (``forward``: native_forward.FORWARD): each gives a position other
-    last bits, so a cache computed with one must not pass for one of another."""
+    it is not PyTorch's (``products``: fast_weights.int8_products), the native pass where
+    it computes the layers (``forward``: native_forward.FORWARD), and the processor where it is
+    not the CPU (``device``, e.g. "cuda NVIDIA H200"): each gives a position other last bits, so
+    a cache computed with one must not pass for one of another."""
     import hashlib
     import json
 
@@ -358,6 +362,8 @@ def config_digest(
         described["int8_products"] = products
     if forward is not None:
         described["forward"] = forward
+    if device is not None:
+        described["device"] = device
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=repr).encode()).hexdigest()
 
 
