@@ -23,3 +23,17 @@ def test_the_demo_runs_its_whole_session_and_prints_the_counts():
     assert "auto cache: reused" in out
     assert "Three questions at once" in out and "tokens/s over the three streams" in out
     assert "The capital of France is Paris." in out
+
+
+def test_the_demo_loads_on_the_device_given_and_says_a_refused_load_in_one_line(tiny_model_dir):
+    def demo(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "worker.demo", "--model", str(tiny_model_dir), "--max-tokens", "4", *args]
+        return subprocess.run(command, env={**os.environ, **TORCH_ENV}, capture_output=True, text=True, timeout=300)
+
+    on_cpu = demo("--device", "cpu")
+    assert on_cpu.returncode == 0, on_cpu.stderr[-2000:]
+    assert "weights, on cpu)" in on_cpu.stdout and "tokens/s over the three streams" in on_cpu.stdout
+    refused = demo("--device", "quantum")
+    assert refused.returncode == 1
+    assert "Unknown device 'quantum'" in refused.stderr and "(invalid_params)" in refused.stderr
+    assert "Traceback" not in refused.stderr

@@ -16,7 +16,7 @@ import asyncio
 import sys
 import time
 
-from worker.host import Host
+from worker.host import Host, WorkerError
 
 SYSTEM = "You are a concise assistant. Answer every question in one short sentence."
 QUESTIONS = ["What is the capital of France?", "What is the capital of Italy?"]
@@ -120,9 +120,16 @@ def main() -> int:
     parser.add_argument("--model", default="default", help="model directory or .gguf file (default: SmolLM2)")
     parser.add_argument("--question", action="append", help="ask this (repeatable); default: two questions")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--device", help="where the model runs: cpu (the load's default), cuda, cuda:N or mps")
     args = parser.parse_args()
     load = {"backend": args.backend, "model": args.model}
-    return asyncio.run(run(load, args.question or QUESTIONS, args.max_tokens))
+    if args.device is not None:
+        load["device"] = args.device
+    try:
+        return asyncio.run(run(load, args.question or QUESTIONS, args.max_tokens))
+    except WorkerError as exc:  # the worker's answer says what was wrong and what to do
+        print(f"the worker answered an error: {exc.message} ({exc.kind})", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
