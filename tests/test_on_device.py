@@ -18,27 +18,31 @@ def gpu(device: str) -> str:
     return device
 
 
+def made_on(device: str) -> str:
+    return f"made-on-{device.split(':')[0]}"
+
+
 async def test_a_cache_file_made_on_a_gpu_is_refused_on_the_cpu_and_the_other_way_round(
     tiny_model_dir: Path, tmp_path: Path, gpu: str
 ):
-    """The same dtype (bfloat16) and weights (dense) on both, so only the processor's kernels differ: each side's
-    cache has other last bits than the other would compute, so each refuses the other's by
-    name and then keeps serving, and each reads its own exactly."""
+    """The same dtype (bfloat16) and weights (dense) on both, so only the processor's kernels
+    differ: each side's cache has other last bits than the other would compute, so each refuses
+    the other's by name and then keeps serving, and each reads its own exactly."""
     caches = tmp_path / "caches"
     made: dict[str, list[int]] = {}
     for device in (gpu, "cpu"):
         host = await worker(tiny_model_dir, caches, device, dtype="bfloat16", quantization="none")
         try:
             made[device] = (await host.call("generate", {"prompt": SYSTEM, "max_tokens": 12}))["tokens"]
-            await host.call("prefill", {"prompt": SYSTEM[:60], "cache": f"made-on-{device.split(':')[0]}"})
+            await host.call("prefill", {"prompt": SYSTEM[:60], "cache": made_on(device)})
         finally:
             await host.close()
     for device, other in ((gpu, "cpu"), ("cpu", gpu)):
         host = await worker(tiny_model_dir, caches, device, dtype="bfloat16", quantization="none")
         try:
             with pytest.raises(WorkerError) as caught:
-                await host.call("generate", {"prompt": SYSTEM, "max_tokens": 12, "cache": f"made-on-{other.split(':')[0]}"})
-            own = await host.call("generate", {"prompt": SYSTEM, "max_tokens": 12, "cache": f"made-on-{device.split(':')[0]}"})
+                await host.call("generate", {"prompt": SYSTEM, "max_tokens": 12, "cache": made_on(other)})
+            own = await host.call("generate", {"prompt": SYSTEM, "max_tokens": 12, "cache": made_on(device)})
         finally:
             await host.close()
         assert caught.value.kind == "cache_identity_mismatch" and "config_sha256" in caught.value.message
