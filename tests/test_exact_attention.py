@@ -294,3 +294,28 @@ def test_a_hung_compiler_is_killed_with_its_children_at_the_timeout(tmp_path: Pa
     else:
         raise AssertionError("the compiler's child still runs")
     assert list((tmp_path / "kernels").iterdir()) == []
+
+
+def test_a_decode_step_at_a_long_context_shares_its_attention_among_the_threads(kernel, monkeypatch):
+    """Attention's work is counted in multiply-adds, as a product's is (a score and a weighted
+    sum per query-key pair and dimension): one sequence's step at 2,000 keys (SmolLM2's 9 heads
+    of 64) is shared among torch's threads; a step at 8 keys stays on the calling thread.
+    Counted in pairs, the long step stayed on one thread, its attention ~40% of the step."""
+    from worker.backends.transformers.exact_attention import StepPlaces
+
+    heads, kv_heads, dim = 9, 3, 64
+    threads_asked: list[int] = []
+    step = kernel._step
+    monkeypatch.setattr(kernel, "_step", lambda *args: threads_asked.append(args[-1]) or step(*args))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for held in (7, 1999):
+            keys, values = torch.randn(1, kv_heads, held + 1, dim), torch.randn(1, kv_heads, held + 1, dim)
+            places = StepPlaces()
+            places.add(keys, values, 0, 0, held + 1)
+            new = torch.randn(1, kv_heads, dim)
+            kernel.step_attention(torch.randn(1, heads, dim), new, new, places, dim**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    assert threads_asked == [1, 2]

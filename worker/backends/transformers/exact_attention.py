@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker import load_progress
-from worker.backends.transformers.torch_threads import threads_for
+from worker.backends.transformers.torch_threads import attention_work, threads_for
 from worker.files import is_regular
 
 if TYPE_CHECKING:
@@ -149,8 +149,7 @@ class Kernel:
         batch, heads, positions, dim = query.shape
         kv_heads = keys.shape[1]
         out = torch.empty(batch, positions, heads, dim)
-        # A decode step's call is too small to share between threads.
-        threads = threads_for(heads * positions * keys.shape[2])
+        threads = threads_for(attention_work(heads * positions * keys.shape[2], dim))
         status = self._function(
             query.data_ptr(), *query.stride()[:3], keys.data_ptr(), *keys.stride()[:3],
             values.data_ptr(), *values.stride()[:3], lo.data_ptr(), hi.data_ptr(), out.data_ptr(),
@@ -172,7 +171,7 @@ class Kernel:
         kv_heads = keys.shape[1]
         query, keys, values = (_rows(tensor) for tensor in (query, keys, values))
         out = torch.empty(batch, heads, dim)
-        threads = threads_for(heads * places.keys)
+        threads = threads_for(attention_work(heads * places.keys, dim))
         status = self._step(
             query.data_ptr(), *query.stride()[:2], keys.data_ptr(), *keys.stride()[:2],
             values.data_ptr(), *values.stride()[:2], *places.addresses(), out.data_ptr(),

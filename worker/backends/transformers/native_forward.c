@@ -91,6 +91,10 @@ static inline int threads_for(const struct model *m, const struct pass *p, int64
     return work >= m->share_from ? p->threads : 1;
 }
 
+/* Attention's multiply-adds over `pairs` query-key pairs: a score and a weighted sum each, as
+ * torch_threads.attention_work counts them. */
+static inline int64_t attention_work(int64_t pairs, int64_t dim) { return pairs * 2 * dim; }
+
 /* exp(x) for x <= 0: 2^n times a polynomial of the rest (Cephes' expf); 0 below -87, NaN for NaN.
  * Without a branch (the part below -87 computes exp(-87) and drops it), so that loops of it
  * are vectorized: the lanes do the same operations as this code does for one number. */
@@ -210,7 +214,7 @@ static int attend(const struct model *m, const struct pass *p, int64_t l, const 
                 }
             int64_t *lo = s->lo + p->sequences, *hi = s->hi + p->sequences;
             for (int64_t i = 0; i < rows; i++) hi[i] = length + i + 1, lo[i] = visible(window, hi[i]);
-            const int threads = threads_for(m, p, heads * rows * (length + rows));
+            const int threads = threads_for(m, p, attention_work(heads * rows * (length + rows), dim));
             if (((attention_function)m->attention)(q + first * qkv_width, 0, dim, qkv_width, keys, 0, p->kh[at], dim,
                                                    values, 0, p->vh[at], dim, lo, hi, s->attended + first * width, 1,
                                                    heads, kv_heads, rows, dim, m->scaling, threads))
@@ -227,7 +231,7 @@ static int attend(const struct model *m, const struct pass *p, int64_t l, const 
             kb[one] = p->kb[at], vb[one] = p->vb[at], kh[one] = p->kh[at], vh[one] = p->vh[at];
             one++;
         }
-    const int threads = threads_for(m, p, heads * step_keys);
+    const int threads = threads_for(m, p, attention_work(heads * step_keys, dim));
     const float *rows = s->step_rows;
     if (((step_function)m->step)(rows, qkv_width, dim, rows + width, qkv_width, dim, rows + width + kv_heads * dim,
                                  qkv_width, dim, kb, vb, kh, vh, s->lo, s->hi, s->step_out, singles, heads, kv_heads,

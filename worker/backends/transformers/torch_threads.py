@@ -31,10 +31,17 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
-# A kernel call of less work than this (multiply-adds; query-key pairs for attention) runs on
-# the calling thread alone: waking the other threads costs more than they would save. The
-# native pass (native_forward.c) is handed the same number.
+# A kernel call of less work than this (multiply-adds) runs on the calling thread alone: waking
+# the other threads costs more than they would save. The native pass (native_forward.c) is
+# handed the same number.
 SHARE_FROM = 1 << 16
+
+
+def attention_work(pairs: int, dim: int) -> int:
+    """The multiply-adds of attention over ``pairs`` query-key pairs of ``dim``-float heads: a
+    score and a weighted sum each (native_forward.c counts them the same way). Counted in pairs,
+    a decode step at a 2,000-token context stayed on one thread, its attention ~40% of the step."""
+    return pairs * 2 * dim
 
 _state = threading.local()
 
