@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -610,22 +611,26 @@ def _arithmetic_device(device: str) -> str | None:
 def _check_device(device: str) -> str:
     import torch
 
-    kind = device.split(":")[0]
-    available = {
-        "cpu": True,
-        "cuda": torch.cuda.is_available(),
-        "mps": getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available(),
-    }
-    if kind not in available:
+    # Only CUDA numbers its devices: "cpu:0" would pass torch but not the worker's checks for the CPU.
+    form = re.fullmatch(r"(cpu|mps|cuda)(?::([0-9]+))?", device, flags=re.ASCII)
+    if form is None or (form[2] is not None and form[1] != "cuda"):
         raise RpcError(
             ErrorKind.INVALID_PARAMS,
             f"Unknown device {device!r}; use 'cpu', 'cuda' (or 'cuda:N') or 'mps'.",
             field="params.device",
         )
+    kind, index = form[1], form[2]
+    available = {
+        "cpu": True,
+        "cuda": torch.cuda.is_available() and (index is None or int(index) < torch.cuda.device_count()),
+        "mps": getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available(),
+    }
     if not available[kind]:
+        count = torch.cuda.device_count() if kind == "cuda" and torch.cuda.is_available() else 0
+        use = f"'cuda' or 'cuda:0' to 'cuda:{count - 1}'" if count else "'cpu'"
         raise RpcError(
             ErrorKind.MODEL_LOAD_FAILED,
-            f"Device {device!r} is not available on this machine (torch {torch.__version__}); use 'cpu'.",
+            f"Device {device!r} is not available on this machine (torch {torch.__version__}); use {use}.",
             field="params.device",
         )
     return device
