@@ -627,7 +627,8 @@ def _check_device(device: str) -> str:
     }
     if not available[kind]:
         count = torch.cuda.device_count() if kind == "cuda" and torch.cuda.is_available() else 0
-        use = f"'cuda' or 'cuda:0' to 'cuda:{count - 1}'" if count else "'cpu'"
+        numbers = "'cuda:0'" if count == 1 else f"'cuda:0' to 'cuda:{count - 1}'"
+        use = f"'cuda' or {numbers}" if count else "'cpu'"
         raise RpcError(
             ErrorKind.MODEL_LOAD_FAILED,
             f"Device {device!r} is not available on this machine (torch {torch.__version__}); use {use}.",
