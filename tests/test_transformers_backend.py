@@ -596,3 +596,18 @@ async def test_an_unwritable_data_directory_makes_the_default_model_a_precise_lo
         assert (await host.call("capabilities"))["model"] is None
     finally:
         await reap(host)
+
+
+async def test_a_cuda_number_past_the_machines_gpus_is_refused_naming_those_there_are(monkeypatch):
+    import torch
+
+    from protocol.errors import RpcError
+    from worker.backends.transformers.backend import _check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert _check_device("cuda:1") == "cuda:1"
+    with pytest.raises(RpcError) as refused:
+        _check_device("cuda:2")
+    assert refused.value.kind == "model_load_failed" and refused.value.data.field == "params.device"
+    assert "use 'cuda' or 'cuda:0' to 'cuda:1'" in refused.value.message
