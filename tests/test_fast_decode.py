@@ -347,7 +347,7 @@ async def test_load_reports_float32_with_int8_weights_by_default_on_the_cpu_and_
         info = await host.call("load", {"model": model}, timeout=120)
         assert (info["dtype"], info["quantization"]) == ("float32", "int8")
         info = await host.call("load", {"model": model, "device": "cpu:0", "quantization": "none"}, timeout=120)
-        assert (info["dtype"], info["quantization"]) == ("float32", "none")
+        assert (info["dtype"], info["quantization"], info["device"]) == ("float32", "none", "cpu")
         info = await host.call("load", {"model": model, "dtype": "bfloat16", "quantization": "int4"}, timeout=120)
         assert (info["dtype"], info["quantization"]) == ("bfloat16", "int4")
         for wrong in ({"device": "cuda", "quantization": "int4"}, {"quantization": "int3"}):

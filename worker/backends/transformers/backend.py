@@ -89,7 +89,7 @@ class TransformersBackend:
         started = time.perf_counter()
         from worker.backends.transformers import hf_compat  # before transformers: it keeps the hub offline
 
-        device = params.device
+        device = _check_device(params.device)  # the CPU's one name: the worker's CPU rules compare it
         dtype, quantization = resolve_weights(params)
         # Quantized products give each row the numbers it gets alone; exact attention makes
         # the rest of a position's arithmetic as independent of the chunk it is in.
@@ -609,11 +609,12 @@ def _arithmetic_device(device: str) -> str | None:
 
 
 def _check_device(device: str) -> str:
+    """The device's name as the worker uses it (``cpu``, ``mps``, ``cuda``, ``cuda:N``); a name
+    of another form is -32602, a device this machine lacks -32002."""
     import torch
 
-    # Only CUDA numbers its devices: "cpu:0" would pass torch but not the worker's checks for the CPU.
     form = re.fullmatch(r"(cpu|mps|cuda)(?::([0-9]+))?", device, flags=re.ASCII)
-    if form is None or (form[2] is not None and form[1] != "cuda"):
+    if form is None:
         raise RpcError(
             ErrorKind.INVALID_PARAMS,
             f"Unknown device {device!r}; use 'cpu', 'cuda' (or 'cuda:N') or 'mps'.",
@@ -634,7 +635,8 @@ def _check_device(device: str) -> str:
             f"Device {device!r} is not available on this machine (torch {torch.__version__}); use {use}.",
             field="params.device",
         )
-    return device
+    # torch takes "cpu:0" for the one CPU (and "mps:0"); the worker's rules for the CPU compare the plain name
+    return device if kind == "cuda" else kind
 
 
 def _model_path(model: str, data_dir: Path) -> Path:
