@@ -30,7 +30,7 @@ def test_the_demo_loads_on_the_device_given_and_says_a_refused_load_in_one_line(
         command = [sys.executable, "-m", "worker.demo", "--model", str(tiny_model_dir), "--max-tokens", "4", *args]
         return subprocess.run(command, env={**os.environ, **TORCH_ENV}, capture_output=True, text=True, timeout=300)
 
-    on_cpu = demo("--device", "cpu")
+    on_cpu = demo("--device", "cpu:0")  # torch's name for the one CPU: the worker's is "cpu"
     assert on_cpu.returncode == 0, on_cpu.stderr[-2000:]
     assert "weights, on cpu)" in on_cpu.stdout and "tokens/s over the three streams" in on_cpu.stdout
     refused = demo("--device", "quantum")
