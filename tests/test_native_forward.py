@@ -101,6 +101,98 @@ def test_steps_drafts_and_a_prompt_chunk_in_one_pass_give_each_sequence_what_it_
             assert torch.equal(a.values, b.values) and torch.equal(a.values, c.values)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_steps_read_the_keys_they_keep_transposed_and_give_one_pass_numbers_across_growth_and_cut_backs(
+    tiny_models, tmp_path: Path, family
+):
+    """A sequence's steps keep its keys transposed (cache_layers.TransposedKeys) and transpose
+    only the new ones: greedy steps give the logits of one pass over the same tokens, past the
+    window and across the buffers' growth (a prompt of n positions has room for n + 256), and
+    again after the cache is cut back and goes another way. And a step reads what is kept:
+    spoiled, the next step's logits change."""
+    model = load(tiny_models(family), tmp_path)
+    step = model._decode_step
+    prompt = model.tokenize(TEXT, add_special_tokens=True)
+
+    def steps(cache, token: int, count: int) -> tuple[list[int], list]:
+        tokens, logits = [], []
+        for _ in range(count):
+            out = step.forward([[token]], [cache])
+            tokens.append(token)
+            logits.append(out[0])
+            token = int(out[0].argmax())
+        return tokens, logits
+
+    def one_pass(tokens: list[int], count: int):
+        return step.forward([tokens], [model.new_cache()], [count])
+
+    with torch.inference_mode():
+        cache = model.new_cache()
+        step.forward([prompt[:-1]], [cache])
+        fed, logits = steps(cache, prompt[-1], 300)
+        assert torch.equal(torch.stack(logits), one_pass(prompt[:-1] + fed, 300))
+        keep = len(prompt) + 40
+        cache.crop(keep)
+        other = (fed[41] + 1) % 500
+        fed_again, logits = steps(cache, other, 30)
+        assert torch.equal(torch.stack(logits), one_pass(prompt[:-1] + fed[:41] + fed_again, 30))
+        untouched = cache.copy()  # without transposed keys: its step transposes them all
+        for layer in cache.kv.layers:
+            layer.transposed.tiles[:, : layer.transposed.valid // 2].fill_(1e3)
+        spoiled, kept_well = step.forward([[5]], [cache]), step.forward([[5]], [untouched])
+    assert not torch.equal(spoiled, kept_well)
+
+
+def test_a_cache_stepped_in_inference_mode_is_cut_back_outside_it(tiny_models, tmp_path: Path):
+    """The worker steps in inference mode and cuts a drafting sequence's cache back outside it:
+    the transposed keys' count is cut back there too (as a tensor made in inference mode it
+    could not be: every drafted generation failed), and the next steps give one pass's logits."""
+    model = load(tiny_models("llama"), tmp_path)
+    step = model._decode_step
+    prompt = model.tokenize(TEXT, add_special_tokens=True)
+    cache = model.new_cache()
+    with torch.inference_mode():
+        step.forward([prompt], [cache])
+        for token in (5, 6, 7, 8):
+            step.forward([[token]], [cache])
+    cache.crop(len(prompt) + 1)
+    with torch.inference_mode():
+        logits = step.forward([[9]], [cache])
+        assert torch.equal(logits, step.forward([prompt + [5, 9]], [model.new_cache()]))
+
+
+def test_a_step_whose_pass_fails_leaves_the_cache_as_it_was_and_later_steps_give_one_pass_numbers(
+    tiny_models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A pass that runs out of memory part way has written keys (and their transposed tiles)
+    past the cache's positions. It raises MemoryError, and what it wrote is not taken as the
+    cache's: steps with other tokens after it give one pass's logits, at each position within
+    a tile of the kernel's keys (16 in a row)."""
+    from worker.backends.transformers import native_forward
+
+    model = load(tiny_models("llama"), tmp_path)
+    step = model._decode_step
+    prompt = model.tokenize(TEXT, add_special_tokens=True)
+    real = native_forward._forward
+
+    def fails_after_writing(*args):
+        real(*args)
+        return 1
+
+    with torch.inference_mode():
+        cache, fed = model.new_cache(), list(prompt)
+        step.forward([fed], [cache])
+        for token in range(100, 116):
+            monkeypatch.setattr(native_forward, "_forward", fails_after_writing)
+            with pytest.raises(MemoryError):
+                step.forward([[token + 50]], [cache])
+            monkeypatch.setattr(native_forward, "_forward", real)
+            assert cache.length == len(fed)
+            logits = step.forward([[token]], [cache])
+            fed.append(token)
+            assert torch.equal(logits, step.forward([fed], [model.new_cache()]))
+
+
 def test_the_cache_identity_names_the_native_pass_and_a_model_without_it_keeps_another(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch, caplog
 ):

@@ -14,13 +14,15 @@ own, and adds what lm-worker needs and transformers' does not do:
 - layers with linear-attention states (conv and recurrent) snapshot and restore them.
 
 The rest of the package uses their small interface (KeysAndValues: state, keep_first, restore,
-compact; GrowingKeysAndValues: update_and_fetch, wide_state, and a sliding layer's window;
-LinearStates: snapshot, restore_states), not transformers' fields; what lm-worker reads of transformers' internals,
-and what differs between its versions, is in hf_compat.
+compact; GrowingKeysAndValues: update_and_fetch, reserve, take, wide_state, transposed_keys, and
+a sliding layer's window; LinearStates: snapshot, restore_states), not transformers' fields;
+what lm-worker reads of transformers' internals, and what differs between its versions, is in
+hf_compat.
 """
 
 from __future__ import annotations
 
+import array
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -109,6 +111,42 @@ class WideCopy:
         return self.keys[..., :total, :], self.values[..., :total, :]
 
 
+# Room a layer's transposed keys keep past its buffers' positions: exact_attention.c's tiles of
+# up to 16 keys reach two tiles past the last key at most (lmw_step_attention).
+TRANSPOSED_ROOM = 32
+
+
+class TransposedKeys:
+    """A layer's keys as exact_attention.c's decode step reads them (tiles of keys, dimension-
+    major), kept from one step to the next: a step then transposes its new key (and the tile
+    it ends in), where transposing every key again cost as much as the attention itself at a
+    few thousand keys. Made for the buffers whose memory starts at ``source``, its first
+    ``valid`` keys written; the kernel writes them, so it holds the keys' own numbers, and
+    counts them in ``count`` (an int64 where a step's call finds it without a line of Python;
+    not a tensor, which made in inference mode could not be cut back outside it)."""
+
+    __slots__ = ("source", "count", "tiles")
+
+    def __init__(self, keys: torch.Tensor) -> None:
+        _, heads, capacity, dim = keys.shape
+        self.source = keys.data_ptr()
+        self.count = array.array("q", [0])
+        self.tiles = keys.new_empty((heads, capacity + TRANSPOSED_ROOM, dim))
+
+    @property
+    def valid(self) -> int:
+        """How many keys, from the first, are here."""
+        return self.count[0]
+
+    @valid.setter
+    def valid(self, keys: int) -> None:
+        self.count[0] = keys
+
+    def holds(self, keys: torch.Tensor) -> bool:
+        """Whether this is of the buffer ``keys``, with room for all of its positions."""
+        return self.source == keys.data_ptr() and self.tiles.shape[1] == keys.shape[-2] + TRANSPOSED_ROOM
+
+
 class GrowingKeysAndValues(KeysAndValues):
     """Keys and values of every position in buffers with room to grow.
 
@@ -116,12 +154,46 @@ class GrowingKeysAndValues(KeysAndValues):
     (90 MB a step at 2,000 positions of SmolLM2). Here the buffers grow by half again (at least
     256 positions) when full, and ``keys`` and ``values`` are views of their used part; cutting
     back keeps them views, and tensors restored from elsewhere move into new buffers at the
-    next append (or are the buffers, when read with room to grow)."""
+    next append (or are the buffers, when read with room to grow).
+
+    A native pass writes a step's position into every layer at once; making each layer's two
+    views then cost about a twentieth of a four-sequence step, so it only says how many
+    positions the layer holds (``hold``), and the views are made when next read."""
+
+    _unviewed: int | None = None  # positions held (hold) whose views are not made yet
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self.wide: WideCopy | None = None
+        self.transposed: TransposedKeys | None = None
+
+    @property
+    def keys(self) -> Any:
+        self._view_held()
+        return self._keys
+
+    @keys.setter
+    def keys(self, keys: Any) -> None:
+        self._view_held()
+        self._keys = keys
+
+    @property
+    def values(self) -> Any:
+        self._view_held()
+        return self._values
+
+    @values.setter
+    def values(self, values: Any) -> None:
+        self._view_held()
+        self._values = values
+
+    def _view_held(self) -> None:
+        total = self._unviewed
+        if total is not None:
+            assert self.buffers is not None
+            self._unviewed = None
+            self._keys, self._values = self.buffers[0].narrow(2, 0, total), self.buffers[1].narrow(2, 0, total)
 
     @property
     def capacity(self) -> int:
@@ -142,6 +214,8 @@ class GrowingKeysAndValues(KeysAndValues):
     @property
     def held(self) -> int:
         """How many positions the layer holds."""
+        if self._unviewed is not None:
+            return self._unviewed
         keys = self.keys
         return keys.shape[-2] if keys is not None and keys.dim() == 4 else 0
 
@@ -163,10 +237,14 @@ class GrowingKeysAndValues(KeysAndValues):
             self.buffers = buffers
         return buffers
 
+    def hold(self, total: int) -> None:
+        """Hold the first ``total`` positions of the buffers (written there)."""
+        assert self.buffers is not None
+        self._unviewed = total
+
     def take(self, total: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Hold the first ``total`` positions of the buffers (written there); their keys and values."""
-        assert self.buffers is not None
-        self.keys, self.values = self.buffers[0].narrow(2, 0, total), self.buffers[1].narrow(2, 0, total)
+        self.hold(total)
         return self.keys, self.values
 
     def wide_state(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,24 +259,34 @@ class GrowingKeysAndValues(KeysAndValues):
             self.wide = WideCopy(keys, values, dtype)
         return self.wide.of(keys, values)
 
+    def transposed_keys(self) -> TransposedKeys:
+        """The keys of the buffers (reserve made them) as a decode step reads them, transposed
+        up to ``valid``; the step's call brings them up to its own position and counts them."""
+        assert self.buffers is not None
+        if self.transposed is None or not self.transposed.holds(self.buffers[0]):
+            self.transposed = TransposedKeys(self.buffers[0])
+        return self.transposed
+
     def keep_first(self, keep: int) -> None:
         super().keep_first(keep)
-        if self.wide is not None:  # the positions past keep will be written anew
-            self.wide.valid = min(self.wide.valid, keep)
+        for copy in (self.wide, self.transposed):  # the positions past keep will be written anew
+            if copy is not None:
+                copy.valid = min(copy.valid, keep)
 
     def restore(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
         """As for any layer; tensors that hold more than ``length`` positions (a file read with
         room to grow) become the buffers."""
         super().restore(keys, values, length)
         self.buffers = (keys, values) if keys.shape[-2] > length and keys.is_contiguous() and values.is_contiguous() else None
-        self.wide = None
+        self.wide = self.transposed = None
 
     def compact(self) -> None:
-        """Keys and values in tensors of their own size, without a wide copy (made again when used)."""
+        """Keys and values in tensors of their own size, without a wide copy or transposed keys
+        (made again when used)."""
         if self.buffers is not None:
             self.keys, self.values = self.state[0].clone(), self.state[1].clone()
             self.buffers = None
-        self.wide = None
+        self.wide = self.transposed = None
 
 
 def _starts(view: torch.Tensor, buffer: torch.Tensor) -> bool:
@@ -227,11 +315,11 @@ class SlidingWindowLayer(GrowingKeysAndValues, hf_compat.DynamicSlidingWindowLay
         """transformers' forward appends through this."""
         return self.window(*self.update_and_fetch(key_states, value_states), key_states.shape[-2])
 
-    def take(self, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def hold(self, total: int) -> None:
         # transformers' forward takes the cache's length from the count of its first layer's
         # positions, which is this one's in Gemma 3.
         self.cumulative_length = total
-        return super().take(total)
+        super().hold(total)
 
     def window(self, keys: torch.Tensor, values: torch.Tensor, new: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What ``new`` positions just appended attend: the window before the first of them, and them."""

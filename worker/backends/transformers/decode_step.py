@@ -274,7 +274,7 @@ class DecodeStep(Passes):
             appended.append((cached, total))
         attended = self._kernel.step_attention(q, k, v, places, layer.scaling)
         for cached, total in appended:
-            cached.take(total)
+            cached.hold(total)
         return attended
 
     def forward(

@@ -255,6 +255,10 @@ struct call {
     float scale;
     float *kt;     /* the keys transposed, W at a time: kt[((b * kv_heads + kvh) * tiles + tile) * dim * W + d * W + j % W] */
     int64_t tiles; /* tiles of W keys per (b, kv head): up to the last key any row attends */
+    /* Per batch entry, or NULL: where its keys are kept transposed from one call to the next
+     * (0: nowhere, they go to kt), in kt's layout for each head, heads th[b] floats apart, the
+     * first tv[b] keys already there (lmw_step_attention says more). */
+    const int64_t *tb, *th, *tv;
     int64_t block, blocks; /* positions of a work item (run sets them), and the items of a (b, kv head) */
 };
 
@@ -299,15 +303,25 @@ struct scratch {
             rows[i] = low;                                              \
         }
 
-/* Tile `tile` of the keys of (b, kv head) `pair`, transposed into c->kt (moves only: the
- * numbers are the keys' own); keys past the last that b attends are 0 (their scores go
- * unused), and tiles past the one after it are left alone: b's items read none of them, and
- * its buffers may end there (a decode step's sequences hold positions of their own). */
+/* Whether batch entry b keeps its keys transposed from one call to the next. */
+static inline int kept(const struct call *c, int64_t b) { return c->tb != NULL && c->tb[b] != 0; }
+
+/* Where the transposed keys of (b, kv head) begin. */
+static inline float *transposed(const struct call *c, int64_t b, int64_t kvh) {
+    if (kept(c, b)) return (float *)(intptr_t)c->tb[b] + kvh * c->th[b];
+    return c->kt + (b * c->kv_heads + kvh) * c->tiles * c->dim * W;
+}
+
+/* Tile `tile` of the keys of (b, kv head) `pair`, transposed (moves only: the numbers are the
+ * keys' own); keys past the last that b attends are 0 (their scores go unused), and tiles past
+ * the one after it are left alone: b's items read none of them, and its buffers may end there
+ * (a decode step's sequences hold positions of their own). Where b keeps its keys transposed,
+ * the tiles of its first tv[b] keys are there already; the one they end in is done again. */
 static void transpose_tile(const struct call *c, int64_t pair, int64_t tile) {
     const int64_t b = pair / c->kv_heads, n = c->limit[b];
-    if (tile > (n + W - 1) / W) return;
+    if (tile > (n + W - 1) / W || (kept(c, b) && tile < c->tv[b] / W)) return;
     const float *keys = c->kb[b] + pair % c->kv_heads * c->kh[b];
-    float *into = c->kt + (pair * c->tiles + tile) * c->dim * W;
+    float *into = transposed(c, b, pair % c->kv_heads) + tile * c->dim * W;
     for (int64_t d = 0; d < c->dim; d += W) {
         vf rows[W];
         for (int j = 0; j < W; j++)
@@ -354,7 +368,7 @@ static void attend_item(const struct call *c, const struct scratch *s, int64_t i
     /* Tiles in pairs: the pair past the last tile attended may read one tile more, which the
      * transposed keys hold (zeros past the keys), and its scores go unused. */
     const int64_t first_tile = low / W, last_tile = (high + W - 1) / W, start = first_tile * W;
-    const float *kt = c->kt + (b * c->kv_heads + kvh) * c->tiles * dim * W;
+    const float *kt = transposed(c, b, kvh);
     float *spare = s->scores + rows * span;
     for (int64_t tile = first_tile; tile < last_tile; tile += 2) {
         for (int r0 = 0; r0 < rows; r0 += SCORE_ROWS) {
@@ -440,20 +454,21 @@ static int run(struct call *c, int64_t batch, int threads) {
     return failed ? -1 : 0;
 }
 
-/* Where a call's batch entries start (kb, vb, kh, vh) and where their keys end (limit, which
- * run fills), `batch` entries each, in one allocation. */
+/* Where a call's batch entries start (kb, vb, kh, vh), where their keys end (limit, which run
+ * fills) and how many are kept transposed (tv), `batch` entries each, in one allocation. */
 struct bases {
     const float **kb, **vb;
-    int64_t *kh, *vh, *limit;
+    int64_t *kh, *vh, *limit, *tv;
 };
 
 static int bases_of(int64_t batch, struct bases *b) {
-    void *memory = malloc(batch * (2 * sizeof(float *) + 3 * sizeof(int64_t)));
+    void *memory = malloc(batch * (2 * sizeof(float *) + 4 * sizeof(int64_t)));
     b->kb = memory;
     b->vb = b->kb + batch;
     b->kh = (int64_t *)(b->vb + batch);
     b->vh = b->kh + batch;
     b->limit = b->vh + batch;
+    b->tv = b->limit + batch;
     return memory != NULL;
 }
 
@@ -472,7 +487,7 @@ int lmw_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsi, const f
         b.kh[i] = ksh, b.vh[i] = vsh;
     }
     struct call c = {q, b.kb, b.vb, b.kh, b.vh, qsb, qsh, qsi, ksj, vsj, lo, hi, b.limit, out,
-                     heads, kv_heads, positions, dim, heads / kv_heads, scale, NULL, 0, 0, 0};
+                     heads, kv_heads, positions, dim, heads / kv_heads, scale, NULL, 0, NULL, NULL, NULL, 0, 0};
     int status = run(&c, batch, threads);
     free(b.kb);
     return status;
@@ -483,24 +498,35 @@ int lmw_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsi, const f
  * floats apart, from the addresses kb[b] and vb[b]). First each sequence's new key and value
  * (nk + b * nksb + h * nksh, nv likewise) are written at its position hi[b] - 1; then its
  * query rows q[b, h] attend keys lo[b] up to hi[b], as lmw_attention computes them. Writes
- * out[b, h, :]. Returns 0, or -1 when memory ran out. */
+ * out[b, h, :]. Returns 0, or -1 when memory ran out.
+ *
+ * A step attends every key its sequence holds, and transposing them all again at every step
+ * cost as much as the attention itself at a few thousand keys. So a sequence may keep them
+ * transposed (tb, th, tc: NULL, or per sequence): from tb[b] (0: it does not), each head's
+ * tiles th[b] floats apart (room for hi[b] + 2 * 16 keys), as many keys there already as the
+ * int64 at tc[b] says (fewer than hi[b]); the call transposes the rest, up to hi[b] - 1, and
+ * sets that count to hi[b]. The numbers are the same. */
 int lmw_step_attention(const float *q, int64_t qsb, int64_t qsh, const float *nk, int64_t nksb, int64_t nksh,
                        const float *nv, int64_t nvsb, int64_t nvsh, const int64_t *kb, const int64_t *vb,
-                       const int64_t *kh, const int64_t *vh, const int64_t *lo, const int64_t *hi, float *out,
-                       int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, float scale, int threads) {
+                       const int64_t *kh, const int64_t *vh, const int64_t *tb, const int64_t *th, const int64_t *tc,
+                       const int64_t *lo, const int64_t *hi, float *out, int64_t batch, int64_t heads,
+                       int64_t kv_heads, int64_t dim, float scale, int threads) {
     struct bases b;
     if (!bases_of(batch, &b)) return -1;
     for (int64_t i = 0; i < batch; i++) {
         b.kb[i] = (const float *)(intptr_t)kb[i], b.vb[i] = (const float *)(intptr_t)vb[i];
         b.kh[i] = kh[i], b.vh[i] = vh[i];
+        b.tv[i] = tb != NULL && tb[i] != 0 ? *(const int64_t *)(intptr_t)tc[i] : 0;
         for (int64_t h = 0; h < kv_heads; h++) {
             memcpy((float *)b.kb[i] + h * kh[i] + (hi[i] - 1) * dim, nk + i * nksb + h * nksh, dim * sizeof(float));
             memcpy((float *)b.vb[i] + h * vh[i] + (hi[i] - 1) * dim, nv + i * nvsb + h * nvsh, dim * sizeof(float));
         }
     }
     struct call c = {q, b.kb, b.vb, b.kh, b.vh, qsb, qsh, 0, dim, dim, lo, hi, b.limit, out,
-                     heads, kv_heads, 1, dim, heads / kv_heads, scale, NULL, 0, 0, 0};
+                     heads, kv_heads, 1, dim, heads / kv_heads, scale, NULL, 0, tb, th, b.tv, 0, 0};
     int status = run(&c, batch, threads);
+    for (int64_t i = 0; i < batch && status == 0; i++)
+        if (kept(&c, i)) *(int64_t *)(intptr_t)tc[i] = hi[i];
     free(b.kb);
     return status;
 }

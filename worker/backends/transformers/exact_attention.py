@@ -63,7 +63,7 @@ _MOST_GROUPS = 64  # query heads per key/value head the kernel takes (MOST_GROUP
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _I64, _I64, _I64] * 3 + [_PTR, _PTR, _PTR] + [_I64] * 5 + [ctypes.c_float, ctypes.c_int]
-_STEP_ARGTYPES = [_PTR, _I64, _I64] * 3 + [_PTR] * 7 + [_I64] * 4 + [ctypes.c_float, ctypes.c_int]
+_STEP_ARGTYPES = [_PTR, _I64, _I64] * 3 + [_PTR] * 10 + [_I64] * 4 + [ctypes.c_float, ctypes.c_int]
 
 
 _UNLOADABLE = "could not load"
@@ -172,9 +172,10 @@ class Kernel:
         query, keys, values = (_rows(tensor) for tensor in (query, keys, values))
         out = torch.empty(batch, heads, dim)
         threads = threads_for(attention_work(heads * places.keys, dim))
+        kb, vb, kh, vh, lo, hi = places.addresses()
         status = self._step(
             query.data_ptr(), *query.stride()[:2], keys.data_ptr(), *keys.stride()[:2],
-            values.data_ptr(), *values.stride()[:2], *places.addresses(), out.data_ptr(),
+            values.data_ptr(), *values.stride()[:2], kb, vb, kh, vh, None, None, None, lo, hi, out.data_ptr(),
             batch, heads, kv_heads, dim, scaling, threads,
         )
         if status != 0:

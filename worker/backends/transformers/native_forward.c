@@ -37,8 +37,9 @@ typedef int (*attention_function)(const float *q, int64_t qsb, int64_t qsh, int6
                                   int threads);
 typedef int (*step_function)(const float *q, int64_t qsb, int64_t qsh, const float *nk, int64_t nksb, int64_t nksh,
                              const float *nv, int64_t nvsb, int64_t nvsh, const int64_t *kb, const int64_t *vb,
-                             const int64_t *kh, const int64_t *vh, const int64_t *lo, const int64_t *hi, float *out,
-                             int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, float scale, int threads);
+                             const int64_t *kh, const int64_t *vh, const int64_t *tb, const int64_t *th,
+                             const int64_t *tc, const int64_t *lo, const int64_t *hi, float *out, int64_t batch,
+                             int64_t heads, int64_t kv_heads, int64_t dim, float scale, int threads);
 
 /* One linear's weights and the kernel that multiplies them (outputs 0: none). */
 struct product {
@@ -76,8 +77,10 @@ struct model {
 struct pass {
     int64_t sequences;
     const int64_t *rows, *lengths;
-    const int64_t *kb, *vb, *kh, *vh; /* [layer * sequences + b]: buffers' addresses (room for the new
+    const int64_t *kb, *vb, *kh, *vh; /* [b * layers + layer]: buffers' addresses (room for the new
                                          positions made), floats between their heads */
+    const int64_t *tb, *th, *tc;      /* [b * layers + layer]: where a step keeps the keys transposed
+                                         (lmw_step_attention's tb, th, tc) */
     float *hidden;
     const float *cos, *sin; /* (ropes, total, dim) each, sin signed */
     const int64_t *wanted;  /* rows whose logits are asked for, in order */
@@ -182,7 +185,7 @@ static int multiply_side_by_side(const struct model *m, const struct pass *pass,
 struct scratch {
     float *normed, *qkv, *attended, *added, *gate_up, *act, *spare, *step_rows, *step_out;
     int64_t *lo, *hi;  /* sequences + total each: the step call's rows first, then another call's */
-    int64_t *kb, *vb, *kh, *vh; /* sequences each: the step call's buffers */
+    int64_t *kb, *vb, *kh, *vh, *tb, *th, *tc; /* sequences each: the step call's buffers */
 };
 
 /* Attention of layer l: each sequence's new keys and values written into its buffers, then
@@ -197,7 +200,7 @@ static int attend(const struct model *m, const struct pass *p, int64_t l, const 
     const float *q = s->qkv, *k = s->qkv + width, *v = s->qkv + width + kv_heads * dim;
     int64_t first = 0, singles = 0, step_keys = 0;
     for (int64_t b = 0; b < p->sequences; b++) {
-        const int64_t at = l * p->sequences + b, rows = p->rows[b], length = p->lengths[b];
+        const int64_t at = b * m->layers + l, rows = p->rows[b], length = p->lengths[b];
         float *keys = (float *)(intptr_t)p->kb[at], *values = (float *)(intptr_t)p->vb[at];
         if (rows == 1) {
             float *row = s->step_rows + singles * qkv_width;
@@ -224,18 +227,19 @@ static int attend(const struct model *m, const struct pass *p, int64_t l, const 
     }
     if (singles == 0) return 0;
     /* the step call's buffers: those of the sequences with one new row, in order */
-    int64_t *kb = s->kb, *vb = s->vb, *kh = s->kh, *vh = s->vh, one = 0;
+    int64_t one = 0;
     for (int64_t b = 0; b < p->sequences; b++)
         if (p->rows[b] == 1) {
-            const int64_t at = l * p->sequences + b;
-            kb[one] = p->kb[at], vb[one] = p->vb[at], kh[one] = p->kh[at], vh[one] = p->vh[at];
+            const int64_t at = b * m->layers + l;
+            s->kb[one] = p->kb[at], s->vb[one] = p->vb[at], s->kh[one] = p->kh[at], s->vh[one] = p->vh[at];
+            s->tb[one] = p->tb[at], s->th[one] = p->th[at], s->tc[one] = p->tc[at];
             one++;
         }
     const int threads = threads_for(m, p, attention_work(heads * step_keys, dim));
     const float *rows = s->step_rows;
     if (((step_function)m->step)(rows, qkv_width, dim, rows + width, qkv_width, dim, rows + width + kv_heads * dim,
-                                 qkv_width, dim, kb, vb, kh, vh, s->lo, s->hi, s->step_out, singles, heads, kv_heads,
-                                 dim, m->scaling, threads))
+                                 qkv_width, dim, s->kb, s->vb, s->kh, s->vh, s->tb, s->th, s->tc, s->lo, s->hi,
+                                 s->step_out, singles, heads, kv_heads, dim, m->scaling, threads))
         return 1;
     first = 0, one = 0;
     for (int64_t b = 0; b < p->sequences; b++) {
@@ -334,7 +338,7 @@ int lmw_forward(const struct model *m, const struct pass *p) {
     const int64_t rows = total > p->wanted_count ? total : p->wanted_count;
     const int64_t floats = rows * (hidden + qkv_width + width + hidden + 2 * inner + inner + widest + qkv_width + width);
     float *room = malloc((size_t)floats * sizeof(float));
-    int64_t *places = malloc((size_t)(2 * (p->sequences + total) + 4 * p->sequences) * sizeof(int64_t));
+    int64_t *places = malloc((size_t)(2 * (p->sequences + total) + 7 * p->sequences) * sizeof(int64_t));
     int status = 1;
     if (room == NULL || places == NULL) goto done;
     struct scratch s;
@@ -343,6 +347,7 @@ int lmw_forward(const struct model *m, const struct pass *p) {
     s.spare = s.act + rows * inner, s.step_rows = s.spare + rows * widest, s.step_out = s.step_rows + rows * qkv_width;
     s.lo = places, s.hi = s.lo + p->sequences + total, s.kb = s.hi + p->sequences + total;
     s.vb = s.kb + p->sequences, s.kh = s.vb + p->sequences, s.vh = s.kh + p->sequences;
+    s.tb = s.vh + p->sequences, s.th = s.tb + p->sequences, s.tc = s.th + p->sequences;
     for (int64_t l = 0; l < m->layers; l++)
         if (layer_pass(m, p, l, &s, total)) goto done;
     for (int64_t i = 0; i < p->wanted_count; i++)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -76,7 +77,7 @@ class _Model(ctypes.Structure):
 class _Pass(ctypes.Structure):
     _fields_ = [
         ("sequences", _I64), ("rows", _PTR), ("lengths", _PTR), ("kb", _PTR), ("vb", _PTR), ("kh", _PTR), ("vh", _PTR),
-        ("hidden", _PTR), ("cos", _PTR), ("sin", _PTR), ("wanted", _PTR), ("wanted_count", _I64), ("logits", _PTR),
+        ("tb", _PTR), ("th", _PTR), ("tc", _PTR), ("hidden", _PTR), ("cos", _PTR), ("sin", _PTR), ("wanted", _PTR), ("wanted_count", _I64), ("logits", _PTR),
         ("threads", ctypes.c_int),
     ]
 
@@ -130,6 +131,46 @@ def _product(linear: torch.nn.Module) -> _Product:
     raise TypeError(f"native_forward takes int8 rows and gguf blocks, not {type(linear).__name__}")
 
 
+class _Places:
+    """What native_forward.c reads of one sequence's layers (its pass's columns kb, vb, kh, vh,
+    and for a step tb, th, tc: a number for each layer), gathered with room made for ``total``
+    positions. Gathered layer by layer at every step this cost more than a tenth of a
+    four-sequence step; a step's are kept while the layers keep their buffers and transposed
+    keys (``serves``), which they replace whenever they move or drop them."""
+
+    COLUMNS = ("kb", "vb", "kh", "vh", "tb", "th", "tc")
+    __slots__ = ("kv", "layers", "buffers", "transposed", "capacity", "columns")
+
+    def __init__(self, cache: TorchCache, total: int, like: torch.Tensor, transposed: bool) -> None:
+        self.kv = cache.kv
+        self.layers = [cast("GrowingKeysAndValues", layer) for layer in cache.kv.layers]
+        self.columns = tuple(array.array("q") for _ in self.COLUMNS)
+        for layer in self.layers:
+            if not layer.is_initialized:
+                layer.lazy_initialization(like, like)
+            keys, values = layer.reserve(total, like, like)
+            kept = layer.transposed_keys() if transposed else None
+            numbers = (keys.data_ptr(), values.data_ptr(), keys.stride(1), values.stride(1))
+            if kept is None:
+                numbers += (0, 0, 0)
+            else:
+                numbers += (kept.tiles.data_ptr(), kept.tiles.stride(0), kept.count.buffer_info()[0])
+            for column, number in zip(self.columns, numbers):
+                column.append(number)
+        self.buffers = [layer.buffers for layer in self.layers]
+        self.transposed = [layer.transposed for layer in self.layers]
+        self.capacity = min(layer.capacity for layer in self.layers)
+
+    def serves(self, cache: TorchCache, total: int) -> bool:
+        """Whether these are still the places of ``cache``'s layers, with room for ``total``."""
+        return (
+            self.kv is cache.kv
+            and total <= self.capacity
+            and all(layer.buffers is buffers for layer, buffers in zip(self.layers, self.buffers))
+            and all(layer.transposed is kept for layer, kept in zip(self.layers, self.transposed))
+        )
+
+
 class NativeForward(Passes):
     """A Llama or Gemma 3 model's passes, each one call of native_forward.c."""
 
@@ -173,6 +214,7 @@ class NativeForward(Passes):
             self._scale(final), head, layers, *exact_attention.loaded().addresses(),
         )
         self._vocab = head.outputs
+        self._steps: weakref.WeakKeyDictionary[TorchCache, _Places] = weakref.WeakKeyDictionary()
 
     def _scale(self, norm: torch.nn.Module | None) -> int | None:
         """Where an RMSNorm's scale is (Llama's weight; Gemma's one plus its weight, in float32,
@@ -196,6 +238,18 @@ class NativeForward(Passes):
             products = [_product(linear) for linear in linears]
         return (_Product * count)(*products, *[_Product() for _ in range(count - len(products))])
 
+    def _places_of(self, cache: TorchCache, total: int, step: bool) -> _Places:
+        """Where a pass finds the sequence's layers, with room for ``total`` positions; a step's
+        (which keeps the keys transposed) are kept for the next one while they still serve, and
+        dropped at any other pass (which may move the buffers: the old ones are not kept alive)."""
+        if not step:
+            self._steps.pop(cache, None)
+            return _Places(cache, total, self._like, transposed=False)
+        places = self._steps.get(cache)
+        if places is None or not places.serves(cache, total):
+            places = self._steps[cache] = _Places(cache, total, self._like, transposed=True)
+        return places
+
     def forward(
         self, sequences: Sequence[Sequence[int]], caches: Sequence[TorchCache], last: Sequence[int] | None = None
     ) -> torch.Tensor:
@@ -207,17 +261,13 @@ class NativeForward(Passes):
         tables = self._ropes(hidden, positions).values()  # in the order of Ropes.kinds
         cos = torch.stack([cos.reshape(len(positions), self._dim) for cos, _ in tables])  # (ropes, total, dim)
         sin = torch.stack([sin.reshape(len(positions), self._dim) for _, sin in tables])
-        places = [array.array("q") for _ in range(4)]  # kb, vb, kh, vh: [layer * sequences + b]
+        columns = [array.array("q") for _ in _Places.COLUMNS]  # [b * layers + layer]
         held = []
-        for index in range(self._model.layers):
-            for cache, length, n in zip(caches, lengths, rows):
-                cached = cast("GrowingKeysAndValues", cache.kv.layers[index])
-                if not cached.is_initialized:
-                    cached.lazy_initialization(self._like, self._like)
-                keys, values = cached.reserve(length + n, self._like, self._like)
-                for column, value in zip(places, (keys.data_ptr(), values.data_ptr(), keys.stride(1), values.stride(1))):
-                    column.append(value)
-                held.append((cached, length + n))
+        for cache, length, n in zip(caches, lengths, rows):
+            places = self._places_of(cache, length + n, n == 1)
+            for column, own in zip(columns, places.columns):
+                column.extend(own)
+            held.append((places.layers, length + n))
         ends, wanted = 0, array.array("q")
         for n, keep in zip(rows, [1] * len(rows) if last is None else last):
             ends += n
@@ -225,15 +275,19 @@ class NativeForward(Passes):
         logits = torch.empty(len(wanted), self._vocab)
         counts, starts = array.array("q", rows), array.array("q", lengths)
         call = _Pass(
-            len(rows), counts.buffer_info()[0], starts.buffer_info()[0], *(column.buffer_info()[0] for column in places),
+            len(rows), counts.buffer_info()[0], starts.buffer_info()[0], *(column.buffer_info()[0] for column in columns),
             hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(), wanted.buffer_info()[0], len(wanted), logits.data_ptr(),
             torch.get_num_threads(),
         )
         assert _forward is not None
         if _forward(ctypes.byref(self._model), ctypes.byref(call)) != 0:
+            for layers, _ in held:  # what the layers before the failure wrote past their positions is not theirs
+                for layer in layers:
+                    layer.keep_first(layer.held)
             raise MemoryError("native forward: no memory for a pass's scratch space")
-        for cached, total in held:
-            cached.take(total)
+        for layers, total in held:
+            for layer in layers:
+                layer.hold(total)
         for cache, n in zip(caches, rows):
             cache.length += n
         return logits
