@@ -54,13 +54,23 @@ class Sampler:
         else:
             scores = logits
         if self.greedy:
-            return int(scores.argmax(dim=-1))
+            return highest(scores)
         probabilities = torch.softmax(scores, dim=-1)
         if not torch.isfinite(probabilities).all():
             # A temperature or penalty so small that the scores overflow (1e-45, say): in the limit,
             # sampling chooses among the highest-scoring tokens alone.
             best = torch.nan_to_num(scores, nan=float("-inf"))
             if torch.isneginf(best.max()):
-                return int(logits.argmax(dim=-1))
+                return highest(logits)
             probabilities = (best == best.max()).float()
         return int(torch.multinomial(probabilities, 1, generator=self._generator))
+
+
+def highest(scores: torch.Tensor) -> int:
+    """The index of the highest of ``scores`` (one row): the first of equal ones, a NaN above
+    any number, as torch's argmax has it. numpy's on the CPU: torch's took 85 µs for SmolLM2's
+    49,152 scores (a third of a millisecond of a four-sequence step, one stream's token each),
+    numpy's 6."""
+    if scores.device.type == "cpu" and scores.dtype == torch.float32:
+        return int(scores.numpy().argmax())
+    return int(scores.argmax())
