@@ -123,7 +123,9 @@ class TransposedKeys:
     few thousand keys. Made for the buffers whose memory starts at ``source``, its first
     ``valid`` keys written; the kernel writes them, so it holds the keys' own numbers, and
     counts them in ``count`` (an int64 where a step's call finds it without a line of Python;
-    not a tensor, which made in inference mode could not be cut back outside it)."""
+    not a tensor, which made in inference mode could not be cut back outside it). It takes as
+    much memory as the keys: a decoding sequence's layers half as much again as their keys and
+    values (a prompt's chunks make none; compact drops it)."""
 
     __slots__ = ("source", "count", "tiles")
 
@@ -158,7 +160,8 @@ class GrowingKeysAndValues(KeysAndValues):
 
     A native pass writes a step's position into every layer at once; making each layer's two
     views then cost about a twentieth of a four-sequence step, so it only says how many
-    positions the layer holds (``hold``), and the views are made when next read."""
+    positions the layer holds (``hold``), and the views are made when next read (by the one
+    thread that uses the cache at a time, as every method here assumes)."""
 
     _unviewed: int | None = None  # positions held (hold) whose views are not made yet
 
