@@ -81,14 +81,15 @@ def test_a_row_gets_the_same_bits_on_one_thread_and_on_two(fast_weights):
 
 @pytest.mark.parametrize("flags", [["-mavx2", "-mfma"], []], ids=["avx2", "plain-c"])
 def test_the_kernel_built_for_other_processors_gives_the_same_bits(fast_weights, flags, tmp_path: Path):
-    """The worker builds the kernel for the machine it runs on; the AVX2 code and the plain C
-    (what a processor without AVX2 runs) are built here on purpose: the same bits as the
-    loaded kernel, so a cache file means the same numbers on every machine."""
+    """The worker builds the kernel for the machine it runs on (with AVX-512 where it has it:
+    a panel a vector, 4 panels against up to 6 rows at once); the AVX2 code (what a processor
+    without AVX-512 runs) and the plain C (without AVX2) are built here on purpose: the same
+    bits as the loaded kernel, so a cache file means the same numbers on every machine."""
     matmul = kernel_variant(fast_weights.KERNEL_SOURCE, tmp_path / "int8_kernel.so", flags, "lmw_int8_matmul")
     matmul.argtypes, matmul.restype = fast_weights._ARGTYPES, ctypes.c_int
     linear = fast_weights.Int8Linear.of(a_linear(100, 96, 3), torch.float32)
     rng = np.random.default_rng(3)
-    for n in (1, 2, 5, 9):
+    for n in (1, 2, 3, 4, 5, 6, 9):
         x = rng.standard_normal((n, 96)).astype(np.float32)
         out = np.empty((n, 100), np.float32)
         assert matmul(linear.packed.data_ptr(), linear.scale.data_ptr(), 100, 96, x.ctypes.data, n, 96,
