@@ -31,6 +31,25 @@ TEXT = "the cat sat on the mat and the dog ran to the river and a red sun rose o
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_rope_tables_give_a_position_the_rotary_embeddings_own_numbers_in_any_pass(tiny_models, tmp_path: Path, family):
+    """A pass's (cos, sin) come from tables made once (decode_step.Ropes), grown as positions
+    come: each position gets what the model's rotary embedding computes for it in a pass of
+    one position, of a chunk, of scattered ones, past the tables' first size, and as before."""
+    model = load(tiny_models(family), tmp_path)
+    ropes = model._decode_step._ropes
+    hidden = torch.zeros(1, 8)
+    passes = [[0], [1], [300], list(range(256)), [7, 900, 3], [5000], list(range(4990, 5010)), [2]]
+    with torch.inference_mode():
+        for positions in passes:
+            at = torch.tensor([[p] for p in positions])
+            tabled, computed = ropes(hidden, at), ropes._computed(hidden, at)
+            for kind in ropes.kinds:
+                assert tabled[kind][0].shape == computed[kind][0].shape
+                assert torch.equal(tabled[kind][0], computed[kind][0]) and torch.equal(tabled[kind][1], computed[kind][1])
+    assert len(ropes._tables[ropes.kinds[0]][0]) >= 5010
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("quantization", ["auto", "none", "int4"])
 def test_a_decode_step_gives_transformers_forward_logits_bit_for_bit(
     tiny_models, tmp_path: Path, torch_operations, family, quantization
