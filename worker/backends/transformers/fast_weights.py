@@ -8,7 +8,7 @@ are 4 bytes a parameter; these are 1 (int8) or ½ (int4).
 - ``int8`` (the default on the CPU): one scale per output row, multiplied by the worker's
   own kernel (int8_kernel.c) from inputs rounded to bfloat16. Each output is one chain of
   fused multiply-adds over its inputs in order, so a row gets the numbers it gets alone, in
-  a chunk of any size and in a batch, and the same bits on every processor (the AVX2 and
+  a chunk of any size and in a batch, and the same bits on every processor (the AVX-512, AVX2 and
   the plain C code alike). It takes the products about twice as fast as PyTorch's own int8
   kernel on a processor without AVX-512 (bench/README). Where it cannot be built, PyTorch's
   kernel takes the rows (TorchInt8Linear: its sums are blocked by the processor's vector

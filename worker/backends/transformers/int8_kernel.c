@@ -6,7 +6,7 @@
  * starting from 0, then one multiply by its row's scale. Nothing else touches it: no lanes
  * summed at the end, no split of k, so an output depends on its activation row and weight
  * row alone, and its bits are the same however many rows a call has, whichever outputs are
- * computed beside it, on any thread, and in the vector code (AVX2) and the plain C alike
+ * computed beside it, on any thread, and in the vector code (AVX-512, AVX2) and the plain C alike
  * (fmaf rounds once whatever the compiler's contraction setting). That is what lets a
  * position's numbers be independent of the chunk or step it is computed in (fast_weights).
  *
