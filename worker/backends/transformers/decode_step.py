@@ -175,20 +175,25 @@ class Ropes:
         return made
 
     def _make_room(self, hidden: torch.Tensor, positions: int) -> None:
-        """Tables for at least ``positions`` positions, in ``hidden``'s dtype and device."""
+        """Tables for at least ``positions`` positions, in ``hidden``'s dtype and device (twice
+        the rows they held, at least: the pieces they lack are made, the others kept)."""
         held = next(iter(self._tables.values()), None)
-        if held is not None and held[0].shape[0] >= positions and held[0].dtype == hidden.dtype and held[0].device == hidden.device:
-            return
+        if held is not None and (held[0].dtype, held[0].device) != (hidden.dtype, hidden.device):
+            self._tables, held = {}, None
         have = 0 if held is None else held[0].shape[0]
-        pieces = -(-max(positions, 2 * have) // self.TABLE_PIECE)
+        if have >= positions:
+            return
+        piece = self.TABLE_PIECE
         parts = [
-            self._computed(hidden, torch.arange(i * self.TABLE_PIECE, (i + 1) * self.TABLE_PIECE, device=hidden.device)[:, None])
-            for i in range(pieces)
+            self._computed(hidden, torch.arange(start, start + piece, device=hidden.device)[:, None])
+            for start in range(have, max(positions, 2 * have), piece)
         ]
-        self._tables = {
-            rope: (torch.cat([part[rope][0][:, 0] for part in parts]), torch.cat([part[rope][1][:, 0] for part in parts]))
-            for rope in self.kinds
-        }
+
+        def grown(rope: str | None, side: int) -> torch.Tensor:  # side 0: cos, 1: signed sin
+            rows = [part[rope][side][:, 0] for part in parts]
+            return torch.cat([self._tables[rope][side], *rows] if self._tables else rows)
+
+        self._tables = {rope: (grown(rope, 0), grown(rope, 1)) for rope in self.kinds}
 
 
 class _Layer:

@@ -37,7 +37,7 @@
 #include <immintrin.h>
 #define VECTOR 1
 #endif
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(VECTOR)
 #define WIDE 1 /* a panel in one vector */
 #endif
 
@@ -55,42 +55,7 @@ static inline void store(const float *chains, const float *scale, float *out, in
     memcpy(out, scaled, (size_t)(columns < PANEL ? columns : PANEL) * sizeof(float));
 }
 
-#ifdef VECTOR
-/* P panels (from `w`) against R activation rows (from `x`), P · R ≤ 6: 2 · P · R chains of 8. */
-static inline __attribute__((always_inline)) void tile(const int8_t *w, int64_t panel_bytes, int64_t inputs,
-                                                      const float *x, int64_t x_stride, int P, int R,
-                                                      const float *scale, float *out, int64_t outputs,
-                                                      int64_t columns) {
-    __m256 acc[2 * MOST_ROWS]; /* panel p, row i: acc[2 * (p * R + i)] and the one after (a flat array stays in registers) */
-#pragma GCC unroll 12
-    for (int c = 0; c < 2 * P * R; c++) acc[c] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < inputs; k++) {
-#pragma GCC unroll 4
-        for (int p = 0; p < P; p++) {
-            const int8_t *q = w + p * panel_bytes + PANEL * k;
-            const __m256 low = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
-            const __m256 high = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8))));
-#pragma GCC unroll 6
-            for (int i = 0; i < R; i++) {
-                const __m256 a = _mm256_broadcast_ss(x + i * x_stride + k);
-                __m256 *chain = &acc[2 * (p * R + i)];
-                chain[0] = _mm256_fmadd_ps(a, low, chain[0]);
-                chain[1] = _mm256_fmadd_ps(a, high, chain[1]);
-            }
-        }
-    }
-    float chains[PANEL];
-#pragma GCC unroll 4
-    for (int p = 0; p < P; p++)
-#pragma GCC unroll 6
-        for (int i = 0; i < R; i++) {
-            _mm256_storeu_ps(chains, acc[2 * (p * R + i)]);
-            _mm256_storeu_ps(chains + 8, acc[2 * (p * R + i) + 1]);
-            store(chains, scale + p * PANEL, out + i * outputs + p * PANEL, columns - p * PANEL);
-        }
-}
-
-#ifdef WIDE
+#if defined(WIDE)
 /* The item's ITEM panels against R activation rows (R <= MOST_ROWS): ITEM · R chains of 16. */
 static inline __attribute__((always_inline)) void wide_tile(const int8_t *w, int64_t inputs, const float *x,
                                                            int64_t x_stride, int R, const float *scale, float *out,
@@ -132,7 +97,41 @@ static void item_times(const int8_t *w, int64_t inputs, const float *x, int64_t 
     default: wide_tile(w, inputs, x, x_stride, 6, scale, out, outputs, columns);
     }
 }
-#else
+#elif defined(VECTOR)
+/* P panels (from `w`) against R activation rows (from `x`), P · R ≤ 6: 2 · P · R chains of 8. */
+static inline __attribute__((always_inline)) void tile(const int8_t *w, int64_t panel_bytes, int64_t inputs,
+                                                      const float *x, int64_t x_stride, int P, int R,
+                                                      const float *scale, float *out, int64_t outputs,
+                                                      int64_t columns) {
+    __m256 acc[2 * MOST_ROWS]; /* panel p, row i: acc[2 * (p * R + i)] and the one after (a flat array stays in registers) */
+#pragma GCC unroll 12
+    for (int c = 0; c < 2 * P * R; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < inputs; k++) {
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++) {
+            const int8_t *q = w + p * panel_bytes + PANEL * k;
+            const __m256 low = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+            const __m256 high = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8))));
+#pragma GCC unroll 6
+            for (int i = 0; i < R; i++) {
+                const __m256 a = _mm256_broadcast_ss(x + i * x_stride + k);
+                __m256 *chain = &acc[2 * (p * R + i)];
+                chain[0] = _mm256_fmadd_ps(a, low, chain[0]);
+                chain[1] = _mm256_fmadd_ps(a, high, chain[1]);
+            }
+        }
+    }
+    float chains[PANEL];
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++)
+#pragma GCC unroll 6
+        for (int i = 0; i < R; i++) {
+            _mm256_storeu_ps(chains, acc[2 * (p * R + i)]);
+            _mm256_storeu_ps(chains + 8, acc[2 * (p * R + i) + 1]);
+            store(chains, scale + p * PANEL, out + i * outputs + p * PANEL, columns - p * PANEL);
+        }
+}
+
 /* The item's ITEM panels against `rows` (1 to MOST_ROWS) activation rows. */
 static void item_times(const int8_t *w, int64_t inputs, const float *x, int64_t x_stride, int rows,
                        const float *scale, float *out, int64_t outputs, int64_t columns) {
@@ -150,7 +149,6 @@ static void item_times(const int8_t *w, int64_t inputs, const float *x, int64_t 
     }
 #undef TILE
 }
-#endif
 #else
 static void item_times(const int8_t *w, int64_t inputs, const float *x, int64_t x_stride, int rows,
                        const float *scale, float *out, int64_t outputs, int64_t columns) {

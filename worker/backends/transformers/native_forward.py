@@ -166,8 +166,10 @@ class _Places:
         return (
             self.kv is cache.kv
             and total <= self.capacity
-            and all(layer.buffers is buffers for layer, buffers in zip(self.layers, self.buffers))
-            and all(layer.transposed is kept for layer, kept in zip(self.layers, self.transposed))
+            and all(
+                layer.buffers is buffers and layer.transposed is kept
+                for layer, buffers, kept in zip(self.layers, self.buffers, self.transposed)
+            )
         )
 
 
