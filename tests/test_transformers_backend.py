@@ -324,9 +324,11 @@ async def test_cancel_mid_prefill_ends_the_request_before_the_prompt_is_processe
     else:
         pytest.fail("the cancel never arrived while the generate was running")
     assert result["usage"]["prompt_tokens"] == 1900
-    # stopped between prefill chunks (256 tokens each), long before the whole prompt was processed
-    assert result["timings"]["total_ms"] < full_prefill_ms / 2, (result["timings"], full_prefill_ms)
-    assert answered_ms < full_prefill_ms
+    # stopped between prefill chunks (256 tokens each): answered within half a whole prompt's
+    # time of the cancel (1-2 ms against 31-33 here). Counted from the cancel, not from the
+    # request: the 10 ms slept before it were a third of a prompt this model now reads in
+    # 30 ms, and the request's own time had reached half in a clean run.
+    assert answered_ms < full_prefill_ms / 2, (result["timings"], answered_ms, full_prefill_ms)
     after, _ = await generate(host, {"prompt": "ok", "max_tokens": 3})
     assert len(after["tokens"]) >= 1
 
