@@ -204,7 +204,7 @@ def test_the_cache_identity_names_the_native_pass_and_a_model_without_it_keeps_a
 
     native = load(tiny_model_dir, tmp_path)
     config = native._model.config
-    products = "lm_worker_int8"
+    products = "lm_worker_int8_blocks"
     assert native.cache_identity().config_sha256 == hf_compat.config_digest(config, products, native_forward.FORWARD)
 
     def unbuildable(data_dir: Path) -> None:

@@ -565,7 +565,10 @@ async def test_default_model_answers_paris_and_streams_multibyte_text_intact(tmp
     try:
         info = await host.call("load", {"model": "default"}, timeout=300)
         assert info["has_chat_template"] and info["vocab_size"] >= 49152
-        question = [{"role": "user", "content": "What is the capital of France?"}]
+        # "Answer in one sentence": the bare question is a coin toss for this model (its first
+        # token "The" leads "L" by 0.08 in dense float32; llama.cpp on the same gguf answers
+        # "L'Étoile, la Marseillaise,"): the test asks for a fact, not for the toss.
+        question = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
         answer, _ = await generate(host, {"messages": question, "max_tokens": 30}, timeout=120)
         assert "Paris" in answer["text"], answer["text"]
         ask = "Write the word café and the Japanese word for Japan (日本), then an emoji."

@@ -3,16 +3,19 @@ gguf file's own blocks: gguf_weights).
 
 A decode step reads every weight once per token, so on a CPU its time is the bytes
 read (the memory's bandwidth) plus a fixed cost per operation. Dense float32 weights
-are 4 bytes a parameter; these are 1 (int8) or ½ (int4).
+are 4 bytes a parameter; these are 1 1/16 (int8, its scales included) or ½ (int4).
 
-- ``int8`` (the default on the CPU): one scale per output row, multiplied by the worker's
-  own kernel (int8_kernel.c) from inputs rounded to bfloat16. Each output is one chain of
-  fused multiply-adds over its inputs in order, so a row gets the numbers it gets alone, in
-  a chunk of any size and in a batch, and the same bits on every processor (the AVX-512, AVX2 and
-  the plain C code alike). It takes the products about twice as fast as PyTorch's own int8
-  kernel on a processor without AVX-512 (bench/README). Where it cannot be built, PyTorch's
-  kernel takes the rows (TorchInt8Linear: its sums are blocked by the processor's vector
-  width, but still row by row), and the log says why.
+- ``int8`` (the default on the CPU): a float16 scale per 32 inputs of a row (as gguf's
+  Q8_0), multiplied by the worker's own kernel (int8_kernel.c) in integers: each input row
+  rounded to bfloat16 and quantized to 8 bits in blocks of 32, a block's byte products summed
+  exactly, and each output one chain of fused multiply-adds over the blocks in order. So a
+  row gets the numbers it gets alone, in a chunk of any size and in a batch, and the same bits
+  on every processor (the AVX-512 VNNI, AVX2 and the plain C code alike). With AVX-512 VNNI a
+  prompt's products run about three times as fast as float multiply-adds of the same weights
+  (bench/README); the scale per block keeps the answers closer to the dense model's than one
+  per row did with float activations. Where it cannot be built, PyTorch's kernel takes the
+  rows (TorchInt8Linear: a scale per row, from inputs rounded to bfloat16, its sums blocked by
+  the processor's vector width, but still row by row), and the log says why.
 - ``int4``: groups of 32 inputs share a scale and an offset (w = (q - 8)·scale + zero),
   as in the gguf files the shipped models come from (Q4_1, Q4_K), so those weights
   keep nearly the values they were published with; PyTorch's CPU kernel multiplies
@@ -52,12 +55,13 @@ if TYPE_CHECKING:
 KERNEL_SOURCE = Path(__file__).with_name("int8_kernel.c")
 # What the cache identity calls the kernel's arithmetic (hf_compat.config_digest): its bits
 # are not PyTorch's int8 kernel's, so a cache computed with one must not pass for the other's.
-KERNEL_PRODUCTS = "lm_worker_int8"
+KERNEL_PRODUCTS = "lm_worker_int8_blocks"  # the activations in 8-bit blocks of 32 (the float kernel's was lm_worker_int8)
 
 GROUP = 32
 KERNEL_DTYPE = torch.bfloat16
 _INT4_ROW_BLOCK = 64  # rows of a packed int4 weight that the CPU kernel keeps together
 _PANEL = 16  # rows int8_kernel.c stores input-major together (PANEL there)
+_OFFSET = 128  # added to the stored weights, so that they are unsigned bytes (OFFSET there)
 _ITEM_ROWS = 64  # rows of one of its work items (ITEM · PANEL): the rows are padded to a multiple
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, ctypes.c_int]
@@ -88,6 +92,19 @@ def _int8_rows(linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
     return (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
+def _int8_blocks(linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight as 8-bit blocks of 32 inputs (the inputs padded with zeros to a multiple of 32):
+    (rows, padded inputs) int8, and a float16 scale per block, (rows, blocks); each weight
+    within half a step of its block's scale (|q| ≤ 127)."""
+    weight = linear.weight.detach().float()
+    blocks = torch.nn.functional.pad(weight, (0, -weight.shape[1] % GROUP)).reshape(weight.shape[0], -1, GROUP)
+    # the scale the kernel reads (within float16's range), and so the one to divide by
+    scale = (blocks.abs().amax(2) / 127).clamp(max=torch.finfo(torch.float16).max).half()
+    wide = scale.float()[..., None]
+    q = torch.where(wide > 0, blocks / wide.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+    return q.round().clamp(-127, 127).to(torch.int8).reshape(weight.shape[0], -1), scale
+
+
 class Int4Linear(torch.nn.Module):
     packed: torch.Tensor  # buffers (moved with the module)
     scale_and_zero: torch.Tensor
@@ -116,31 +133,37 @@ class Int4Linear(torch.nn.Module):
 
 
 class Int8Linear(torch.nn.Module):
-    """8-bit rows multiplied by int8_kernel.c (load_int8_kernel first), in its layout: the rows
-    padded with zero rows to a multiple of 64, each panel of 16 rows stored input-major
-    (``packed``: panels, inputs, 16), and a float32 scale per padded row."""
+    """8-bit blocks multiplied by int8_kernel.c (load_int8_kernel first), in its layout: the rows
+    padded with zero rows to a multiple of 64 and the inputs with zeros to a multiple of 32, each
+    panel of 16 rows stored by groups of 4 inputs, 128 added (``packed``: panels, inputs / 4, 16,
+    4, unsigned bytes), and each panel's float16 scales block by block (``scale``: panels,
+    blocks, 16)."""
 
     packed: torch.Tensor  # buffers (moved with the module)
     scale: torch.Tensor
 
-    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, packed: torch.Tensor, scale: torch.Tensor, in_features: int, out_features: int, bias: torch.Tensor | None
+    ) -> None:
         super().__init__()
         if _int8_matmul is None:
             raise RuntimeError("load_int8_kernel() first")
         self.register_buffer("packed", packed)
         self.register_buffer("scale", scale)
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
-        self.in_features, self.out_features = packed.shape[1], out_features
+        self.in_features, self.out_features = in_features, out_features
         self.function = _int8_matmul
 
     @classmethod
     def of(cls, linear: torch.nn.Linear, dtype: torch.dtype) -> Int8Linear:
-        q, scale = _int8_rows(linear)
-        rows, inputs = q.shape
+        q, scale = _int8_blocks(linear)
+        rows, inputs = linear.out_features, linear.in_features
         padding = -rows % _ITEM_ROWS
-        panels = torch.nn.functional.pad(q, (0, 0, 0, padding)).reshape(-1, _PANEL, inputs)
+        unsigned = (torch.nn.functional.pad(q, (0, 0, 0, padding)).to(torch.int16) + _OFFSET).to(torch.uint8)
+        groups = unsigned.reshape(-1, _PANEL, q.shape[1] // 4, 4).transpose(1, 2)
+        scales = torch.nn.functional.pad(scale, (0, 0, 0, padding)).reshape(-1, _PANEL, scale.shape[1]).transpose(1, 2)
         bias = None if linear.bias is None else linear.bias.detach().to(dtype)
-        return cls(panels.transpose(1, 2).contiguous(), torch.nn.functional.pad(scale, (0, padding)), rows, bias)
+        return cls(groups.contiguous(), scales.contiguous(), inputs, rows, bias)
 
     @classmethod
     def joined(cls, linears: list[Int8Linear]) -> Int8Linear | None:
@@ -151,13 +174,13 @@ class Int8Linear(torch.nn.Module):
             return None
         return cls(
             torch.cat([linear.packed for linear in linears]), torch.cat([linear.scale for linear in linears]),
-            sum(linear.out_features for linear in linears), None,
+            linears[0].in_features, sum(linear.out_features for linear in linears), None,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         def product(*rows_args: int) -> None:
             if self.function(self.packed.data_ptr(), self.scale.data_ptr(), self.out_features, self.in_features, *rows_args):
-                raise MemoryError("int8 weights: no memory for the rounded activations")
+                raise MemoryError("int8 weights: no memory for the quantized activations")
 
         y = float_rows_product(x, self.in_features, self.out_features, product)
         return y if self.bias is None else y + self.bias
