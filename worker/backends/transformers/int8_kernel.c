@@ -270,9 +270,11 @@ static void item_times(const uint8_t *w, const _Float16 *sw, const activations *
     case 1: TILE(4, 1, 0, 0); break;
     case 2: TILE(4, 2, 0, 0); break;
     case 3: TILE(4, 3, 0, 0); break;
-    case 4: TILE(2, 4, 0, 0); TILE(2, 4, 2, 0); break;
-    case 5: TILE(2, 5, 0, 0); TILE(2, 5, 2, 0); break;
-    default: TILE(2, 6, 0, 0); TILE(2, 6, 2, 0);
+    /* 4 to 6 rows in two tiles of all 4 panels (the item's weights read again from the core's
+     * cache) rather than 2 panels against all of them: 1.05-1.08 times as fast for steps */
+    case 4: TILE(4, 2, 0, 0); TILE(4, 2, 0, 2); break;
+    case 5: TILE(4, 3, 0, 0); TILE(4, 2, 0, 3); break;
+    default: TILE(4, 3, 0, 0); TILE(4, 3, 0, 3);
     }
 #elif defined(VECTOR)
     for (int p = 0; p < ITEM && p * PANEL < columns; p++) switch (rows) {
