@@ -199,7 +199,7 @@ class TransformersModel:
         self._model: PreTrainedModel | None = model  # None once closed
         self._decode_step: decode_step.Passes | None = None
         if native_forward.applies(model.config, dtype, quantization):
-            self._decode_step = native_forward.NativeForward(model)
+            self._decode_step = native_forward.NativeForward(model, quantization)
         elif decode_step.supports(model.config):
             self._decode_step = decode_step.DecodeStep(model)
         # A step computes its sequences in one pass, a prompt chunk with them.
@@ -583,7 +583,7 @@ def _identity(path: Path, model, tokenizer, dtype: str, quantization: str, devic
         config_sha256=hf_compat.config_digest(
             config,
             fast_weights.int8_products() if quantization != "none" else None,
-            native_forward.FORWARD if native_forward.applies(config, dtype, quantization) else None,
+            native_forward.forward_name(config, dtype, quantization),
             _arithmetic_device(device),
         ),
         layers=config.num_hidden_layers,

@@ -20,7 +20,14 @@
  *             tanh(y) = sign(y) * (1 - e) / (1 + e), e = exp(-2|y|);
  *             exp being expf_nonpositive below (a polynomial: the same bits on every machine).
  * Built with -ffp-contract=off, like the kernels it calls: no multiply and add fused.
+ *
+ * With arithmetic LLAMA_CPP (a Llama model on a gguf file's blocks) the pass computes what
+ * llama.cpp's CPU backend computes instead (its release build on an AVX-512 processor, read from
+ * its tensors layer by layer: bench/README.md): RMSNorm with each square rounded to float, RoPE
+ * as rotate_ggml with lmw_llama_cpp_rope's tables, the query, keys and values rounded to float16,
+ * attention as attend_ggml (every row, steps too), SwiGLU as g / (1 + ggml_expf(-g)) · up.
  */
+#define _GNU_SOURCE /* sincosf */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -70,7 +77,10 @@ struct model {
     struct product head;
     const struct layer *layer;
     void *attention, *step; /* exact_attention.c's lmw_attention and lmw_step_attention */
+    int64_t arithmetic;     /* OWN, or LLAMA_CPP: llama.cpp's CPU arithmetic (a Llama model on gguf blocks) */
 };
+
+enum arithmetic { OWN, LLAMA_CPP };
 
 /* One pass: `sequences` sequences, each bringing rows[b] new positions after the lengths[b] it
  * holds; their rows one after another in `hidden` (the embeddings, overwritten). */
@@ -142,6 +152,119 @@ static void rms_norm(const float *x, const float *weight, int64_t n, float epsil
     for (int64_t i = 0; i < n; i++) y[i] = weight[i] * (x[i] * r);
 }
 
+/* ggml's: each square rounded to float before the sum in double. */
+static void rms_norm_ggml(const float *x, const float *weight, int64_t n, float epsilon, float *y) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++) sum += (double)(x[i] * x[i]);
+    const float r = 1.0f / sqrtf((float)(sum / (double)n) + epsilon);
+    for (int64_t i = 0; i < n; i++) y[i] = (x[i] * r) * weight[i];
+}
+
+static void norm(const struct model *m, const float *x, const float *weight, int64_t n, float *y) {
+    if (m->arithmetic == LLAMA_CPP)
+        rms_norm_ggml(x, weight, n, m->epsilon, y);
+    else
+        rms_norm(x, weight, n, m->epsilon, y);
+}
+
+/* ggml_v_expf (AVX-512) written out number by number: exp(x) as llama.cpp's SwiGLU computes it. */
+static inline float ggml_expf(float x) {
+    const float z = fmaf(x, 0x1.715476p+0f, 0x1.8p23f);
+    const float n = z - 0x1.8p23f;
+    const float b = fmaf(-n, 0x1.7f7d1cp-20f, fmaf(-n, 0x1.62e4p-1f, x));
+    const float u = b * b;
+    const float j = fmaf(fmaf(fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u, fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)), u,
+                         fmaf(0x1.ffffecp-1f, b, 1.0f));
+    if (fabsf(n) > 192.0f) return n <= 0.0f ? 0.0f : INFINITY;
+    return ldexpf(j, (int)n);
+}
+
+/* ggml's rotation of a pair (x0, x1) = (x[d], x[d + half]): fma(x0, c, -(x1 s)), fma(x0, s, x1 c)
+ * (sin's first half holds -s). */
+static void rotate_ggml(float *row, int64_t heads, int64_t dim, const float *cos, const float *sin) {
+    const int64_t half = dim / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *head = row + h * dim;
+        for (int64_t d = 0; d < half; d++) {
+            const float x0 = head[d], x1 = head[d + half];
+            head[d] = fmaf(x0, cos[d], x1 * sin[d]);
+            head[d + half] = fmaf(x0, sin[d + half], x1 * cos[d + half]);
+        }
+    }
+}
+
+/* llama.cpp's (cos, signed sin) rows for positions first, first + 1, ...: theta = p, multiplied
+ * by base^(-2/dim) from pair to pair, glibc's sincosf. */
+int lmw_llama_cpp_rope(int64_t first, int64_t count, int64_t dim, float base, float *cos, float *sin) {
+    const int64_t half = dim / 2;
+    const float theta_scale = powf(base, -2.0f / (float)dim);
+    for (int64_t r = 0; r < count; r++) {
+        float theta = (float)(first + r);
+        for (int64_t i = 0; i < half; i++) {
+            float s, c;
+            sincosf(theta, &s, &c);
+            cos[r * dim + i] = cos[r * dim + i + half] = c;
+            sin[r * dim + i] = -s;
+            sin[r * dim + i + half] = s;
+            theta *= theta_scale;
+        }
+    }
+    return 0;
+}
+
+/* ggml_vec_dot_f16 on AVX-512 for a head of float16 numbers (kept as floats), taken in the gguf's
+ * order (rotary pairs adjacent: element e is the worker's e / 2, or e / 2 + dim / 2 for odd e):
+ * 4 accumulators of 16 lanes over each 64 numbers, x0 + x2, x1 + x3, x0 + x1, then
+ * _mm512_reduce_add_ps's tree, through double; numbers past a multiple of 64 added in double. */
+static float dot_ggml(const float *k, const float *q, int64_t dim) {
+    const int64_t half = dim / 2, whole = dim / 64 * 64;
+    float acc[4][16] = {{0}};
+    for (int64_t e = 0; e < whole; e++) {
+        const int64_t at = e % 2 ? e / 2 + half : e / 2;
+        acc[(e / 16) % 4][e % 16] = fmaf(k[at], q[at], acc[(e / 16) % 4][e % 16]);
+    }
+    for (int l = 0; l < 16; l++) acc[0][l] = acc[0][l] + acc[2][l], acc[1][l] = acc[1][l] + acc[3][l];
+    for (int l = 0; l < 16; l++) acc[0][l] = acc[0][l] + acc[1][l];
+    float a[8], b[4];
+    for (int i = 0; i < 8; i++) a[i] = acc[0][i + 8] + acc[0][i];
+    for (int i = 0; i < 4; i++) b[i] = a[i + 4] + a[i];
+    double sum = (double)((b[0] + b[2]) + (b[1] + b[3]));
+    for (int64_t e = whole; e < dim; e++) {
+        const int64_t at = e % 2 ? e / 2 + half : e / 2;
+        sum += (double)(k[at] * q[at]);
+    }
+    return (float)sum;
+}
+
+static inline float half_rounded(float x) { return (float)(_Float16)x; }
+
+/* One query row (float16 numbers) attending keys lo..hi-1 as llama.cpp's CPU flash attention
+ * does for batches under 64 rows and up to 512 positions: an online softmax with glibc's expf,
+ * the weighted sum of values a float16 vector, the sum of weights in two roundings. */
+static void attend_ggml(const float *q, const float *keys, int64_t kj, const float *values, int64_t vj, int64_t lo,
+                        int64_t hi, int64_t dim, float scale, float *out) {
+    float acc[dim];
+    for (int64_t d = 0; d < dim; d++) acc[d] = 0.0f;
+    float top = -INFINITY, total = 0.0f;
+    for (int64_t t = lo; t < hi; t++) {
+        const float s = dot_ggml(keys + t * kj, q, dim) * scale;
+        float shrink = 1.0f, weight = 1.0f;
+        if (s > top) {
+            shrink = expf(top - s);
+            top = s;
+            for (int64_t d = 0; d < dim; d++) acc[d] = half_rounded(acc[d] * shrink);
+        } else {
+            weight = expf(s - top);
+        }
+        const float *v = values + t * vj;
+        for (int64_t d = 0; d < dim; d++) acc[d] = half_rounded(fmaf(v[d], weight, acc[d]));
+        total = total * shrink;
+        total = total + weight;
+    }
+    const float inverse = 1.0f / total;
+    for (int64_t d = 0; d < dim; d++) out[d] = acc[d] * inverse;
+}
+
 /* Each head of a row rotated in place (decode_step's _rotate). */
 static void rotate(float *row, int64_t heads, int64_t dim, const float *cos, const float *sin) {
     const int64_t half = dim / 2;
@@ -202,7 +325,24 @@ static int attend(const struct model *m, const struct pass *p, int64_t l, const 
     for (int64_t b = 0; b < p->sequences; b++) {
         const int64_t at = b * m->layers + l, rows = p->rows[b], length = p->lengths[b];
         float *keys = (float *)(intptr_t)p->kb[at], *values = (float *)(intptr_t)p->vb[at];
-        if (rows == 1) {
+        if (m->arithmetic == LLAMA_CPP) {
+            for (int64_t i = 0; i < rows; i++)
+                for (int64_t h = 0; h < kv_heads; h++) {
+                    const int64_t from = (first + i) * qkv_width + h * dim, to = (length + i) * dim;
+                    memcpy(keys + h * p->kh[at] + to, k + from, (size_t)dim * sizeof(float));
+                    memcpy(values + h * p->vh[at] + to, v + from, (size_t)dim * sizeof(float));
+                }
+            const int threads = threads_for(m, p, attention_work(heads * rows * (length + rows), dim));
+            const int64_t group = heads / kv_heads;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static) collapse(2)
+            for (int64_t i = 0; i < rows; i++)
+                for (int64_t h = 0; h < heads; h++) {
+                    const int64_t hi = length + i + 1, kvh = h / group;
+                    attend_ggml(q + (first + i) * qkv_width + h * dim, keys + kvh * p->kh[at], dim,
+                                values + kvh * p->vh[at], dim, visible(window, hi), hi, dim, m->scaling,
+                                s->attended + (first + i) * width + h * dim);
+                }
+        } else if (rows == 1) {
             float *row = s->step_rows + singles * qkv_width;
             memcpy(row, s->qkv + first * qkv_width, (size_t)qkv_width * sizeof(float));
             s->lo[singles] = visible(window, length + 1), s->hi[singles] = length + 1;
@@ -259,17 +399,18 @@ static void norm_rows(const struct model *m, const struct pass *p, const float *
     const int64_t width = m->hidden;
     const int threads = threads_for(m, p, total * width);
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-    for (int64_t r = 0; r < total; r++) rms_norm(x + r * width, weight, width, m->epsilon, y + r * width);
+    for (int64_t r = 0; r < total; r++) norm(m, x + r * width, weight, width, y + r * width);
 }
 
 /* hidden += a sublayer's output (normalized first where `norm` is given), row by row. */
-static void add_to_stream(const struct model *m, const struct pass *p, float *added, int64_t total, const float *norm) {
+static void add_to_stream(const struct model *m, const struct pass *p, float *added, int64_t total,
+                          const float *sublayer_norm) {
     const int64_t width = m->hidden;
     const int threads = threads_for(m, p, total * width);
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t r = 0; r < total; r++) {
         float *row = added + r * width, *into = p->hidden + r * width;
-        if (norm != NULL) rms_norm(row, norm, width, m->epsilon, row);
+        if (sublayer_norm != NULL) norm(m, row, sublayer_norm, width, row);
         for (int64_t i = 0; i < width; i++) into[i] = into[i] + row[i];
     }
 }
@@ -288,8 +429,12 @@ static void place_heads(const struct model *m, const struct pass *p, const struc
             for (int64_t h = 0; h < m->kv_heads; h++)
                 rms_norm(row + width + h * dim, layer->norm_k, dim, m->epsilon, row + width + h * dim);
         }
-        rotate(row, m->heads, dim, cos + r * dim, sin + r * dim);
-        rotate(row + width, m->kv_heads, dim, cos + r * dim, sin + r * dim);
+        void (*turn)(float *, int64_t, int64_t, const float *, const float *) =
+            m->arithmetic == LLAMA_CPP ? rotate_ggml : rotate;
+        turn(row, m->heads, dim, cos + r * dim, sin + r * dim);
+        turn(row + width, m->kv_heads, dim, cos + r * dim, sin + r * dim);
+        if (m->arithmetic == LLAMA_CPP) /* llama.cpp's query, and its KV cache, in float16 */
+            for (int64_t i = 0; i < width + 2 * m->kv_heads * dim; i++) row[i] = half_rounded(row[i]);
     }
 }
 
@@ -301,7 +446,10 @@ static void activate(const struct model *m, const struct pass *p, const float *g
     for (int64_t r = 0; r < total; r++) {
         const float *gate = gate_up + r * 2 * inner, *up = gate + inner;
         float *out = act + r * inner;
-        if (m->activation == GELU_TANH)
+        if (m->arithmetic == LLAMA_CPP) /* ggml's SwiGLU: its vector exp, libm's for the last inner % 16 */
+            for (int64_t i = 0; i < inner; i++)
+                out[i] = gate[i] / (1.0f + (i < inner / 16 * 16 ? ggml_expf(0.0f - gate[i]) : expf(-gate[i]))) * up[i];
+        else if (m->activation == GELU_TANH)
             for (int64_t i = 0; i < inner; i++) out[i] = gelu_tanh(gate[i]) * up[i];
         else
             for (int64_t i = 0; i < inner; i++) out[i] = silu(gate[i]) * up[i];
@@ -351,7 +499,7 @@ int lmw_forward(const struct model *m, const struct pass *p) {
     for (int64_t l = 0; l < m->layers; l++)
         if (layer_pass(m, p, l, &s, total)) goto done;
     for (int64_t i = 0; i < p->wanted_count; i++)
-        rms_norm(p->hidden + p->wanted[i] * hidden, m->norm, hidden, m->epsilon, s.normed + i * hidden);
+        norm(m, p->hidden + p->wanted[i] * hidden, m->norm, hidden, s.normed + i * hidden);
     status = multiply(m, p, &m->head, s.normed, p->wanted_count, hidden, p->logits);
 done:
     free(room);

@@ -15,6 +15,16 @@ as well as the steps and drafts, so a position's numbers still depend on its tok
 and the cache identity names it (``FORWARD``: hf_compat.config_digest), so caches computed
 with PyTorch's operations are another identity.
 
+A Llama model on a gguf file's own blocks (``quantization: "gguf"``) is computed as llama.cpp's
+CPU backend computes it, not in the worker's own order (``FORWARD_LLAMA_CPP``): RMSNorm's squares
+rounded to float, RoPE's angles by llama.cpp's recurrence and ``sincosf`` with its fused
+rotation, the query, keys and values rounded to float16, attention as its flash attention for
+batches under 64 rows (each score a float16 dot product in AVX-512's lane order over the head's
+numbers in the gguf's order, an online softmax with ``expf``, the weighted sum a float16 vector),
+SwiGLU with ggml's vector exponential. With the gguf kernel's products, greedy output is then
+llama.cpp's token for token (tests/test_gguf_weights.py: 4 of 4 recorded prompts). Each row is
+still computed alone, so a position's numbers do not depend on the chunk or step it is in.
+
 It takes the models decode_step takes (the Llama and Gemma 3 architectures) whose every
 linear multiplies int8 rows or gguf blocks with the worker's kernels, with exact attention
 (``applies``); others keep decode_step, and so do these where the kernel cannot be built.
@@ -45,8 +55,10 @@ if TYPE_CHECKING:
     from worker.backends.transformers.torch_adapter import TorchCache
 
 SOURCE = Path(__file__).with_name("native_forward.c")
-# What the cache identity calls this arithmetic (hf_compat.config_digest).
+# What the cache identity calls this arithmetic (hf_compat.config_digest), and llama.cpp's.
 FORWARD = "lm_worker_native"
+FORWARD_LLAMA_CPP = "lm_worker_native_llama_cpp"
+_OWN, _LLAMA_CPP = 0, 1  # native_forward.c's enum arithmetic
 
 # native_forward.c's enum activation
 _ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
@@ -70,7 +82,7 @@ class _Model(ctypes.Structure):
     _fields_ = [
         ("layers", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("dim", _I64), ("intermediate", _I64),
         ("vocab", _I64), ("activation", _I64), ("epsilon", _FLOAT), ("scaling", _FLOAT), ("share_from", _I64), ("norm", _PTR),
-        ("head", _Product), ("layer", ctypes.POINTER(_Layer)), ("attention", _PTR), ("step", _PTR),
+        ("head", _Product), ("layer", ctypes.POINTER(_Layer)), ("attention", _PTR), ("step", _PTR), ("arithmetic", _I64),
     ]
 
 
@@ -83,15 +95,18 @@ class _Pass(ctypes.Structure):
 
 
 _forward: CFunction | None = None
+_rope: CFunction | None = None
 
 
 def load_kernel(data_dir: Path) -> None:
     """Build (on first use) and load native_forward.c; raises exact_attention.KernelUnavailable."""
-    global _forward
+    global _forward, _rope
     if _forward is None:
         function = exact_attention.built_function(data_dir / "kernels", SOURCE, "lmw_forward")
         function.argtypes, function.restype = [ctypes.POINTER(_Model), ctypes.POINTER(_Pass)], ctypes.c_int
-        _forward = function
+        rope = exact_attention.built_function(data_dir / "kernels", SOURCE, "lmw_llama_cpp_rope")
+        rope.argtypes, rope.restype = [_I64, _I64, _I64, _FLOAT, _PTR, _PTR], ctypes.c_int
+        _forward, _rope = function, rope
 
 
 def applies(config: PretrainedConfig, dtype: str, quantization: str) -> bool:
@@ -109,6 +124,44 @@ def applies(config: PretrainedConfig, dtype: str, quantization: str) -> bool:
     kv_heads = config.num_key_value_heads or heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return exact_attention.Kernel.takes_heads(heads, kv_heads, dim)
+
+
+def forward_name(config: PretrainedConfig, dtype: str, quantization: str) -> str | None:
+    """What the cache identity calls the passes' arithmetic: llama.cpp's for a Llama model on a
+    gguf file's own blocks, the worker's own for the others here, None where it does not apply."""
+    if not applies(config, dtype, quantization):
+        return None
+    return FORWARD_LLAMA_CPP if _llama_cpp(config, quantization) else FORWARD
+
+
+def _llama_cpp(config: PretrainedConfig, quantization: str) -> bool:
+    scaling = getattr(config, "rope_scaling", None) or {}
+    return quantization == "gguf" and config.model_type == "llama" and scaling.get("rope_type", "default") == "default"
+
+
+class _LlamaCppRopes:
+    """llama.cpp's (cos, signed sin) for a Llama model's positions (decode_step.Ropes's interface),
+    from native_forward.c, in a table grown as positions come."""
+
+    def __init__(self, model: LlamaForCausalLM, dim: int) -> None:
+        self.kinds: list[str | None] = [None]
+        self.of_layers: list[str | None] = [None] * len(model.model.layers)
+        base = hf_compat.rope_theta(model.config)
+        assert base is not None, "a Llama model has a RoPE base"
+        self._dim, self._base = dim, base
+        self._cos = self._sin = torch.empty(0, dim)
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        needed, have = int(positions.max()) + 1, self._cos.shape[0]
+        if needed > have:
+            size = max(needed, 2 * have, 256)
+            cos, sin = torch.empty(size, self._dim), torch.empty(size, self._dim)
+            cos[:have], sin[:have] = self._cos, self._sin
+            assert _rope is not None
+            _rope(have, size - have, self._dim, self._base, cos[have:].data_ptr(), sin[have:].data_ptr())
+            self._cos, self._sin = cos, sin
+        rows = positions.view(-1)
+        return {None: (self._cos[rows].unsqueeze(1), self._sin[rows].unsqueeze(1))}
 
 
 def _activation(config: PretrainedConfig) -> int | None:
@@ -176,15 +229,17 @@ class _Places:
 class NativeForward(Passes):
     """A Llama or Gemma 3 model's passes, each one call of native_forward.c."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, quantization: str) -> None:
         assert _forward is not None, "load_kernel() first"
         model = cast("LlamaForCausalLM | Gemma3ForCausalLM", model)
         inner, config = model.model, model.config
         self._gemma = config.model_type == "gemma3_text"
-        self._embed, self._ropes = inner.embed_tokens, decode_step.Ropes(model)
         self._heads = config.num_attention_heads
         self._kv_heads = config.num_key_value_heads or self._heads
         self._dim = getattr(config, "head_dim", None) or config.hidden_size // self._heads
+        llama_cpp = _llama_cpp(config, quantization)
+        self._embed = inner.embed_tokens
+        self._ropes = _LlamaCppRopes(cast("LlamaForCausalLM", model), self._dim) if llama_cpp else decode_step.Ropes(model)
         self._like = torch.empty(1, self._kv_heads, 1, self._dim)  # a layer's positions to come, for its buffers
         self._kept: list[torch.Tensor | torch.nn.Module] = []  # what the call reads that nothing else holds
         decoder_layers = [cast("LlamaDecoderLayer | Gemma3DecoderLayer", layer) for layer in inner.layers]
@@ -213,7 +268,7 @@ class NativeForward(Passes):
         self._model = _Model(
             len(decoder_layers), config.hidden_size, self._heads, self._kv_heads, self._dim, config.intermediate_size,
             head.outputs, _activation(config), epsilon, float(decoder_layers[0].self_attn.scaling), SHARE_FROM,
-            self._scale(final), head, layers, *exact_attention.loaded().addresses(),
+            self._scale(final), head, layers, *exact_attention.loaded().addresses(), _LLAMA_CPP if llama_cpp else _OWN,
         )
         self._vocab = head.outputs
         self._steps: weakref.WeakKeyDictionary[TorchCache, _Places] = weakref.WeakKeyDictionary()
