@@ -237,7 +237,7 @@ class NativeForward(Passes):
         self._heads = config.num_attention_heads
         self._kv_heads = config.num_key_value_heads or self._heads
         self._dim = getattr(config, "head_dim", None) or config.hidden_size // self._heads
-        llama_cpp = _llama_cpp(config, quantization)
+        llama_cpp = self._llama_cpp = _llama_cpp(config, quantization)
         self._embed = inner.embed_tokens
         self._ropes = _LlamaCppRopes(cast("LlamaForCausalLM", model), self._dim) if llama_cpp else decode_step.Ropes(model)
         self._like = torch.empty(1, self._kv_heads, 1, self._dim)  # a layer's positions to come, for its buffers
@@ -321,7 +321,8 @@ class NativeForward(Passes):
         columns = [array.array("q") for _ in _Places.COLUMNS]  # [b * layers + layer]
         held = []
         for cache, length, n in zip(caches, lengths, rows):
-            places = self._places_of(cache, length + n, n == 1)
+            # llama.cpp's arithmetic attends a step's row as any other: no transposed keys to keep
+            places = self._places_of(cache, length + n, n == 1 and not self._llama_cpp)
             for column, own in zip(columns, places.columns):
                 column.extend(own)
             held.append((places.layers, length + n))
