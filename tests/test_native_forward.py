@@ -143,6 +143,45 @@ def test_steps_read_the_keys_they_keep_transposed_and_give_one_pass_numbers_acro
     assert not torch.equal(spoiled, kept_well)
 
 
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_pass_finds_each_rows_highest_where_numpys_argmax_does(threads):
+    """A greedy step takes the pass's own choice (found by the threads that computed each part
+    of a row): the first of equal numbers, the first NaN where a row has one, infinities and
+    signed zeros as numpy orders them, in rows shorter than a vector and parts of any size."""
+    import numpy
+
+    from worker.backends.transformers import native_forward
+
+    generator = numpy.random.default_rng(7)
+    specials = numpy.array([numpy.nan, numpy.inf, -numpy.inf, 0.0, -0.0, 1.0, 2.0], dtype=numpy.float32)
+    for n in (1, 2, 15, 16, 17, 33, 64, 1000, 49152):
+        rows = generator.integers(-3, 3, size=(6, n)).astype(numpy.float32)  # many ties
+        rows[1] = generator.standard_normal(n)
+        rows[2] = -numpy.inf
+        for row in rows[3:]:
+            places = generator.integers(0, n, size=min(n, 4))
+            row[places] = generator.choice(specials, size=len(places))
+        rows[5, n - 1] = numpy.nan  # a NaN in the last part only
+        found = native_forward.highest(torch.from_numpy(rows), threads)
+        assert found == [int(numpy.argmax(row)) for row in rows], n
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_pass_gives_the_highest_of_each_logits_row_it_returns(tiny_models, tmp_path: Path, family):
+    """Steps of several sequences, a draft's rows and a prompt chunk's: each choice the pass
+    reports is where sampling.highest finds the highest of the logits it returned."""
+    from worker.backends.transformers.sampling import highest
+
+    model = load(tiny_models(family), tmp_path)
+    ids = model.tokenize(TEXT, add_special_tokens=True)
+    caches = [model.new_cache() for _ in range(3)]
+    with torch.inference_mode():
+        for cache, cut in zip(caches, (5, 9, 14)):
+            model._decode_step.forward([ids[:cut]], [cache])
+        logits, best = model._decode_step.forward_highest([[ids[5]], ids[9:12], ids[14:20]], caches, [1, 3, 2])
+    assert best == [highest(row) for row in logits]
+
 def test_a_cache_stepped_in_inference_mode_is_cut_back_outside_it(tiny_models, tmp_path: Path):
     """The worker steps in inference mode and cuts a drafting sequence's cache back outside it:
     the transposed keys' count is cut back there too (as a tensor made in inference mode it

@@ -411,10 +411,11 @@ class TransformersModel:
                     sequences.append(chunk[0].next_chunk(chunk[1]))
                     outputs.append(1)
                     fed.append(chunk[0])
-                logits = self._decode_step.forward(sequences, [d.cache for d in fed], outputs)
+                logits, highest = self._decode_step.forward_highest(sequences, [d.cache for d in fed], outputs)
                 first = 0
                 for decoding, rows in zip(fed, outputs):
                     decoding.logits = logits[first : first + rows]
+                    decoding.highest = None if highest is None else highest[first : first + rows]
                     first += rows
                 return
             assert chunk is None, "this model feeds prompt chunks on their own"
@@ -451,6 +452,7 @@ class TransformersDecoding:
         self.cache = cache
         self.tokens = list(prompt)  # the prompt and the tokens chosen so far
         self._logits = None  # of the positions fed last: one, or one per drafted token and one
+        self.highest: list[int] | None = None  # the index of each row's highest, where the pass found it
         self._row = 0  # the row the next token is chosen from
         self._draft: list[int] = []  # the tokens drafted after tokens[-1] in the last step
         self._lookup = params.draft if params is not None else None
@@ -472,7 +474,7 @@ class TransformersDecoding:
 
     @logits.setter
     def logits(self, logits) -> None:
-        self._logits, self._row = logits, 0
+        self._logits, self._row, self.highest = logits, 0, None
 
     def propose(self) -> list[int]:
         """The tokens to feed after the last one in this step: a draft that does not reach past
@@ -526,12 +528,13 @@ class TransformersDecoding:
     def next_token(self) -> int:
         assert self._sampler is not None and self._logits is not None, "a prefill chooses no tokens"
         logits = self._logits[self._row : self._row + 1]
+        highest = self.highest[self._row] if self.highest is not None else None
         if self._constraint is not None:
             import torch
 
             allowed = torch.from_numpy(self._constraint.allowed(logits.shape[-1]))
-            logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
-        token = self._sampler.next_token(self.tokens, logits)
+            logits, highest = logits.masked_fill(~allowed.to(logits.device), float("-inf")), None
+        token = self._sampler.next_token(self.tokens, logits, highest)
         if self._constraint is not None:
             self._constraint.accept(token)
         self.tokens.append(token)

@@ -236,6 +236,13 @@ class Passes:
         ``last[i]`` (default 1) new positions of each sequence, in order, shape (sum(last), vocab)."""
         raise NotImplementedError
 
+    def forward_highest(
+        self, sequences: Sequence[Sequence[int]], caches: Sequence[TorchCache], last: Sequence[int] | None = None
+    ) -> tuple[torch.Tensor, list[int] | None]:
+        """``forward``'s logits, and the index of each row's highest where the pass finds it
+        (sampling.highest's choice; None: it does not)."""
+        return self.forward(sequences, caches, last), None
+
 
 class DecodeStep(Passes):
     """One token for each of several sequences, each with its own cache (TorchCache)."""

@@ -96,6 +96,7 @@ struct pass {
     const int64_t *wanted;  /* rows whose logits are asked for, in order */
     int64_t wanted_count;
     float *logits; /* (wanted_count, vocab) */
+    int64_t *best; /* wanted_count: the index of each row's highest logit (lmw_highest); NULL: not asked */
     int threads;
 };
 
@@ -476,6 +477,77 @@ static int layer_pass(const struct model *m, const struct pass *p, int64_t l, co
     return 0;
 }
 
+/* The index of the highest of x[lo..hi): the first of equal ones, and the first NaN where there
+ * is one (numpy's argmax, the sampler's greedy choice). LANES running maxima, each with the
+ * first place it took its value (a strict > keeps the first) and the first NaN of its lane: one
+ * pass that vectorizes, where finding the maximum and then its place read the numbers twice. */
+#define LANES 16
+typedef float lanes_f __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t lanes_i __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+static int64_t highest_in(const float *x, int64_t lo, int64_t hi) {
+    if (hi - lo < LANES) {
+        int64_t best = lo;
+        for (int64_t i = lo; i < hi; i++) {
+            if (x[i] != x[i]) return i;
+            if (x[i] > x[best]) best = i;
+        }
+        return best;
+    }
+    const lanes_i none = (lanes_i){0} + INT32_MAX, step = (lanes_i){0} + LANES;
+    lanes_f most;
+    lanes_i at, place;
+    memcpy(&most, x + lo, sizeof most);
+    for (int l = 0; l < LANES; l++) at[l] = (int32_t)(lo + l);
+    place = at;
+    lanes_i nan_at = ((most != most) & at) | (~(most != most) & none);
+    const int64_t whole = lo + (hi - lo) / LANES * LANES;
+    for (int64_t i = lo + LANES; i < whole; i += LANES) {
+        lanes_f v;
+        memcpy(&v, x + i, sizeof v);
+        place += step;
+        const lanes_i more = v > most, odd = (v != v) & (nan_at == none);
+        most = (lanes_f)((more & (lanes_i)v) | (~more & (lanes_i)most));
+        at = (more & place) | (~more & at);
+        nan_at = (odd & place) | (~odd & nan_at);
+    }
+    int64_t best = at[0], first_nan = INT64_MAX;
+    float top = most[0];
+    for (int l = 0; l < LANES; l++) {
+        if (nan_at[l] != INT32_MAX && nan_at[l] < first_nan) first_nan = nan_at[l];
+        if (most[l] > top || (most[l] == top && at[l] < best)) top = most[l], best = at[l];
+    }
+    for (int64_t i = whole; i < hi; i++) {
+        if (x[i] != x[i] && i < first_nan) first_nan = i;
+        if (x[i] > top) top = x[i], best = i;
+    }
+    return first_nan != INT64_MAX ? first_nan : best;
+}
+
+/* best[r] = the index of the highest of row r of x (rows of n): each of `threads` threads takes
+ * its part of every row, the part of the outputs it computed in the product before (equal parts,
+ * as the kernels share their work items), so that it reads numbers its core's cache holds; the
+ * parts are then taken in order. Returns 0, or 1 when memory ran out. */
+int lmw_highest(const float *x, int64_t rows, int64_t n, int64_t *best, int threads) {
+    int64_t *found = malloc((size_t)(rows * threads) * sizeof(int64_t));
+    if (found == NULL) return 1;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int t = 0; t < threads; t++)
+        for (int64_t r = 0; r < rows; r++)
+            found[r * threads + t] = highest_in(x + r * n, n * t / threads, n * (t + 1) / threads);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * n;
+        int64_t pick = found[r * threads];
+        for (int t = 1; t < threads && row[pick] == row[pick]; t++) {
+            const int64_t other = found[r * threads + t];
+            if (row[other] != row[other] || row[other] > row[pick]) pick = other;
+        }
+        best[r] = pick;
+    }
+    free(found);
+    return 0;
+}
+
 /* The pass; returns 0, or 1 when memory ran out. */
 int lmw_forward(const struct model *m, const struct pass *p) {
     int64_t total = 0;
@@ -501,6 +573,9 @@ int lmw_forward(const struct model *m, const struct pass *p) {
     for (int64_t i = 0; i < p->wanted_count; i++)
         norm(m, p->hidden + p->wanted[i] * hidden, m->norm, hidden, s.normed + i * hidden);
     status = multiply(m, p, &m->head, s.normed, p->wanted_count, hidden, p->logits);
+    if (status == 0 && p->best != NULL) /* on the threads of the head's product, each part where it was computed */
+        status = lmw_highest(p->logits, p->wanted_count, m->vocab, p->best,
+                             threads_for(m, p, p->wanted_count * m->head.outputs * m->head.inputs));
 done:
     free(room);
     free(places);

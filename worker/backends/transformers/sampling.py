@@ -45,8 +45,11 @@ class Sampler:
             seed = params.seed if params.seed is not None else secrets.randbits(63)
             self._generator = torch.Generator(device=device).manual_seed(seed)
 
-    def next_token(self, sequence: Sequence[int], logits: torch.Tensor) -> int:
-        """``sequence``: prompt and tokens so far; ``logits``: shape (1, vocab)."""
+    def next_token(self, sequence: Sequence[int], logits: torch.Tensor, highest_at: int | None = None) -> int:
+        """``sequence``: prompt and tokens so far; ``logits``: shape (1, vocab); ``highest_at``: the
+        index of their highest, where the pass that computed them found it (``highest``'s choice)."""
+        if self.greedy and not self._processors and highest_at is not None:
+            return highest_at
         if self._processors:
             # torch types every tensor as Tensor; transformers' processors ask for the LongTensor this is
             ids = cast(torch.LongTensor, torch.tensor([list(sequence)], dtype=torch.long, device=logits.device))
