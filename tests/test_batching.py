@@ -187,6 +187,37 @@ async def test_streams_in_a_batch_equal_each_request_alone_with_caches_in_it(cac
         await host.close()
 
 
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+async def test_prompts_that_start_together_are_fed_in_one_pass_and_each_stream_equals_it_alone(
+    tiny_models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str
+):
+    """Four requests sent at once: the prompts not yet fed when the first round begins go
+    through one pass of the model together (its weights read once for all), and each stream's
+    greedy tokens are those it gets alone."""
+    from worker.backends.transformers.backend import TransformersModel
+
+    passes: list[int] = []
+    step = TransformersModel.step
+
+    def counted(self, decodings, chunks=()):
+        passes.append(len(chunks))
+        return step(self, decodings, chunks)
+
+    host = await Host.start_in_process("--cache-dir", str(tmp_path / "caches"))
+    try:
+        await host.call("load", {"model": str(tiny_models(family))}, timeout=300)
+        requests = [{"prompt": f"{opening} the river runs to the sea and", "max_tokens": 12}
+                    for opening in ("Once", "In the morning", "The dog saw that", "Why")]
+        alone = [(await host.call("generate", r))["tokens"] for r in requests]
+        monkeypatch.setattr(TransformersModel, "step", counted)
+        started = [host.start("generate", r) for r in requests]
+        together = [(await done)["result"]["tokens"] for _, done in started]
+    finally:
+        await host.close()
+    assert together == alone
+    assert max(passes) >= 2, f"no pass fed several prompts: chunks per pass {passes}"
+
 async def first_to_run_its_length(host: Host, candidates: list[dict]) -> dict:
     """The first of ``candidates`` that the loaded model continues to its max_tokens alone, with
     its tokens: a stream that others can join while it decodes."""

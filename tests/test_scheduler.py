@@ -125,14 +125,15 @@ class CountingModel:
     chunk_fixed_s: float = 0.0  # what a chunk of several tokens costs beside a step, whatever its size
     steps: list[int] = field(default_factory=list)  # batch size of each step
     chunks: list[int] = field(default_factory=list)  # tokens of each chunk fed
+    chunks_in_steps: list[int] = field(default_factory=list)  # chunks fed in each step's pass
 
     chunks_in_step: bool = False
 
-    def step(self, decodings, chunk=None) -> None:
+    def step(self, decodings, chunks=()) -> None:
         self.steps.append(len(decodings))
+        self.chunks_in_steps.append(len(chunks))
         self.clock[0] += self.step_s + self.seq_s * len(decodings)
-        if chunk is not None:
-            decoding, max_tokens = chunk
+        for decoding, max_tokens in chunks:
             before = decoding.prompt_left
             decoding.feed(max_tokens)
             self.chunks.append(before - decoding.prompt_left)
@@ -224,6 +225,19 @@ def test_requests_that_start_together_take_their_first_step_together():
     scheduler_over(lane, clock=lambda: clock[0]).run()
     assert model.chunks == [50] * 8, "each prompt whole, before any step"
     assert model.steps == [8, 8], model.steps  # first tokens from the prompts, then two steps of all eight
+
+
+def test_prompts_that_start_together_go_through_one_pass_as_many_as_fit_a_chunk_where_steps_carry_chunks():
+    """Eight prompts of 50 tokens on a model that feeds chunks in its step's pass: five (250
+    tokens, within a chunk of 256) in one pass, the other three in another, then all eight step
+    together; each prompt fed whole."""
+    clock = [0.0]
+    model = CountingModel(clock, chunks_in_step=True)
+    tasks = [CountingTask(model, CountingDecoding(prompt_left=50), max_tokens=3) for _ in range(8)]
+    scheduler_over(ListLane(tasks), clock=lambda: clock[0]).run()
+    assert model.chunks == [50] * 8
+    assert list(zip(model.steps, model.chunks_in_steps)) == [(0, 5), (0, 3), (8, 0), (8, 0)]
+    assert all(task.decoding.tokens == 3 for task in tasks)
 
 
 class ArrivingLane(ListLane):
@@ -410,10 +424,10 @@ def test_a_failing_step_fails_the_requests_in_it_and_not_a_prompt_being_fed():
     clock = [0.0]
 
     class BrokenModel(CountingModel):
-        def step(self, decodings) -> None:
+        def step(self, decodings, chunks=()) -> None:
             if self.steps:
                 raise RuntimeError("out of memory")
-            super().step(decodings)
+            super().step(decodings, chunks)
 
     model = BrokenModel(clock)
     first, second = (CountingTask(model, CountingDecoding(prompt_left=1), max_tokens=5) for _ in range(2))

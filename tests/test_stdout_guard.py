@@ -31,9 +31,9 @@ NOISY_BACKEND = textwrap.dedent(
             shout("tokenize")
             return super().tokenize(text, add_special_tokens=add_special_tokens)
 
-        def step(self, decodings):
+        def step(self, decodings, chunks=()):
             shout("generate")
-            super().step(decodings)
+            super().step(decodings, chunks)
 
     class NoisyBackend(EchoBackend):
         name = "noisy"

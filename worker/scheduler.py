@@ -10,7 +10,8 @@ stream alone; a model that can computes it in the same pass as the step, reading
 weights once for both), and a request alone gets the full chunk; :class:`RoundCosts`
 keeps those times and sizes the chunk. Requests that start together are fed first and
 step together from their first step (up to two chunks' worth of their prompts), rather than
-the later ones trickling in beside the first. Every other model-lane request (``load``,
+the later ones trickling in beside the first; a model that feeds chunks in its step's pass
+takes as many of those prompts as fit a chunk in one pass (reading its weights once for all). Every other model-lane request (``load``,
 ``unload``, ``shutdown``, and those queued behind them) runs alone: it waits for the
 tasks before it to end, and the requests after it wait for it.
 
@@ -289,7 +290,8 @@ class Scheduler(Generic[J]):
         self._tasks += [(job, task) for job, task in ready if task is not None]
 
     def advance(self) -> None:
-        """One round: a chunk of the first waiting prompt, then a step of every decoding task."""
+        """One round: a chunk of the first waiting prompt (or several whole prompts that start
+        together), then a step of every decoding task."""
         self._join_ready()
         self._let_finished_go()
         waiting = [task for _, task in self._tasks if task.decoding.prompt_left]
@@ -300,6 +302,11 @@ class Scheduler(Generic[J]):
         together = feeding is not None and self._fed_before_first_step(feeding, decoding)
         if together:
             decoding = []  # they take their first step together, once this prompt is in too
+        whole = self._whole_prompts(waiting, together) if feeding is not None and not decoding else []
+        if len(whole) > 1:
+            self._guarded(whole, lambda: self._feed_whole(whole, together))
+            self._let_finished_go()
+            return
         if feeding is not None and decoding and not self.costs.timed:
             feeding = None  # a step alone first: chunks beside steps are sized from its time
         before, started = feeding.decoding.prompt_left if feeding else 0, self._clock()
@@ -332,12 +339,41 @@ class Scheduler(Generic[J]):
             return False
         return self._together_tokens + feeding.decoding.prompt_left <= TOGETHER_PROMPT_TOKENS
 
+    def _whole_prompts(self, waiting: list[Task], together: bool) -> list[Task]:
+        """The waiting prompts fed whole in one pass, while no task decodes or the decoding ones
+        wait for them to take their first step (``together``): from the first, in order, as many
+        as fit a chunk (and what is left of TOGETHER_PROMPT_TOKENS when ``together``); none where
+        the model feeds its chunks on their own."""
+        if not waiting[0].model.chunks_in_step:
+            return []
+        room = PREFILL_CHUNK_TOKENS
+        if together:
+            room = min(room, TOGETHER_PROMPT_TOKENS - self._together_tokens)
+        whole: list[Task] = []
+        for task in waiting:
+            room -= task.decoding.prompt_left
+            if room < 0:
+                break
+            whole.append(task)
+        return whole
+
+    def _feed_whole(self, tasks: list[Task], together: bool) -> None:
+        """Prompts fed whole in one pass; each task takes its first token after it."""
+        tokens, started = sum(task.decoding.prompt_left for task in tasks), self._clock()
+        tasks[0].model.step([], [(task.decoding, task.decoding.prompt_left) for task in tasks])
+        # where chunks ride along steps, the pass over the weights is the step's
+        self.costs.fed_alone(tokens, self._clock() - started - (self.costs.step_s(1) or 0.0))
+        if together:
+            self._together_tokens += tokens
+        for task in tasks:  # each takes its first token; one that fails there fails alone
+            self._guarded([task], task.chunk_taken)
+
     def _step_together(self, decoding: list[Task], chunk: tuple[Decoding, int] | None = None) -> None:
         """One step of the decoding tasks; with ``chunk``, a part of a prompt fed in the same pass."""
         started = self._clock()
         self._stepped.update(id(task) for task in decoding)
         self._together_tokens = 0
-        decoding[0].model.step([task.decoding for task in decoding], *([chunk] if chunk else []))
+        decoding[0].model.step([task.decoding for task in decoding], [chunk] if chunk else [])
         if chunk is None:
             self.costs.stepped(len(decoding), self._clock() - started)
 

@@ -52,7 +52,7 @@ class Model(Protocol):
 
     info: ModelInfo
     eos_token_ids: frozenset[int]
-    chunks_in_step: bool  # whether ``step`` can feed a prompt chunk in the same pass
+    chunks_in_step: bool  # whether ``step`` can feed prompt chunks in the same pass
     # The vocabulary for grammars that constrain output; None: this model's output cannot be
     # constrained (and ``start`` is never given a constraint).
     grammar_tokenizer: GrammarTokenizer | None
@@ -82,10 +82,11 @@ class Model(Protocol):
         the tokens each choice may take (only for a model with a ``grammar_tokenizer``)."""
         ...
 
-    def step(self, decodings: Sequence[Decoding], chunk: tuple[Decoding, int] | None = None) -> None:
+    def step(self, decodings: Sequence[Decoding], chunks: Sequence[tuple[Decoding, int]] = ()) -> None:
         """Feed each decoding's last token (all of them have taken one with ``next_token``).
-        A model whose ``chunks_in_step`` is true may also be given ``chunk``: a decoding whose
-        prompt is being fed and a number of tokens, fed in the same pass as by ``feed``."""
+        A model whose ``chunks_in_step`` is true may also be given ``chunks``: decodings whose
+        prompts are being fed, each with a number of tokens, fed in the same pass as by ``feed``
+        (``decodings`` may then be empty: prompts fed together)."""
         ...
 
     def close(self) -> None: ...

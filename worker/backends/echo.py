@@ -89,7 +89,7 @@ class EchoModel:
 
     chunks_in_step = False
 
-    def step(self, decodings: Sequence[Decoding], chunk: tuple[Decoding, int] | None = None) -> None:
+    def step(self, decodings: Sequence[Decoding], chunks: Sequence[tuple[Decoding, int]] = ()) -> None:
         if self._delay_s:  # one delay per step, however many requests it advances: a batch
             time.sleep(self._delay_s)
 

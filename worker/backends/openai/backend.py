@@ -292,7 +292,7 @@ class OpenAIModel:
             body["add_special_tokens"] = params.add_special_tokens
         return "/completions", body
 
-    def step(self, decodings: Sequence[Any], chunk: Any = None) -> None:
+    def step(self, decodings: Sequence[Any], chunks: Sequence[Any] = ()) -> None:
         """Wait until some stream has received something or the lane is woken."""
         with self._arrived:
             self._arrived.wait_for(

@@ -392,12 +392,12 @@ class TransformersModel:
             )
         return None
 
-    def step(self, decodings: Sequence[Decoding], chunk: tuple[Decoding, int] | None = None) -> None:
+    def step(self, decodings: Sequence[Decoding], chunks: Sequence[tuple[Decoding, int]] = ()) -> None:
         import torch
 
         # The worker steps only decodings this model started.
         decodings = cast("Sequence[TransformersDecoding]", decodings)
-        chunk = cast("tuple[TransformersDecoding, int] | None", chunk)
+        chunks = cast("Sequence[tuple[TransformersDecoding, int]]", chunks)
         if self._cores is not None:
             self._cores.adjust()
 
@@ -406,11 +406,9 @@ class TransformersModel:
                 drafts = [d.propose() for d in decodings]
                 sequences = [d.tokens[-1:] + draft for d, draft in zip(decodings, drafts)]
                 outputs = [1 + len(draft) for draft in drafts]
-                fed = list(decodings)
-                if chunk is not None:
-                    sequences.append(chunk[0].next_chunk(chunk[1]))
-                    outputs.append(1)
-                    fed.append(chunk[0])
+                fed = [*decodings, *(decoding for decoding, _ in chunks)]
+                sequences += [decoding.next_chunk(tokens) for decoding, tokens in chunks]
+                outputs += [1] * len(chunks)
                 logits, highest = self._decode_step.forward_highest(sequences, [d.cache for d in fed], outputs)
                 first = 0
                 for decoding, rows in zip(fed, outputs):
@@ -418,7 +416,7 @@ class TransformersModel:
                     decoding.highest = None if highest is None else highest[first : first + rows]
                     first += rows
                 return
-            assert chunk is None, "this model feeds prompt chunks on their own"
+            assert not chunks, "this model feeds prompt chunks on their own"
             for decoding in decodings:
                 token = torch.tensor([decoding.tokens[-1:]], dtype=torch.long, device=self._device)
                 decoding.logits = decoding.cache.feed(self._open_model, token)
