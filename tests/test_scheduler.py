@@ -486,6 +486,39 @@ def test_a_request_whose_token_cannot_be_taken_fails_alone_and_the_batch_goes_on
     assert healthy.decoding.tokens == 10
 
 
+
+def test_prompts_fed_in_one_pass_where_one_cannot_take_its_first_token_fail_it_alone():
+    """Three prompts fed together in one pass: the one whose first token fails fails alone, the
+    others step on; a pass that fails fails all of the prompts in it, and only them."""
+    clock = [0.0]
+    model = CountingModel(clock, chunks_in_step=True)
+
+    class BrokenTask(CountingTask):
+        def advance(self) -> None:
+            raise ValueError("detokenizer failed")
+
+    tasks = [CountingTask(model, CountingDecoding(prompt_left=20), max_tokens=4) for _ in range(2)]
+    broken = BrokenTask(model, CountingDecoding(prompt_left=20), max_tokens=4)
+    lane = ListLane([tasks[0], broken, tasks[1]])
+    scheduler_over(lane, clock=lambda: clock[0]).run()
+    assert model.chunks_in_steps[0] == 3
+    assert [(task, type(error)) for task, error in lane.finished] == [
+        (broken, ValueError), (tasks[0], type(None)), (tasks[1], type(None))
+    ]
+    assert all(task.decoding.tokens == 4 for task in tasks)
+
+    class PassFails(CountingModel):
+        def step(self, decodings, chunks=()) -> None:
+            if len(chunks) > 1:
+                raise RuntimeError("out of memory")
+            super().step(decodings, chunks)
+
+    model = PassFails(clock, chunks_in_step=True)
+    together = [CountingTask(model, CountingDecoding(prompt_left=20), max_tokens=4) for _ in range(2)]
+    lane = ListLane(together)
+    scheduler_over(lane, clock=lambda: clock[0]).run()
+    assert [(task, type(error)) for task, error in lane.finished] == [(t, RuntimeError) for t in together]
+
 class LaneMakingTasksElsewhere(ListLane):
     """Lets ``joining`` out once ``model`` has stepped ``after`` times, and makes each task on a
     thread of its own a few milliseconds later, as the worker's cache I/O thread does."""
