@@ -192,9 +192,10 @@ async def test_streams_in_a_batch_equal_each_request_alone_with_caches_in_it(cac
 async def test_prompts_that_start_together_are_fed_in_one_pass_and_each_stream_equals_it_alone(
     tiny_models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str
 ):
-    """Four requests sent at once: the prompts not yet fed when the first round begins go
-    through one pass of the model together (its weights read once for all), and each stream's
-    greedy tokens are those it gets alone."""
+    """Four requests that start together (sent behind a load, which runs alone, so that all four
+    are waiting when it ends: sent at once to an idle worker, the first may be fed before the
+    others are read) go through one pass of the model together (its weights read once for all),
+    and each stream's greedy tokens are those it gets alone."""
     from worker.backends.transformers.backend import TransformersModel
 
     passes: list[int] = []
@@ -211,12 +212,14 @@ async def test_prompts_that_start_together_are_fed_in_one_pass_and_each_stream_e
                     for opening in ("Once", "In the morning", "The dog saw that", "Why")]
         alone = [(await host.call("generate", r))["tokens"] for r in requests]
         monkeypatch.setattr(TransformersModel, "step", counted)
+        _, loaded = host.start("load", {"model": str(tiny_models(family))})
         started = [host.start("generate", r) for r in requests]
+        assert "result" in await loaded
         together = [(await done)["result"]["tokens"] for _, done in started]
     finally:
         await host.close()
     assert together == alone
-    assert max(passes) >= 2, f"no pass fed several prompts: chunks per pass {passes}"
+    assert passes[0] == 4, f"the four prompts were not fed in one pass: chunks per pass {passes}"
 
 async def first_to_run_its_length(host: Host, candidates: list[dict]) -> dict:
     """The first of ``candidates`` that the loaded model continues to its max_tokens alone, with

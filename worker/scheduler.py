@@ -242,12 +242,8 @@ class Scheduler(Generic[J]):
             job = self._jobs.next_model_job(wait=not self._tasks, woken=self._has_ready)
             if job is None and not self._tasks and not self._starting and not self._has_ready():
                 return
-            begun = job is not None
-            while job is not None:
-                self.begin(job)
-                job = self._jobs.next_model_job(wait=False, woken=self._has_ready)
-            if begun and self._tasks:
-                self._await_starting()
+            if job is not None:
+                self._begin_all(job)
             self.advance()
 
     def begin(self, job: J) -> None:
@@ -267,18 +263,27 @@ class Scheduler(Generic[J]):
             self._made_one.notify_all()
         self._jobs.wake()
 
-    def _await_starting(self) -> None:
-        """Give tasks just begun a moment to be made, so that they join this round rather than
-        the next: making one takes a millisecond or two unless it reads a stored cache. Running
-        ones that have stepped are held up no longer than a quarter of a step; ones that have
-        not (requests that start together) up to TOGETHER_WAIT_S, so that the whole batch takes
-        its first step together rather than its later requests trickling in beside it."""
-        if any(id(task) in self._stepped for _, task in self._tasks):
-            timeout = (self.costs.step_s(len(self._tasks)) or 0.0) / 4
-        else:
-            timeout = TOGETHER_WAIT_S
-        with self._made_one:
-            self._made_one.wait_for(lambda: not self._starting, timeout)
+    def _begin_all(self, job: J | None) -> None:
+        """Begin ``job`` and the jobs let out with it, and give their tasks a moment to be made,
+        so that they join this round rather than the next: making one takes a millisecond or two
+        unless it reads a stored cache. Running tasks that have stepped are held up no longer
+        than a quarter of a step; otherwise (requests that start together, the first ones
+        included) the wait lasts up to TOGETHER_WAIT_S, and jobs let out meanwhile (requests
+        sent together are read a moment apart) are begun and waited for too, so that the whole
+        batch has its prompts fed and takes its first step together rather than its later
+        requests trickling in beside it."""
+        until = None  # from when the first jobs are begun (a job that runs alone, a load, runs in begin)
+        while job is not None:
+            while job is not None:
+                self.begin(job)
+                job = self._jobs.next_model_job(wait=False, woken=self._has_ready)
+            if until is None:
+                stepped = any(id(task) in self._stepped for _, task in self._tasks)
+                until = self._clock() + ((self.costs.step_s(len(self._tasks)) or 0.0) / 4 if stepped else TOGETHER_WAIT_S)
+            with self._made_one:
+                self._made_one.wait_for(lambda: not self._starting, max(0.0, until - self._clock()))
+            if self._clock() < until:
+                job = self._jobs.next_model_job(wait=False, woken=self._has_ready)
 
     def _has_ready(self) -> bool:
         with self._lock:
