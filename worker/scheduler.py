@@ -11,9 +11,10 @@ weights once for both), and a request alone gets the full chunk; :class:`RoundCo
 keeps those times and sizes the chunk. Requests that start together are fed first and
 step together from their first step (up to two chunks' worth of their prompts), rather than
 the later ones trickling in beside the first; a model that feeds chunks in its step's pass
-takes as many of those prompts as fit a chunk in one pass (reading its weights once for all). Every other model-lane request (``load``,
-``unload``, ``shutdown``, and those queued behind them) runs alone: it waits for the
-tasks before it to end, and the requests after it wait for it.
+takes as many of those prompts as fit a chunk in one pass (reading its weights once for
+all). Every other model-lane request (``load``, ``unload``, ``shutdown``, and those queued
+behind them) runs alone: it waits for the tasks before it to end, and the requests after it
+wait for it.
 
 Which request may start when is worker/admission.py's (inside the session); the
 :class:`Scheduler` takes the jobs it lets out from :class:`Jobs` (the session) and hands
@@ -278,8 +279,10 @@ class Scheduler(Generic[J]):
                 self.begin(job)
                 job = self._jobs.next_model_job(wait=False, woken=self._has_ready)
             if until is None:
-                stepped = any(id(task) in self._stepped for _, task in self._tasks)
-                until = self._clock() + ((self.costs.step_s(len(self._tasks)) or 0.0) / 4 if stepped else TOGETHER_WAIT_S)
+                if any(id(task) in self._stepped for _, task in self._tasks):
+                    until = self._clock() + (self.costs.step_s(len(self._tasks)) or 0.0) / 4
+                else:
+                    until = self._clock() + TOGETHER_WAIT_S
             with self._made_one:
                 self._made_one.wait_for(lambda: not self._starting, max(0.0, until - self._clock()))
             if self._clock() < until:
