@@ -153,9 +153,12 @@ class RoundCosts:
         if tokens > 1:
             self._rounds.setdefault(decoding, deque(maxlen=RECENT_CHUNKS)).append((self._counted, tokens, round_s))
 
-    def fed_alone(self, tokens: int, took_s: float) -> None:
-        """A chunk fed with no stream running took ``took_s`` (the step's part taken out where
-        chunks ride along steps): the first guess at a token's cost beside streams."""
+    def fed_alone(self, tokens: int, took_s: float, *, in_step_pass: bool = False) -> None:
+        """A chunk fed with no stream running took ``took_s``: the first guess at a token's cost
+        beside streams. ``in_step_pass``: the model feeds chunks in its step's pass, so that
+        pass over the weights is the step's, and a step of one stream's time is taken out."""
+        if in_step_pass:
+            took_s -= self.step_s(1) or 0.0
         if tokens > 0 and took_s > 0:
             self._alone_token_s = took_s / tokens
 
@@ -369,8 +372,7 @@ class Scheduler(Generic[J]):
         """Prompts fed whole in one pass; each task takes its first token after it."""
         tokens, started = sum(task.decoding.prompt_left for task in tasks), self._clock()
         tasks[0].model.step([], [(task.decoding, task.decoding.prompt_left) for task in tasks])
-        # where chunks ride along steps, the pass over the weights is the step's
-        self.costs.fed_alone(tokens, self._clock() - started - (self.costs.step_s(1) or 0.0))
+        self.costs.fed_alone(tokens, self._clock() - started, in_step_pass=True)
         if together:
             self._together_tokens += tokens
         for task in tasks:  # each takes its first token; one that fails there fails alone
@@ -403,9 +405,9 @@ class Scheduler(Generic[J]):
         (a full chunk when none decodes)."""
         before, started = task.decoding.prompt_left, self._clock()
         task.feed(self.costs.chunk_tokens(beside, before, in_step=False) if beside else PREFILL_CHUNK_TOKENS)
-        if not beside:  # where chunks ride along steps, the pass over the weights is the step's
-            took_s = self._clock() - started - ((self.costs.step_s(1) or 0.0) if task.model.chunks_in_step else 0.0)
-            self.costs.fed_alone(before - task.decoding.prompt_left, took_s)
+        if not beside:
+            fed = before - task.decoding.prompt_left
+            self.costs.fed_alone(fed, self._clock() - started, in_step_pass=task.model.chunks_in_step)
 
     def _let_finished_go(self) -> None:
         finished = [(job, task) for job, task in self._tasks if task.done]
