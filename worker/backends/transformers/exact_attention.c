@@ -110,25 +110,43 @@ static inline float hmax(vf v) {
 #define IN_REGISTER(v) (void)0
 #endif
 
-/* Scores of SCORE_ROWS rows against two tiles of W keys whose dimensions `kt` holds
- * transposed (kt[d * W + key], the second tile dim * W floats on). Missing rows point at a
- * row of zeros and write to a spare buffer. */
-static inline void scores_of_tiles(int64_t dim, const float *kt, const float *const *rows, float *const *into) {
+/* Scores of R (at most SCORE_ROWS) rows against two tiles of W keys whose dimensions `kt` holds
+ * transposed (kt[d * W + key], the second tile dim * W floats on). R is a constant at each call
+ * (scores_of): a step's item has a position's heads of one key/value head, 3 rows for SmolLM2,
+ * and rows of zeros beside them doubled the work. */
+static inline __attribute__((always_inline)) void scores_of_tiles(int64_t dim, const float *kt, const float *const *rows,
+                                                                  float *const *into, int R) {
     vf first[SCORE_ROWS], second[SCORE_ROWS];
-    for (int r = 0; r < SCORE_ROWS; r++) first[r] = second[r] = vsplat(0.0f);
+    for (int r = 0; r < R; r++) first[r] = second[r] = vsplat(0.0f);
     for (int64_t d = 0; d < dim; d++) {
         vf keys = vload(kt + d * W), more = vload(kt + (dim + d) * W);
         IN_REGISTER(keys);
         IN_REGISTER(more);
-        for (int r = 0; r < SCORE_ROWS; r++) {
+        for (int r = 0; r < R; r++) {
             vf query = vsplat(rows[r][d]);
             first[r] = first[r] + keys * query;
             second[r] = second[r] + more * query;
         }
     }
-    for (int r = 0; r < SCORE_ROWS; r++) {
+    for (int r = 0; r < R; r++) {
         vstore(into[r], first[r]);
         vstore(into[r] + W, second[r]);
+    }
+}
+
+/* scores_of_tiles for `count` rows, 1 to SCORE_ROWS. */
+static void scores_of(int64_t dim, const float *kt, const float *const *rows, float *const *into, int count) {
+    switch (count) {
+    case 1: scores_of_tiles(dim, kt, rows, into, 1); break;
+    case 2: scores_of_tiles(dim, kt, rows, into, 2); break;
+    case 3: scores_of_tiles(dim, kt, rows, into, 3); break;
+    case 4: scores_of_tiles(dim, kt, rows, into, 4); break;
+#if SCORE_ROWS == 8
+    case 5: scores_of_tiles(dim, kt, rows, into, 5); break;
+    case 6: scores_of_tiles(dim, kt, rows, into, 6); break;
+    case 7: scores_of_tiles(dim, kt, rows, into, 7); break;
+#endif
+    default: scores_of_tiles(dim, kt, rows, into, SCORE_ROWS);
     }
 }
 
@@ -165,8 +183,20 @@ static float softmax_in_place(float *s, int64_t n, float scale) {
 
 /* The part t0 <= t < t1 of out[r] = sum over t < n[r] of p[r][t] * v[lo + t], t in order, for
  * up to NR = SUM_ROWS(DV) rows sharing lo; DV vectors a row. The sum so far is in out[r] (from
- * 0 where t0 is 0). The rows' common part is summed together, each rest alone. */
+ * 0 where t0 is 0). The rows' common part is summed together (R rows, a constant at each call,
+ * so that their chains stay in registers: a step's 3 rows of SmolLM2 summed one at a time
+ * waited on each chain's additions), each rest alone. */
 #define DEFINE_WEIGHTED_SUM(DV)                                                                  \
+    static inline __attribute__((always_inline)) void common_sum_##DV(                              \
+        const float *v, int64_t vsj, float *const *p, vf (*acc)[DV], int64_t from, int64_t to, int R) { \
+        for (int64_t t = from; t < to; t++) {                                                     \
+            const float *vt = v + t * vsj;                                                        \
+            for (int c = 0; c < DV; c++) {                                                        \
+                vf values = vload(vt + c * W);                                                    \
+                for (int r = 0; r < R; r++) acc[r][c] = acc[r][c] + vsplat(p[r][t]) * values;      \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
     static void weighted_sum_##DV(const float *v, int64_t vsj, int rows, float *const *p,            \
                                   const int64_t *n, float *const *out, int64_t t0, int64_t t1) {      \
         enum { NR = SUM_ROWS(DV) };                                                               \
@@ -175,16 +205,12 @@ static float softmax_in_place(float *s, int64_t n, float scale) {
             for (int c = 0; c < DV; c++) acc[r][c] = t0 == 0 ? vsplat(0.0f) : vload(out[r] + c * W); \
         int64_t common = n[0];                                                                    \
         for (int r = 1; r < rows; r++) common = n[r] < common ? n[r] : common;                    \
-        if (rows == NR) {                                                                         \
-            for (int64_t t = t0; t < common && t < t1; t++) {                                     \
-                const float *vt = v + t * vsj;                                                    \
-                for (int c = 0; c < DV; c++) {                                                    \
-                    vf values = vload(vt + c * W);                                                \
-                    for (int r = 0; r < NR; r++) acc[r][c] = acc[r][c] + vsplat(p[r][t]) * values; \
-                }                                                                                 \
-            }                                                                                     \
-        } else {                                                                                  \
-            common = 0;                                                                           \
+        const int64_t to = common < t1 ? common : t1;                                             \
+        switch (rows) {                                                                           \
+        case 1: common_sum_##DV(v, vsj, p, acc, t0, to, 1); break;                                \
+        case 2: common_sum_##DV(v, vsj, p, acc, t0, to, NR < 2 ? NR : 2); break;                  \
+        case 3: common_sum_##DV(v, vsj, p, acc, t0, to, NR < 3 ? NR : 3); break;                  \
+        default: common_sum_##DV(v, vsj, p, acc, t0, to, NR);                                     \
         }                                                                                         \
         for (int r = 0; r < rows; r++) {                                                          \
             for (int64_t t = common > t0 ? common : t0; t < n[r] && t < t1; t++) {                \
@@ -262,10 +288,9 @@ struct call {
     int64_t block, blocks; /* positions of a work item (run sets them), and the items of a (b, kv head) */
 };
 
-/* A thread's scratch space: scores (then p) of an item's rows, a row of zeros, the rows'
- * weighted sums. */
+/* A thread's scratch space: scores (then p) of an item's rows, the rows' weighted sums. */
 struct scratch {
-    float *scores, *zeros, *sums;
+    float *scores, *sums;
     int64_t span;
 };
 
@@ -316,10 +341,11 @@ static inline float *transposed(const struct call *c, int64_t b, int64_t kvh) {
  * keys' own); keys past the last that b attends are 0 (their scores go unused), and tiles past
  * the one after it are left alone: b's items read none of them, and its buffers may end there
  * (a decode step's sequences hold positions of their own). Where b keeps its keys transposed,
- * the tiles of its first tv[b] keys are there already; the one they end in is done again. */
+ * the tiles of its first tv[b] keys are there already; the one they end in is done again, and
+ * none where they are all there (tv[b] = n: lmw_step_attention wrote the last). */
 static void transpose_tile(const struct call *c, int64_t pair, int64_t tile) {
     const int64_t b = pair / c->kv_heads, n = c->limit[b];
-    if (tile > (n + W - 1) / W || (kept(c, b) && tile < c->tv[b] / W)) return;
+    if (tile > (n + W - 1) / W || (kept(c, b) && (tile < c->tv[b] / W || c->tv[b] >= n))) return;
     const float *keys = c->kb[b] + pair % c->kv_heads * c->kh[b];
     float *into = transposed(c, b, pair % c->kv_heads) + tile * c->dim * W;
     for (int64_t d = 0; d < c->dim; d += W) {
@@ -369,17 +395,12 @@ static void attend_item(const struct call *c, const struct scratch *s, int64_t i
      * transposed keys hold (zeros past the keys), and its scores go unused. */
     const int64_t first_tile = low / W, last_tile = (high + W - 1) / W, start = first_tile * W;
     const float *kt = transposed(c, b, kvh);
-    float *spare = s->scores + rows * span;
     for (int64_t tile = first_tile; tile < last_tile; tile += 2) {
         for (int r0 = 0; r0 < rows; r0 += SCORE_ROWS) {
-            const float *tile_rows[SCORE_ROWS];
+            const int count = rows - r0 < SCORE_ROWS ? rows - r0 : SCORE_ROWS;
             float *into[SCORE_ROWS];
-            for (int r = 0; r < SCORE_ROWS; r++) {
-                int in = r0 + r < rows;
-                tile_rows[r] = in ? row_q[r0 + r] : s->zeros;
-                into[r] = in ? s->scores + (r0 + r) * span + (tile * W - start) : spare;
-            }
-            scores_of_tiles(dim, kt + tile * dim * W, tile_rows, into);
+            for (int r = 0; r < count; r++) into[r] = s->scores + (r0 + r) * span + (tile * W - start);
+            scores_of(dim, kt + tile * dim * W, row_q + r0, into, count);
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -436,15 +457,14 @@ static int run(struct call *c, int64_t batch, int threads) {
     int failed = c->kt == NULL;
 #pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
     {
-        float *space = room(&thread_room, (rows + 1) * span + dim + rows * dim);
+        float *space = room(&thread_room, rows * span + rows * dim);
         if (space == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
         if (!failed) {
-            struct scratch s = {space, space + (rows + 1) * span, space + (rows + 1) * span + dim, span};
-            memset(s.zeros, 0, sizeof(float) * dim);
+            struct scratch s = {space, space + rows * span, span};
 #pragma omp for schedule(static)
             for (int64_t at = 0; at < pairs * c->tiles; at++) transpose_tile(c, at / c->tiles, at % c->tiles);
 #pragma omp for schedule(dynamic, 1)
@@ -505,7 +525,10 @@ int lmw_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsi, const f
  * transposed (tb, th, tc: NULL, or per sequence): from tb[b] (0: it does not), each head's
  * tiles th[b] floats apart (room for hi[b] + 2 * 16 keys), as many keys there already as the
  * int64 at tc[b] says (fewer than hi[b]); the call transposes the rest, up to hi[b] - 1, and
- * sets that count to hi[b]. The numbers are the same. */
+ * sets that count to hi[b]. A new key that joins a tile begun before is written into its lane
+ * alone (a whole tile transposed again at every step was a seventh of the attention): the
+ * lanes past it hold zeros, or keys cut off where the count was lowered, and their scores go
+ * unused. The numbers are the same. */
 int lmw_step_attention(const float *q, int64_t qsb, int64_t qsh, const float *nk, int64_t nksb, int64_t nksh,
                        const float *nv, int64_t nvsb, int64_t nvsh, const int64_t *kb, const int64_t *vb,
                        const int64_t *kh, const int64_t *vh, const int64_t *tb, const int64_t *th, const int64_t *tc,
@@ -517,10 +540,19 @@ int lmw_step_attention(const float *q, int64_t qsb, int64_t qsh, const float *nk
         b.kb[i] = (const float *)(intptr_t)kb[i], b.vb[i] = (const float *)(intptr_t)vb[i];
         b.kh[i] = kh[i], b.vh[i] = vh[i];
         b.tv[i] = tb != NULL && tb[i] != 0 ? *(const int64_t *)(intptr_t)tc[i] : 0;
+        const int64_t last = hi[i] - 1;
+        /* the new key joins a tile its earlier keys began: its lane alone */
+        const int one_lane = tb != NULL && tb[i] != 0 && b.tv[i] == last && last % W != 0;
         for (int64_t h = 0; h < kv_heads; h++) {
-            memcpy((float *)b.kb[i] + h * kh[i] + (hi[i] - 1) * dim, nk + i * nksb + h * nksh, dim * sizeof(float));
-            memcpy((float *)b.vb[i] + h * vh[i] + (hi[i] - 1) * dim, nv + i * nvsb + h * nvsh, dim * sizeof(float));
+            const float *key = nk + i * nksb + h * nksh;
+            memcpy((float *)b.kb[i] + h * kh[i] + last * dim, key, dim * sizeof(float));
+            memcpy((float *)b.vb[i] + h * vh[i] + last * dim, nv + i * nvsb + h * nvsh, dim * sizeof(float));
+            if (one_lane) {
+                float *tile = (float *)(intptr_t)tb[i] + h * th[i] + last / W * dim * W + last % W;
+                for (int64_t d = 0; d < dim; d++) tile[d * W] = key[d];
+            }
         }
+        if (one_lane) b.tv[i] = hi[i];
     }
     struct call c = {q, b.kb, b.vb, b.kh, b.vh, qsb, qsh, 0, dim, dim, lo, hi, b.limit, out,
                      heads, kv_heads, 1, dim, heads / kv_heads, scale, NULL, 0, tb, th, b.tv, 0, 0};
