@@ -170,6 +170,21 @@ async function workerBatch(worker, prompts) {
 
 const total = (runs) => runs.reduce((sum, run) => sum + run.tokens.length, 0);
 
+/** The first ONE_BY_ONE batch prompts one after another with `run` (one stream): all tokens
+ *  over the time from each request to its last token, as the batches count theirs, so that a
+ *  batch's ratio to it is a batch against the same requests sent one by one. */
+const ONE_BY_ONE = 4;
+async function oneByOne(run) {
+  let tokens = 0;
+  let ms = 0;
+  for (const prompt of batchPrompts.slice(0, ONE_BY_ONE)) {
+    const started = performance.now();
+    tokens += (await run(prompt)).tokens.length;
+    ms += performance.now() - started;
+  }
+  return { tokensPerSecond: tokens / (ms / 1000) };
+}
+
 /** `run` with one core kept busy by another process (a plain busy loop), as a host or a build
  *  on the same machine keeps it. */
 async function withBusyCore(run) {
@@ -191,7 +206,7 @@ const contestants = quantizations.map((quantization) => ({
   load: { dtype: "float32", quantization },
 }));
 for (const contestant of contestants) contestant.state = await startWorker(contestant.load);
-const KEYS = ["decode", "busy", ...BATCHES.map((n) => `batch${n}`), "short", "long", "restart"];
+const KEYS = ["decode", "busy", "single", ...BATCHES.map((n) => `batch${n}`), "short", "long", "restart"];
 const emptyFigures = () => Object.fromEntries(KEYS.map((key) => [key, []]));
 const figures = { llama: emptyFigures() };
 // The 1-minute load average as each decode run ends: on a shared machine the figures are only
@@ -217,6 +232,10 @@ try {
     figures.llama.busy.push((await withBusyCore(() => llamaRun(decodePrompt, NEW_TOKENS))).tokensPerSecond);
     for (const c of contestants) {
       figures[c.name].busy.push((await withBusyCore(() => workerRun(c.state.worker, decodePrompt, NEW_TOKENS))).tokensPerSecond);
+    }
+    figures.llama.single.push((await oneByOne((prompt) => llamaRun(prompt, NEW_TOKENS))).tokensPerSecond);
+    for (const c of contestants) {
+      figures[c.name].single.push((await oneByOne((prompt) => workerRun(c.state.worker, prompt, NEW_TOKENS))).tokensPerSecond);
     }
     for (const n of BATCHES) {
       const prompts = batchPrompts.slice(0, n);
@@ -251,6 +270,7 @@ const median = (values) => {
 const rows = [
   ["decode tokens/s (128 new)", "decode", "higher", (w, l) => w / l, 1],
   ["decode tokens/s, one core kept busy by another process", "busy", "higher", (w, l) => w / l, 1],
+  [`${ONE_BY_ONE} of the batches' requests one by one, tokens/s (from each request to its last token)`, "single", "higher", (w, l) => w / l, 1],
   ...BATCHES.map((n) => [`${n} streams at once, aggregate tokens/s`, `batch${n}`, "higher", (w, l) => w / l, 1]),
   ["first token, short prompt (ms)", "short", "lower", (w, l) => w / l, 0],
   [`first token, ${LONG_PROMPT_TOKENS}-token prompt (ms)`, "long", "lower", (w, l) => w / l, 0],
@@ -289,9 +309,10 @@ if (rounds > 1) {
 const kept = (name) => figures[name].busy.map((v, i) => `${((100 * v) / figures[name].decode[i]).toFixed(0)}%`).join(", ");
 console.log(`quiet decode speed kept with one core busy, per round: llama.cpp ${kept("llama")}`);
 for (const c of contestants) console.log(`  ${c.name} ${kept(c.name)}`);
-// Each contestant's batches against its own single stream, round by round.
+// Each contestant's batches against its own requests one by one, round by round (both timed from
+// the requests sent to their last tokens, prompts included).
 for (const name of ["llama", ...contestants.map((c) => c.name)]) {
-  const over = (n) => figures[name][`batch${n}`].map((v, i) => `${(v / figures[name].decode[i]).toFixed(2)}×`).join(", ");
+  const over = (n) => figures[name][`batch${n}`].map((v, i) => `${(v / figures[name].single[i]).toFixed(2)}×`).join(", ");
   console.log(`${name === "llama" ? "llama.cpp" : name}: ${BATCHES.map((n) => `${n} streams ÷ one ${over(n)}`).join("; ")}`);
 }
 // Workers against the first one named (say gguf against int8), round by round: the pair ran back to back.
