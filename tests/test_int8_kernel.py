@@ -74,10 +74,11 @@ def int8_blocks(linear: torch.nn.Linear) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_each_output_is_one_chain_of_multiply_adds_for_every_count_of_rows(fast_weights):
-    """1 to 13 activation rows (each tile the kernel has: 4 panels against 1 to 3 rows, pairs of
-    panels against 4 to 6, and the rows past 6) and 64 (work units of 60 rows and of 4), against
-    weight rows that fill no whole work item (23, 100) and several (576), and inputs that fill no
-    whole block (100: the last one padded with zeros)."""
+    """1 to 13 activation rows (each tile the kernel has: 1 to 3 rows, two tiles for 4 to 6, and
+    the rows past 6; on 2 threads a step's rows are shared out in half items, so a thread's share
+    may begin or end in the middle of one) and 64 (work units of 60 rows and of 4), against weight
+    rows that fill no whole work item (23, 100) and several (576), and inputs that fill no whole
+    block (100: the last one padded with zeros)."""
     rng = np.random.default_rng(0)
     for rows, inputs in ((23, 64), (100, 100), (576, 576)):
         linear = a_linear(rows, inputs, rows)
@@ -110,16 +111,19 @@ def test_the_kernel_built_for_other_processors_gives_the_same_bits(fast_weights,
     runs: byte products summed in pairs) and the plain C (without AVX2) are built here on
     purpose: the same bits as the loaded kernel, so a cache file means the same numbers on every
     machine."""
-    matmul = kernel_variant(fast_weights.KERNEL_SOURCE, tmp_path / "int8_kernel.so", flags, "lmw_int8_matmul")
+    matmul = kernel_variant(
+        fast_weights.KERNEL_SOURCE, tmp_path / "int8_kernel.so", [*flags, "-fopenmp"], "lmw_int8_matmul"
+    )
     matmul.argtypes, matmul.restype = fast_weights._ARGTYPES, ctypes.c_int
     linear = fast_weights.Int8Linear.of(a_linear(100, 100, 3), torch.float32)
     rng = np.random.default_rng(3)
     for n in (1, 2, 3, 4, 5, 6, 9):
         x = rng.standard_normal((n, 100)).astype(np.float32)
-        out = np.empty((n, 100), np.float32)
-        assert matmul(linear.packed.data_ptr(), linear.scale.data_ptr(), 100, 100, x.ctypes.data, n, 100,
-                      out.ctypes.data, 1) == 0
-        assert np.array_equal(out, linear(torch.from_numpy(x)).numpy()), n
+        for threads in (1, 2, 3):  # whole items on one thread; two or three shares of 4 half items
+            out = np.empty((n, 100), np.float32)
+            assert matmul(linear.packed.data_ptr(), linear.scale.data_ptr(), 100, 100, x.ctypes.data, n, 100,
+                          out.ctypes.data, threads) == 0
+            assert np.array_equal(out, linear(torch.from_numpy(x)).numpy()), (n, threads)
 
 
 @pytest.mark.parametrize("flags", [None, ["-mavx2", "-mfma", "-mf16c"], []], ids=["loaded", "avx2", "plain-c"])

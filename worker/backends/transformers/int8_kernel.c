@@ -38,7 +38,9 @@
  * scales: scales[p][b][j] = s[p·PANEL + j][b].
  *
  * A work item is ITEM panels (64 rows), taken against up to MOST_ROWS activation rows at a
- * time, in tiles of P panels and R rows whose integer and float chains fit the registers.
+ * time, in tiles of P panels and R rows whose integer and float chains fit the registers. A
+ * step's few rows are shared among the threads in runs of half items (whole items where a run
+ * holds them).
  */
 #include <math.h>
 #include <stdint.h>
@@ -59,6 +61,15 @@
 #define MOST_ROWS 6  /* activation rows taken against an item at once */
 #define PART_ROWS 60 /* activation rows of a work unit (a multiple of MOST_ROWS) */
 #define OFFSET 128   /* added to the stored weights */
+
+#ifdef _OPENMP
+#include <omp.h>
+static inline int64_t omp_threads(void) { return omp_get_num_threads(); }
+static inline int64_t omp_thread(void) { return omp_get_thread_num(); }
+#else
+static inline int64_t omp_threads(void) { return 1; }
+static inline int64_t omp_thread(void) { return 0; }
+#endif
 
 /* The quantized activation rows of a call: row i's bytes at q + i · padded, its blocks'
  * scales at d + i · blocks and their Σ 128 · q at offsets + i · blocks. */
@@ -257,8 +268,9 @@ static void tile(const uint8_t *w, const _Float16 *sw, int64_t panel_bytes, cons
 }
 #endif
 
-/* The item's ITEM panels against `rows` (1 to MOST_ROWS) activation rows from `first`. */
-static void item_times(const uint8_t *w, const _Float16 *sw, const activations *a, int64_t first, int rows,
+/* `panels` panels (an item's ITEM, or half as many) against `rows` (1 to MOST_ROWS) activation
+ * rows from `first`. */
+static void item_times(const uint8_t *w, const _Float16 *sw, const activations *a, int64_t first, int panels, int rows,
                        float *out, int64_t outputs, int64_t columns) {
     const int64_t panel_bytes = PANEL * a->padded, panel_scales = PANEL * a->blocks;
 #define TILE(P, R, p, i)                                                                                         \
@@ -266,18 +278,25 @@ static void item_times(const uint8_t *w, const _Float16 *sw, const activations *
          out + (i) * outputs + (p) * PANEL, outputs, columns - (p) * PANEL)
     /* a constant P and R for each, so that the chains stay in registers */
 #if defined(WIDE)
-    switch (rows) {
-    case 1: TILE(4, 1, 0, 0); break;
-    case 2: TILE(4, 2, 0, 0); break;
-    case 3: TILE(4, 3, 0, 0); break;
-    /* 4 to 6 rows in two tiles of all 4 panels (the item's weights read again from the core's
-     * cache) rather than 2 panels against all of them: 1.05-1.08 times as fast for steps */
-    case 4: TILE(4, 2, 0, 0); TILE(4, 2, 0, 2); break;
-    case 5: TILE(4, 3, 0, 0); TILE(4, 2, 0, 3); break;
-    default: TILE(4, 3, 0, 0); TILE(4, 3, 0, 3);
+#define TILES(P)                                                                                                 \
+    switch (rows) {                                                                                              \
+    case 1: TILE(P, 1, 0, 0); break;                                                                             \
+    case 2: TILE(P, 2, 0, 0); break;                                                                             \
+    case 3: TILE(P, 3, 0, 0); break;                                                                             \
+    case 4: TILE(P, 2, 0, 0); TILE(P, 2, 0, 2); break;                                                           \
+    case 5: TILE(P, 3, 0, 0); TILE(P, 2, 0, 3); break;                                                           \
+    default: TILE(P, 3, 0, 0); TILE(P, 3, 0, 3);                                                                \
     }
+    /* 4 to 6 rows in two tiles of all the panels (the item's weights read again from the core's
+     * cache) rather than half the panels against all of them: 1.05-1.08 times as fast for steps */
+    if (panels == ITEM) {
+        TILES(ITEM)
+    } else {
+        TILES(ITEM / 2)
+    }
+#undef TILES
 #elif defined(VECTOR)
-    for (int p = 0; p < ITEM && p * PANEL < columns; p++) switch (rows) {
+    for (int p = 0; p < panels && p * PANEL < columns; p++) switch (rows) {
         case 1: TILE(1, 1, p, 0); break;
         case 2: TILE(1, 2, p, 0); break;
         case 3: TILE(1, 3, p, 0); break;
@@ -286,9 +305,23 @@ static void item_times(const uint8_t *w, const _Float16 *sw, const activations *
         default: TILE(1, 3, p, 0); TILE(1, 3, p, 3);
         }
 #else
-    TILE(ITEM, rows, 0, 0);
+    TILE(panels, rows, 0, 0);
 #endif
 #undef TILE
+}
+
+/* Half items [lo, hi) against `n` activation rows: whole items where a pair of halves makes one. */
+static void halves_times(const uint8_t *packed, const _Float16 *scales, const activations *a, int64_t lo, int64_t hi,
+                         int64_t n, float *out, int64_t outputs) {
+    const int64_t half_rows = ITEM / 2 * PANEL;
+    while (lo < hi) {
+        const int panels = lo % 2 == 0 && lo + 2 <= hi ? ITEM : ITEM / 2;
+        const int64_t first = lo * half_rows;
+        for (int64_t i = 0; i < n; i += MOST_ROWS)
+            item_times(packed + first * a->padded, scales + first * a->blocks, a, i, panels,
+                       (int)(n - i < MOST_ROWS ? n - i : MOST_ROWS), out + i * outputs + first, outputs, outputs - first);
+        lo += panels / (ITEM / 2);
+    }
 }
 
 /* out (n rows of `outputs` floats) = the n activation rows (`inputs` floats each, row i at
@@ -316,15 +349,22 @@ int lmw_int8_matmul(const uint8_t *packed, const _Float16 *scales, int64_t outpu
         for (int64_t i = 0; i < n; i++)
             quantize_row(x + i * x_stride, inputs, a.blocks, a.q + i * a.padded, a.d + i * a.blocks,
                          a.offsets + i * a.blocks);
+        if (parts == 1) {
+            /* A step's few rows: each thread a run of half items of its own. In whole items, SmolLM2's
+             * products of 576 outputs (9 items) kept one thread idle a fifth of their time. */
+            const int64_t halves = 2 * items, share = omp_threads(), at = omp_thread();
+            halves_times(packed, scales, &a, halves * at / share, halves * (at + 1) / share, n, out, outputs);
+        } else {
 #pragma omp for schedule(static)
-        for (int64_t unit = 0; unit < items * parts; unit++) {
-            const int64_t first = unit / parts * item_rows, end = (unit % parts + 1) * PART_ROWS;
-            const int64_t columns = outputs - first < item_rows ? outputs - first : item_rows;
-            const int64_t last = n < end ? n : end;
-            for (int64_t i = unit % parts * PART_ROWS; i < last; i += MOST_ROWS)
-                item_times(packed + first * a.padded, scales + first * a.blocks, &a, i,
-                           (int)(last - i < MOST_ROWS ? last - i : MOST_ROWS), out + i * outputs + first, outputs,
-                           columns);
+            for (int64_t unit = 0; unit < items * parts; unit++) {
+                const int64_t first = unit / parts * item_rows, end = (unit % parts + 1) * PART_ROWS;
+                const int64_t columns = outputs - first < item_rows ? outputs - first : item_rows;
+                const int64_t last = n < end ? n : end;
+                for (int64_t i = unit % parts * PART_ROWS; i < last; i += MOST_ROWS)
+                    item_times(packed + first * a.padded, scales + first * a.blocks, &a, i, ITEM,
+                               (int)(last - i < MOST_ROWS ? last - i : MOST_ROWS), out + i * outputs + first, outputs,
+                               columns);
+            }
         }
     }
     free(memory);
