@@ -1,7 +1,8 @@
 """Concurrent conversations on one model: aggregate decode speed with 1, 2, 4 and 8 streams,
 and what a request arriving mid-batch costs the streams already running.
 
-    .venv/bin/python bench/batch_bench.py [--model default] [--quantization auto] [--tokens 128] [--json FILE]
+    .venv/bin/python bench/batch_bench.py [--model default] [--quantization auto] [--tokens 128] [--sweeps 3]
+                                          [--streams 1,2,4,8] [--join-prompt 8,48,512] [--json FILE]
 
 One worker (SmolLM2-135M on the CPU with the default weights, int8, unless told), driven
 over real pipes:
@@ -10,7 +11,9 @@ over real pipes:
    for ``--tokens`` new tokens (prompts that ask for long answers; each stream's own
    count is used). Aggregate tokens/s = all generated tokens / wall time from the first
    request sent to the last result; printed as a ratio to one stream, measured in the
-   same run, twice over in the order 1, 2, 4, 8, 8, 4, 2, 1 (the machine drifts).
+   same run: ``--sweeps`` times over (3 unless told) in the order 1, 2, 4, 8, 8, 4, 2, 1
+   (the machine drifts), a ratio for each sweep from its own runs, and their median (the
+   machine's bursts move one sweep's ratio by a tenth or more).
 2. Exactness. Each stream's tokens against the same request run alone: how many of the
    streams differ (batching changes the shapes of the matrix products, which may change
    the last bits of a float32 result; greedy decoding then differs only on a near-tie).
@@ -99,6 +102,7 @@ async def main() -> None:
     parser.add_argument("--streams", default="1,2,4,8")
     parser.add_argument("--join-prompt", default="8,48,512",
                         help="prompt lengths of the joining request (the first should fit one shared chunk)")
+    parser.add_argument("--sweeps", type=int, default=3, help="sweeps over the stream counts, up and back down")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
@@ -116,24 +120,33 @@ async def main() -> None:
             alone[topic] = (await host.call("generate", params(topic, args.tokens), timeout=900))["tokens"]
         rates: dict[int, list[float]] = {n: [] for n in counts}
         differ: dict[int, int] = {n: 0 for n in counts}
-        for n in counts + counts[::-1]:
-            wall, results = await run_batch(host, [params(t, args.tokens) for t in TOPICS[:n]])
-            rates[n].append(sum(r["usage"]["completion_tokens"] for r in results) / wall)
-            differ[n] += sum(r["tokens"] != alone[t] for r, t in zip(results, TOPICS[:n]))
-        single = statistics.mean(rates[counts[0]])
+        sweeps: list[dict[int, float]] = []  # each sweep's mean tokens/s for each count
+        for _ in range(args.sweeps):
+            sweep: dict[int, list[float]] = {n: [] for n in counts}
+            for n in counts + counts[::-1]:
+                wall, results = await run_batch(host, [params(t, args.tokens) for t in TOPICS[:n]])
+                sweep[n].append(sum(r["usage"]["completion_tokens"] for r in results) / wall)
+                differ[n] += sum(r["tokens"] != alone[t] for r, t in zip(results, TOPICS[:n]))
+            sweeps.append({n: statistics.mean(v) for n, v in sweep.items()})
+            for n, v in sweep.items():
+                rates[n] += v
+        runs = 2 * args.sweeps
         print(f"\naggregate decode, {args.model} ({weights}), {args.tokens} tokens per stream, {os.cpu_count()} CPUs")
-        print("| streams | tokens/s (2 runs) | × one stream | streams differing from alone |")
+        print(f"| streams | tokens/s ({runs} runs) | × one stream: median (each sweep) | streams differing from alone |")
         print("| --- | --- | --- | --- |")
         for n in counts:
-            ratio = statistics.mean(rates[n]) / single
-            print(f"| {n} | {' / '.join(f'{r:.1f}' for r in rates[n])} | {ratio:.2f}× | {differ[n]} of {2 * n} |")
-            report[f"streams_{n}"] = {"tokens_per_s": rates[n], "ratio": ratio, "differ": differ[n], "of": 2 * n}
+            each = [sweep[n] / sweep[counts[0]] for sweep in sweeps]
+            ratio = statistics.median(each)
+            print(f"| {n} | {' / '.join(f'{r:.1f}' for r in rates[n])} | {ratio:.2f}× "
+                  f"({', '.join(f'{r:.2f}' for r in each)}) | {differ[n]} of {runs * n} |")
+            report[f"streams_{n}"] = {"tokens_per_s": rates[n], "ratio": ratio, "ratios": each, "differ": differ[n],
+                                      "of": runs * n}
         if 4 in counts:
-            ratio4 = statistics.mean(rates[4]) / single
-            print(f"4 streams ≥ 2.5× one: {verdict(ratio4 >= 2.5)} ({ratio4:.2f}×)")
+            ratio4 = report["streams_4"]["ratio"]
+            print(f"4 streams ≥ 2.5× one: {verdict(ratio4 >= 2.5)} ({ratio4:.2f}×, the median of {args.sweeps} sweeps)")
         for position, length in enumerate(int(n) for n in args.join_prompt.split(",")):
             joined = await join(host, args.tokens, length)
-            joined["gap_solo_ms"] = 1000.0 / single  # one stream alone: its time per token
+            joined["gap_solo_ms"] = 1000.0 / statistics.median(rates[counts[0]])  # one stream alone: its time per token
             report[f"join_{length}"] = joined
             print(f"\na {joined['join_prompt_tokens']}-token prompt joining 3 decoding streams:")
             print(f"  its first token: {joined['first_token_joined_ms']:.0f} ms (alone: "
