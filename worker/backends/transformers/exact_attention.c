@@ -183,42 +183,49 @@ static float softmax_in_place(float *s, int64_t n, float scale) {
 
 /* The part t0 <= t < t1 of out[r] = sum over t < n[r] of p[r][t] * v[lo + t], t in order, for
  * up to NR = SUM_ROWS(DV) rows sharing lo; DV vectors a row. The sum so far is in out[r] (from
- * 0 where t0 is 0). The rows' common part is summed together (R rows, a constant at each call,
- * so that their chains stay in registers: a step's 3 rows of SmolLM2 summed one at a time
- * waited on each chain's additions), each rest alone. */
-#define DEFINE_WEIGHTED_SUM(DV)                                                                  \
-    static inline __attribute__((always_inline)) void common_sum_##DV(                              \
-        const float *v, int64_t vsj, float *const *p, vf (*acc)[DV], int64_t from, int64_t to, int R) { \
-        for (int64_t t = from; t < to; t++) {                                                     \
-            const float *vt = v + t * vsj;                                                        \
-            for (int c = 0; c < DV; c++) {                                                        \
-                vf values = vload(vt + c * W);                                                    \
-                for (int r = 0; r < R; r++) acc[r][c] = acc[r][c] + vsplat(p[r][t]) * values;      \
-            }                                                                                     \
-        }                                                                                         \
-    }                                                                                             \
-    static void weighted_sum_##DV(const float *v, int64_t vsj, int rows, float *const *p,            \
-                                  const int64_t *n, float *const *out, int64_t t0, int64_t t1) {      \
-        enum { NR = SUM_ROWS(DV) };                                                               \
-        vf acc[NR][DV];                                                                           \
-        for (int r = 0; r < rows; r++)                                                            \
-            for (int c = 0; c < DV; c++) acc[r][c] = t0 == 0 ? vsplat(0.0f) : vload(out[r] + c * W); \
-        int64_t common = n[0];                                                                    \
-        for (int r = 1; r < rows; r++) common = n[r] < common ? n[r] : common;                    \
-        const int64_t to = common < t1 ? common : t1;                                             \
-        switch (rows) {                                                                           \
-        case 1: common_sum_##DV(v, vsj, p, acc, t0, to, 1); break;                                \
-        case 2: common_sum_##DV(v, vsj, p, acc, t0, to, NR < 2 ? NR : 2); break;                  \
-        case 3: common_sum_##DV(v, vsj, p, acc, t0, to, NR < 3 ? NR : 3); break;                  \
-        default: common_sum_##DV(v, vsj, p, acc, t0, to, NR);                                     \
-        }                                                                                         \
-        for (int r = 0; r < rows; r++) {                                                          \
-            for (int64_t t = common > t0 ? common : t0; t < n[r] && t < t1; t++) {                \
-                const float *vt = v + t * vsj;                                                    \
-                for (int c = 0; c < DV; c++) acc[r][c] = acc[r][c] + vsplat(p[r][t]) * vload(vt + c * W); \
-            }                                                                                     \
-            for (int c = 0; c < DV; c++) vstore(out[r] + c * W, acc[r][c]);                       \
-        }                                                                                         \
+ * 0 where t0 is 0). The rows' common part is summed together, each rest alone. Fewer rows
+ * than NR take a function of their own (R rows, a constant, so that their chains stay in
+ * registers: a step's 3 rows of SmolLM2 summed one at a time waited on each chain's
+ * additions; written into the function for NR rows, they made a prompt's sums slower). */
+#define SUM_ROWS_OF(NAME, DV, R, ATTRIBUTE)                                                                   \
+    static ATTRIBUTE void NAME(const float *v, int64_t vsj, int rows, float *const *p, const int64_t *n,      \
+                               float *const *out, int64_t t0, int64_t t1) {                                   \
+        vf acc[(R)][DV];                                                                                      \
+        for (int r = 0; r < rows; r++)                                                                        \
+            for (int c = 0; c < DV; c++) acc[r][c] = t0 == 0 ? vsplat(0.0f) : vload(out[r] + c * W);          \
+        int64_t common = n[0];                                                                                \
+        for (int r = 1; r < rows; r++) common = n[r] < common ? n[r] : common;                                \
+        if (rows == (R)) {                                                                                    \
+            for (int64_t t = t0; t < common && t < t1; t++) {                                                 \
+                const float *vt = v + t * vsj;                                                                \
+                for (int c = 0; c < DV; c++) {                                                                \
+                    vf values = vload(vt + c * W);                                                            \
+                    for (int r = 0; r < (R); r++) acc[r][c] = acc[r][c] + vsplat(p[r][t]) * values;           \
+                }                                                                                             \
+            }                                                                                                 \
+        } else {                                                                                              \
+            common = 0;                                                                                       \
+        }                                                                                                     \
+        for (int r = 0; r < rows; r++) {                                                                      \
+            for (int64_t t = common > t0 ? common : t0; t < n[r] && t < t1; t++) {                            \
+                const float *vt = v + t * vsj;                                                                \
+                for (int c = 0; c < DV; c++) acc[r][c] = acc[r][c] + vsplat(p[r][t]) * vload(vt + c * W);     \
+            }                                                                                                 \
+            for (int c = 0; c < DV; c++) vstore(out[r] + c * W, acc[r][c]);                                   \
+        }                                                                                                     \
+    }
+#define DEFINE_WEIGHTED_SUM(DV)                                                                               \
+    SUM_ROWS_OF(two_rows_sum_##DV, DV, 2, __attribute__((noinline)))                                          \
+    SUM_ROWS_OF(three_rows_sum_##DV, DV, 3, __attribute__((noinline)))                                        \
+    SUM_ROWS_OF(rows_sum_##DV, DV, SUM_ROWS(DV), inline)                                                      \
+    static void weighted_sum_##DV(const float *v, int64_t vsj, int rows, float *const *p, const int64_t *n,   \
+                                  float *const *out, int64_t t0, int64_t t1) {                                \
+        if (rows == 2 && SUM_ROWS(DV) > 2)                                                                    \
+            two_rows_sum_##DV(v, vsj, rows, p, n, out, t0, t1);                                               \
+        else if (rows == 3 && SUM_ROWS(DV) > 3)                                                               \
+            three_rows_sum_##DV(v, vsj, rows, p, n, out, t0, t1);                                             \
+        else                                                                                                  \
+            rows_sum_##DV(v, vsj, rows, p, n, out, t0, t1);                                                   \
     }
 
 DEFINE_WEIGHTED_SUM(1)
