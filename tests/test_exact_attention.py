@@ -100,6 +100,34 @@ def test_a_step_of_several_sequences_in_one_call_appends_each_and_gives_each_its
         assert torch.equal(out[b], alone[0, 0])
 
 
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 1, 256), (2, 1, 16)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_one_sequence_s_step_shared_among_threads_gives_the_numbers_of_its_rows_alone(kernel, heads, kv_heads, dim, threads):
+    """A step of one sequence has as many work items as key/value heads, fewer than twice the
+    threads: its items' scores and rows are shared out in parts instead (past 64
+    keys), and each row still gets the bits the kernel gives it alone, at every length around
+    the tiles and the parts' edges, on any thread count, within a window too."""
+    from worker.backends.transformers.exact_attention import StepPlaces
+
+    torch.manual_seed(dim + threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for held, window in ((0, None), (40, None), (63, None), (64, None), (65, None), (95, None), (300, None),
+                             (1000, None), (1000, 100)):
+            keys, values = torch.randn(1, kv_heads, held + 8, dim), torch.randn(1, kv_heads, held + 8, dim)
+            query, new_key, new_value = torch.randn(1, heads, dim), torch.randn(1, kv_heads, dim), torch.randn(1, kv_heads, dim)
+            start = 0 if window is None else max(0, held + 1 - window)
+            places = StepPlaces()
+            places.add(keys, values, start, 0, held + 1 - start)
+            out = kernel.step_attention(query, new_key, new_value, places, dim**-0.5)
+            alone = kernel.attention(query[:, :, None], keys[:, :, start : held + 1], values[:, :, start : held + 1],
+                                     *causal(1, 1, held + 1 - start), dim**-0.5)
+            assert torch.equal(out[0], alone[0, 0]), (held, window)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_step_reads_no_key_past_a_short_sequence_s_buffer(kernel, tmp_path: Path):
     """Beside a long sequence, a short one's buffer may end right after its keys: the kernel
     must read none past them (a page it may not read follows the buffer here; a read past it

@@ -42,6 +42,7 @@
 #define MOST_SUM_ROWS 4
 #define MOST_GROUPS 64 /* query heads per key/value head */
 #define VALUE_BLOCK 64 /* values an item's rows sum together (16 KB of 64 floats each) */
+#define SPLIT_FROM 64  /* keys a step's item needs before its parts are shared (attend_split) */
 
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
@@ -262,7 +263,7 @@ struct room {
     float *data;
     int64_t floats;
 };
-static __thread struct room caller_room, thread_room;
+static __thread struct room caller_room, thread_room, split_room;
 
 static float *room(struct room *r, int64_t floats) {
     if (r->floats < floats) {
@@ -381,59 +382,128 @@ static void keys_of_item(const struct call *c, int64_t item, int64_t *low, int64
 /* The work item (b, kv head, block of c->block positions): every query head of that key/value
  * head, at those positions. Rows are ordered by position, then head: the heads of one position
  * attend the same keys. */
-static void attend_item(const struct call *c, const struct scratch *s, int64_t item) {
-    const int64_t groups = c->groups, dim = c->dim, span = s->span;
-    int64_t b = item / (c->kv_heads * c->blocks), kvh = item / c->blocks % c->kv_heads;
-    int64_t i0 = (item % c->blocks) * c->block, low, high;
-    int64_t i1 = i0 + c->block < c->positions ? i0 + c->block : c->positions;
-    int rows = (int)((i1 - i0) * groups);
-    const float *row_q[POSITIONS * MOST_GROUPS];
-    int64_t row_lo[POSITIONS * MOST_GROUPS], row_n[POSITIONS * MOST_GROUPS];
-    float totals[POSITIONS * MOST_GROUPS], *row_p[POSITIONS * MOST_GROUPS], *row_out[POSITIONS * MOST_GROUPS];
-    keys_of_item(c, item, &low, &high);
-    for (int r = 0; r < rows; r++) {
-        int64_t i = i0 + r / groups, h = kvh * groups + r % groups, at = b * c->positions + i;
-        row_q[r] = c->q + b * c->qsb + h * c->qsh + i * c->qsi;
-        row_lo[r] = c->lo[at];
-        row_n[r] = c->hi[at] > c->lo[at] ? c->hi[at] - c->lo[at] : 0;
+struct item {
+    int64_t b, kvh, i0, start, first_tile, last_tile;
+    int rows;
+    const float *q[POSITIONS * MOST_GROUPS];
+    int64_t lo[POSITIONS * MOST_GROUPS], n[POSITIONS * MOST_GROUPS];
+};
+
+/* Item `index`: its rows' queries, first keys and counts, and the tiles they attend. The item's
+ * parts below are inlined where they are called: a prompt's attention ran 2% slower through calls. */
+static inline __attribute__((always_inline)) void item_of(const struct call *c, int64_t index, struct item *it) {
+    const int64_t groups = c->groups;
+    int64_t low, high;
+    it->b = index / (c->kv_heads * c->blocks), it->kvh = index / c->blocks % c->kv_heads;
+    it->i0 = (index % c->blocks) * c->block;
+    const int64_t i1 = it->i0 + c->block < c->positions ? it->i0 + c->block : c->positions;
+    it->rows = (int)((i1 - it->i0) * groups);
+    keys_of_item(c, index, &low, &high);
+    for (int r = 0; r < it->rows; r++) {
+        int64_t i = it->i0 + r / groups, h = it->kvh * groups + r % groups, at = it->b * c->positions + i;
+        it->q[r] = c->q + it->b * c->qsb + h * c->qsh + i * c->qsi;
+        it->lo[r] = c->lo[at];
+        it->n[r] = c->hi[at] > c->lo[at] ? c->hi[at] - c->lo[at] : 0;
     }
-    const float *values = c->vb[b] + kvh * c->vh[b];
     /* Tiles in pairs: the pair past the last tile attended may read one tile more, which the
      * transposed keys hold (zeros past the keys), and its scores go unused. */
-    const int64_t first_tile = low / W, last_tile = (high + W - 1) / W, start = first_tile * W;
-    const float *kt = transposed(c, b, kvh);
-    for (int64_t tile = first_tile; tile < last_tile; tile += 2) {
-        for (int r0 = 0; r0 < rows; r0 += SCORE_ROWS) {
-            const int count = rows - r0 < SCORE_ROWS ? rows - r0 : SCORE_ROWS;
+    it->first_tile = low / W, it->last_tile = (high + W - 1) / W, it->start = it->first_tile * W;
+}
+
+/* The item's scores against the pairs of tiles from `from` up to `to` (tiles from its first). */
+static inline __attribute__((always_inline)) void item_scores(const struct call *c, const struct item *it,
+                                                              float *scores, int64_t span, int64_t from, int64_t to) {
+    const float *kt = transposed(c, it->b, it->kvh);
+    for (int64_t tile = it->first_tile + from; tile < it->first_tile + to && tile < it->last_tile; tile += 2)
+        for (int r0 = 0; r0 < it->rows; r0 += SCORE_ROWS) {
+            const int count = it->rows - r0 < SCORE_ROWS ? it->rows - r0 : SCORE_ROWS;
             float *into[SCORE_ROWS];
-            for (int r = 0; r < count; r++) into[r] = s->scores + (r0 + r) * span + (tile * W - start);
-            scores_of(dim, kt + tile * dim * W, row_q + r0, into, count);
+            for (int r = 0; r < count; r++) into[r] = scores + (r0 + r) * span + (tile * W - it->start);
+            scores_of(c->dim, kt + tile * c->dim * W, it->q + r0, into, count);
         }
-    }
-    for (int r = 0; r < rows; r++) {
-        row_p[r] = s->scores + r * span + (row_n[r] ? row_lo[r] - start : 0); /* a row with no keys reads none */
-        row_out[r] = s->sums + r * dim;
-        totals[r] = row_n[r] ? softmax_in_place(row_p[r], row_n[r], c->scale) : 0.0f;
-    }
-    /* The rows' weighted sums, VALUE_BLOCK values at a time: every row takes a block while the
-     * processor's cache holds it (a row's sum still runs over its values in order). */
-    const int64_t slice = sum_slice(dim);
+}
+
+/* Where row r's p are among the item's scores (a row with no keys reads none). */
+static inline float *row_p_of(const struct item *it, float *scores, int64_t span, int r) {
+    return scores + r * span + (it->n[r] ? it->lo[r] - it->start : 0);
+}
+
+/* Row r's scores turned into p; returns their sum (0 for a row with no keys). */
+static inline __attribute__((always_inline)) float item_softmax(const struct call *c, const struct item *it,
+                                                               float *scores, int64_t span, int r) {
+    return it->n[r] ? softmax_in_place(row_p_of(it, scores, span, r), it->n[r], c->scale) : 0.0f;
+}
+
+/* The rows' weighted sums, VALUE_BLOCK values at a time: every row takes a block while the
+ * processor's cache holds it (a row's sum still runs over its values in order), divided by the
+ * rows' totals into the call's output. `sums` holds dim floats a row. */
+static inline __attribute__((always_inline)) void item_sums(const struct call *c, const struct item *it,
+                                                            float *scores, int64_t span, float *sums, const float *totals) {
+    const int64_t dim = c->dim, slice = sum_slice(dim);
     const int together = SUM_ROWS(slice);
+    const float *values = c->vb[it->b] + it->kvh * c->vh[it->b];
+    float *row_p[POSITIONS * MOST_GROUPS], *row_out[POSITIONS * MOST_GROUPS];
     int64_t most = 0;
-    for (int r = 0; r < rows; r++) most = row_n[r] > most ? row_n[r] : most;
+    for (int r = 0; r < it->rows; r++) {
+        row_p[r] = row_p_of(it, scores, span, r);
+        row_out[r] = sums + r * dim;
+        most = it->n[r] > most ? it->n[r] : most;
+    }
     for (int64_t t0 = 0; t0 < (most ? most : 1); t0 += VALUE_BLOCK)
-        for (int r0 = 0; r0 < rows;) {
+        for (int r0 = 0; r0 < it->rows;) {
             int count = 1;
-            while (count < together && r0 + count < rows && row_lo[r0 + count] == row_lo[r0]) count++;
-            weighted_sum(dim, slice, values + row_lo[r0] * c->vsj, c->vsj, count, row_p + r0, row_n + r0, row_out + r0, t0,
-                         t0 + VALUE_BLOCK);
+            while (count < together && r0 + count < it->rows && it->lo[r0 + count] == it->lo[r0]) count++;
+            weighted_sum(dim, slice, values + it->lo[r0] * c->vsj, c->vsj, count, row_p + r0, it->n + r0, row_out + r0,
+                         t0, t0 + VALUE_BLOCK);
             r0 += count;
         }
-    for (int r = 0; r < rows; r++) {
-        int64_t i = i0 + r / groups, h = kvh * groups + r % groups;
-        float *target = c->out + ((b * c->positions + i) * c->heads + h) * dim;
+    for (int r = 0; r < it->rows; r++) {
+        int64_t i = it->i0 + r / c->groups, h = it->kvh * c->groups + r % c->groups;
+        float *target = c->out + ((it->b * c->positions + i) * c->heads + h) * dim;
         for (int64_t d = 0; d < dim; d += W)
-            vstore(target + d, row_n[r] ? vload(row_out[r] + d) / vsplat(totals[r]) : vsplat(0.0f));
+            vstore(target + d, it->n[r] ? vload(row_out[r] + d) / vsplat(totals[r]) : vsplat(0.0f));
+    }
+}
+
+static void attend_item(const struct call *c, const struct scratch *s, int64_t index) {
+    struct item it;
+    float totals[POSITIONS * MOST_GROUPS];
+    item_of(c, index, &it);
+    item_scores(c, &it, s->scores, s->span, 0, it.last_tile - it.first_tile);
+    for (int r = 0; r < it.rows; r++) totals[r] = item_softmax(c, &it, s->scores, s->span, r);
+    item_sums(c, &it, s->scores, s->span, s->sums, totals);
+}
+
+/* A decode step of fewer items than twice the threads (one sequence: as many as its key/value
+ * heads) would leave a thread idle a third of its attention or more; its items' scores are
+ * shared in parts instead: each item's tiles in `threads` runs, then its rows' softmax, then
+ * its weighted sums item by item, a barrier between (the same numbers: a score and a row's p
+ * are each computed as they are whole). Splitting the sums by dimensions too made a step at
+ * 2,000 keys slower (each thread's half of every value row streamed whole). `shared` holds
+ * each item's scores (rows * span), sums (rows * dim) and totals (rows). */
+static void attend_split(const struct call *c, int64_t items, int64_t span, float *shared, int threads) {
+    const int64_t rows = c->groups, dim = c->dim, each = rows * span + rows * dim + rows;
+#pragma omp for schedule(static)
+    for (int64_t unit = 0; unit < items * threads; unit++) {
+        struct item it;
+        item_of(c, unit / threads, &it);
+        const int64_t pairs = (it.last_tile - it.first_tile + 1) / 2, part = unit % threads;
+        item_scores(c, &it, shared + unit / threads * each, span, 2 * (pairs * part / threads),
+                    2 * (pairs * (part + 1) / threads));
+    }
+#pragma omp for schedule(static)
+    for (int64_t unit = 0; unit < items * rows; unit++) {
+        struct item it;
+        item_of(c, unit / rows, &it);
+        float *scores = shared + unit / rows * each;
+        scores[rows * span + rows * dim + unit % rows] = item_softmax(c, &it, scores, span, (int)(unit % rows));
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t index = 0; index < items; index++) {
+        struct item it;
+        item_of(c, index, &it);
+        float *scores = shared + index * each;
+        item_sums(c, &it, scores, span, scores + rows * span, scores + rows * span + rows * dim);
     }
 }
 
@@ -461,8 +531,10 @@ static int run(struct call *c, int64_t batch, int threads) {
     c->tiles = (n + W - 1) / W + 1;
     c->kt = room(&caller_room, pairs * c->tiles * dim * W);
     const int64_t span = (widest + W - 1) / W * W + 3 * W, rows = c->groups * POSITIONS;
-    int failed = c->kt == NULL;
-#pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
+    const int split = threads > 1 && c->positions == 1 && items < 2 * threads && widest >= SPLIT_FROM;
+    float *shared = split ? room(&split_room, items * c->groups * (span + dim + 1)) : NULL;
+    int failed = c->kt == NULL || (split && shared == NULL);
+#pragma omp parallel num_threads(threads) if (threads > 1 && (items > 1 || split))
     {
         float *space = room(&thread_room, rows * span + rows * dim);
         if (space == NULL) {
@@ -474,8 +546,12 @@ static int run(struct call *c, int64_t batch, int threads) {
             struct scratch s = {space, space + rows * span, span};
 #pragma omp for schedule(static)
             for (int64_t at = 0; at < pairs * c->tiles; at++) transpose_tile(c, at / c->tiles, at % c->tiles);
+            if (split) {
+                attend_split(c, items, span, shared, threads);
+            } else {
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < items; item++) attend_item(c, &s, item);
+                for (int64_t item = 0; item < items; item++) attend_item(c, &s, item);
+            }
         }
     }
     return failed ? -1 : 0;
