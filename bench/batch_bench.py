@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_common import cpu_pressure_since, cpu_pressure_us, median, verdict, write_report  # noqa: E402
 from worker.host import Host  # noqa: E402
-from worker.scheduler import PROMISED_ROUND_OVER_SOLO, ROUND_ALLOWANCE_S  # noqa: E402
+from worker.scheduler import PROMISED_ROUND_OVER_SOLO, ROUND_ALLOWANCE_S, round_limit  # noqa: E402
 
 TOPICS = ["the history of Rome", "how rain forms", "the rules of chess", "a trip to the mountains",
           "how computers store numbers", "the life of bees", "a recipe for bread", "the planets of the sun"]
@@ -156,8 +156,7 @@ async def main() -> None:
                   f"{joined['gap_during_median_ms']:.0f} ms, max {joined['gap_during_max_ms']:.0f} ms "
                   f"({joined['gaps_during']} gaps)")
             # the streams' promise (docs/PROTOCOL.md 5.1)
-            solo = joined["gap_solo_ms"]
-            promise = max(PROMISED_ROUND_OVER_SOLO * solo, solo + 1000.0 * ROUND_ALLOWANCE_S)
+            promise = 1000.0 * round_limit(joined["gap_solo_ms"] / 1000.0, PROMISED_ROUND_OVER_SOLO)
             within = joined["gap_during_median_ms"] <= promise
             print(f"  gaps while fed within {PROMISED_ROUND_OVER_SOLO:g}× of a stream alone, or "
                   f"{1000.0 * ROUND_ALLOWANCE_S:.0f} ms more where that is more ({promise:.0f} ms): {verdict(within)}")

@@ -194,9 +194,9 @@ class RoundCosts:
             return PROBE_CHUNK_TOKENS
         base_s, token_s = cost
         alone_s = min(solo_s, step_s)
-        if left <= PREFILL_CHUNK_TOKENS and base_s + left * token_s <= _round_limit(alone_s, PROMISED_ROUND_OVER_SOLO):
+        if left <= PREFILL_CHUNK_TOKENS and base_s + left * token_s <= round_limit(alone_s, PROMISED_ROUND_OVER_SOLO):
             return left
-        tokens = int((_round_limit(alone_s, SHARED_ROUND_OVER_SOLO) - base_s) / token_s)
+        tokens = int((round_limit(alone_s, SHARED_ROUND_OVER_SOLO) - base_s) / token_s)
         recent = self._rounds.get(decoding)
         if tokens < 2:
             if not in_step:
@@ -421,6 +421,6 @@ class Scheduler(Generic[J]):
         return [task for _, task in self._tasks]
 
 
-def _round_limit(alone_s: float, over_solo: float) -> float:
+def round_limit(alone_s: float, over_solo: float) -> float:
     """What a round beside running streams may cost, given a step of one stream alone."""
     return max(over_solo * alone_s, alone_s + ROUND_ALLOWANCE_S)
