@@ -74,8 +74,8 @@ def int8_blocks(linear: torch.nn.Linear) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_each_output_is_one_chain_of_multiply_adds_for_every_count_of_rows(fast_weights):
-    """1 to 13 activation rows (each tile the kernel has: 1 to 3 rows, two tiles for 4 to 6, and
-    the rows past 6; on 2 threads a step's rows are shared out in half items, so a thread's share
+    """1 to 13 activation rows (each tile the kernel has: 1 to 4 rows, two tiles for 5 to 8, and
+    the rows past 8; on 2 threads a step's rows are shared out in half items, so a thread's share
     may begin or end in the middle of one) and 64 (work units of 60 rows and of 4), against weight
     rows that fill no whole work item (23, 100) and several (576), and inputs that fill no whole
     block (100: the last one padded with zeros)."""
@@ -117,7 +117,7 @@ def test_the_kernel_built_for_other_processors_gives_the_same_bits(fast_weights,
     matmul.argtypes, matmul.restype = fast_weights._ARGTYPES, ctypes.c_int
     linear = fast_weights.Int8Linear.of(a_linear(100, 100, 3), torch.float32)
     rng = np.random.default_rng(3)
-    for n in (1, 2, 3, 4, 5, 6, 9):
+    for n in (1, 2, 3, 4, 5, 6, 7, 8, 9):
         x = rng.standard_normal((n, 100)).astype(np.float32)
         for threads in (1, 2, 3):  # whole items on one thread; two or three shares of 4 half items
             out = np.empty((n, 100), np.float32)
