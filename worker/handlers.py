@@ -38,7 +38,7 @@ from protocol.methods import (
     UnloadResult,
 )
 from protocol.framing import Framing
-from worker import __version__, load_progress
+from worker import __version__, heap, load_progress
 from worker.backends import Registry
 from worker.backends.base import CachingModel, CheckingBackend, EngineModel, Model, SideThreadModel
 
@@ -131,6 +131,7 @@ class Handlers:
         if isinstance(model, CachingModel):
             self._prepare_restores(model)
         self._model = model
+        heap.settle()
         log.info(
             "loaded %s with backend %s in %.0f ms", params.model, params.backend, (time.perf_counter() - started) * 1e3
         )
@@ -160,8 +161,11 @@ class Handlers:
             return UnloadResult(unloaded=False, model=None)
         if self._cache_store is not None:  # memory caches hold the model's tensors: let them go with it
             self._cache_store.release_memory()
+        name = model.info.model
         model.close()
-        return UnloadResult(unloaded=True, model=model.info.model)
+        del model  # so that the collection below can free it
+        heap.thaw()
+        return UnloadResult(unloaded=True, model=name)
 
     def tokenize(self, ctx: Context, params: TokenizeParams) -> TokenizeResult:
         tokens = self._loaded().tokenize(params.text, add_special_tokens=params.add_special_tokens)
@@ -254,6 +258,7 @@ class Handlers:
         if self._model is not None:
             self._model.close()
             self._model = None
+            heap.thaw(collect=False)
 
     def _loaded(self) -> Model:
         model = self._model

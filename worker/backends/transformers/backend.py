@@ -423,9 +423,6 @@ class TransformersModel:
 
     def close(self) -> None:
         self._model = None
-        import gc
-
-        gc.collect()
 
 
 

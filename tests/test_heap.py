@@ -1,0 +1,66 @@
+"""A loaded model's objects are kept out of the cycle collector's full collections (a pause of
+every stream each few seconds, worker/heap.py), and unloading gives them back to it, so that a
+model held in a reference cycle is still freed."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from pathlib import Path
+
+import pytest
+
+from protocol.methods import LoadParams, NoParams
+from worker.backends import Registry
+from worker.backends.echo import EchoBackend
+from worker.handlers import Context, Handlers, WireInfo
+
+
+class CyclicEchoBackend(EchoBackend):
+    """The echo model caught in a reference cycle: only the cycle collector can free it."""
+
+    def load(self, params, *, data_dir):
+        model = super().load(params, data_dir=data_dir)
+        model.itself = model  # type: ignore[attr-defined]
+        return model
+
+
+@pytest.fixture
+def handlers(tmp_path: Path):
+    wire = WireInfo(methods=[], notifications=[], framing=lambda: None, max_message_bytes=1 << 20,
+                    outbox_messages=16, max_batch=4)
+    registry = Registry({"echo": "tests.test_heap:CyclicEchoBackend"}, entry_points=False)
+    handlers = Handlers(registry, wire, data_dir=tmp_path)
+    yield handlers
+    handlers.close()
+    assert gc.get_freeze_count() == 0  # closing leaves the process's heap as it was
+
+
+def context() -> Context:
+    return Context(1, threading.Event(), 0.0, lambda method, params: None)
+
+
+def loaded(handlers: Handlers) -> weakref.ref:
+    handlers.load(context(), LoadParams(backend="echo"))
+    return weakref.ref(handlers._model)
+
+
+def test_a_loaded_models_objects_are_out_of_the_collectors_sight(handlers: Handlers):
+    model = loaded(handlers)
+    assert gc.get_freeze_count() > 0
+    assert not any(o is model() for o in gc.get_objects())
+
+
+def test_unloading_frees_a_model_held_by_a_cycle(handlers: Handlers):
+    model = loaded(handlers)
+    assert handlers.unload(context(), NoParams()).unloaded
+    assert model() is None
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_model_replaced_by_another_load_is_freed_and_the_new_one_frozen(handlers: Handlers):
+    first = loaded(handlers)
+    second = loaded(handlers)
+    assert first() is None and second() is not None
+    assert not any(o is second() for o in gc.get_objects())
