@@ -156,7 +156,7 @@ async def main() -> None:
                   f"{joined['gap_during_median_ms']:.0f} ms, max {joined['gap_during_max_ms']:.0f} ms "
                   f"({joined['gaps_during']} gaps)")
             # the streams' promise (docs/PROTOCOL.md 5.1)
-            promise = 1000.0 * round_limit(joined["gap_solo_ms"] / 1000.0, PROMISED_ROUND_OVER_SOLO)
+            promise = 1000.0 * round_limit(joined["gap_solo_ms"] / 1000.0)
             within = joined["gap_during_median_ms"] <= promise
             print(f"  gaps while fed within {PROMISED_ROUND_OVER_SOLO:g}× of a stream alone, or "
                   f"{1000.0 * ROUND_ALLOWANCE_S:.0f} ms more where that is more ({promise:.0f} ms): {verdict(within)}")

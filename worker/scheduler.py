@@ -36,12 +36,14 @@ from worker.admission import J, Queued
 from worker.backends.base import PREFILL_CHUNK_TOKENS, Decoding, Model
 from worker.policy import POLICY
 
-# While others decode, a round that feeds a chunk is sized to cost this many times a step of
-# one stream alone: under the 2x the running streams are promised, because the times it is
-# sized from vary by a fifth or more from one step to the next on a busy CPU; the round that
-# finishes a prompt may cost up to the promise.
-SHARED_ROUND_OVER_SOLO = 1.75
+# While others decode, a round is promised to cost at most this many times a step of one stream
+# alone, or ROUND_ALLOWANCE_S more than that step where that is more (round_limit). A round
+# that feeds a chunk is sized to cost this share of the promise: under it, because the times it
+# is sized from vary by a fifth or more from one step to the next on a busy CPU (sized to the
+# promise itself, half the rounds went past it); the round that finishes a prompt may cost up
+# to the promise.
 PROMISED_ROUND_OVER_SOLO = 2.0
+SHARED_ROUND_SHARE = 0.875
 # A round may always cost this much more than a step alone: where a step takes a millisecond or
 # two (a tiny model, a GPU), twice a step would leave a joining prompt one token a round, while
 # the streams would still run at over 80 tokens per second with this added.
@@ -178,12 +180,11 @@ class RoundCosts:
         in their step's pass (``in_step``) or on its own before it.
 
         - The rest of the prompt at once where that round stays within the streams' promise
-          (PROMISED_ROUND_OVER_SOLO steps of one stream alone) and it is no longer than a
-          chunk fed alone: its first token comes a round sooner.
-        - Otherwise the most whose round is estimated to cost at most SHARED_ROUND_OVER_SOLO
-          steps of one stream alone, and at most twice the largest chunk measured beside as
-          many (an estimate is trusted only near what was measured).
-        - A round may always cost ROUND_ALLOWANCE_S more than a step alone.
+          (round_limit) and it is no longer than a chunk fed alone: its first token comes a
+          round sooner.
+        - Otherwise the most whose round is estimated to cost at most SHARED_ROUND_SHARE of
+          the promise, and at most twice the largest chunk measured beside as many (an
+          estimate is trusted only near what was measured).
         - When not even two tokens fit: one in the step's pass (it costs about what a decoding
           sequence does; two again now and then, in case more fits by then); fed on its own,
           where any chunk costs a pass over the weights, as many tokens as that pass is worth
@@ -194,9 +195,9 @@ class RoundCosts:
             return PROBE_CHUNK_TOKENS
         base_s, token_s = cost
         alone_s = min(solo_s, step_s)
-        if left <= PREFILL_CHUNK_TOKENS and base_s + left * token_s <= round_limit(alone_s, PROMISED_ROUND_OVER_SOLO):
+        if left <= PREFILL_CHUNK_TOKENS and base_s + left * token_s <= round_limit(alone_s):
             return left
-        tokens = int((round_limit(alone_s, SHARED_ROUND_OVER_SOLO) - base_s) / token_s)
+        tokens = int((SHARED_ROUND_SHARE * round_limit(alone_s) - base_s) / token_s)
         recent = self._rounds.get(decoding)
         if tokens < 2:
             if not in_step:
@@ -421,6 +422,7 @@ class Scheduler(Generic[J]):
         return [task for _, task in self._tasks]
 
 
-def round_limit(alone_s: float, over_solo: float) -> float:
-    """What a round beside running streams may cost, given a step of one stream alone."""
-    return max(over_solo * alone_s, alone_s + ROUND_ALLOWANCE_S)
+def round_limit(alone_s: float) -> float:
+    """What a round beside running streams is promised to cost at most, given a step of one
+    stream alone."""
+    return max(PROMISED_ROUND_OVER_SOLO * alone_s, alone_s + ROUND_ALLOWANCE_S)
