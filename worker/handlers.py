@@ -163,8 +163,9 @@ class Handlers:
             self._cache_store.release_memory()
         name = model.info.model
         model.close()
-        del model  # so that the collection below can free it
-        heap.thaw()
+        alive = heap.outlives(model)
+        del model
+        heap.thaw(collect=alive())
         return UnloadResult(unloaded=True, model=name)
 
     def tokenize(self, ctx: Context, params: TokenizeParams) -> TokenizeResult:

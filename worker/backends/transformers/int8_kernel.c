@@ -38,9 +38,9 @@
  * scales: scales[p][b][j] = s[p·PANEL + j][b].
  *
  * A work item is ITEM panels (64 rows), taken against up to MOST_ROWS activation rows at a
- * time, in tiles of P panels and R rows whose integer and float chains fit the registers. A
- * step's few rows are shared among the threads in runs of half items (whole items where a run
- * holds them).
+ * time, in tiles of P panels and R rows whose integer chains fit the registers (and their float
+ * chains, up to 12). A step's few rows are shared among the threads in runs of half items (whole
+ * items where a run holds them).
  */
 #include <math.h>
 #include <stdint.h>
