@@ -121,11 +121,13 @@ static void quantize_row(const float *x, int64_t inputs, int64_t blocks, int8_t 
     }
 }
 
+#if !defined(WIDE)
 /* Stores the PANEL outputs of a panel for one activation row: only the `columns` (at most
- * PANEL) that are real rows. */
+ * PANEL) that are real rows (the AVX-512 tile stores from its registers under a mask). */
 static inline void store(const float *chains, float *out, int64_t columns) {
     if (columns > 0) memcpy(out, chains, (size_t)(columns < PANEL ? columns : PANEL) * sizeof(float));
 }
+#endif
 
 #if defined(WIDE)
 /* P panels (from `w`, their scales from `sw`) against R activation rows (row i from `first` + i):
