@@ -5,6 +5,7 @@ model held in a reference cycle is still freed."""
 from __future__ import annotations
 
 import gc
+import re
 import threading
 import weakref
 from pathlib import Path
@@ -15,6 +16,7 @@ from protocol.methods import LoadParams, NoParams
 from worker.backends import Registry
 from worker.backends.echo import EchoBackend
 from worker.handlers import Context, Handlers, WireInfo
+from tests.conftest import SpawnWorker
 
 
 class CyclicEchoBackend(EchoBackend):
@@ -89,3 +91,17 @@ def test_unloading_a_model_its_references_free_runs_no_full_collection(tmp_path:
         gc.callbacks.remove(count)
         plain.close()
     assert full == [] and gc.get_freeze_count() == 0
+
+
+async def test_a_spawned_worker_keeps_a_loaded_models_objects_out_of_full_collections(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path
+):
+    """Through the real entry point: after a load the worker's log says how many objects the
+    collector leaves alone (PyTorch's, transformers' and the model's: hundreds of thousands)."""
+    host = await spawn_worker(process=True)
+    await host.call("load", {"model": str(tiny_model_dir)}, timeout=300)
+    await host.wait_until(lambda: b"kept out of the cycle collector" in host.stderr, timeout=30)
+    found = re.search(rb"(\d+) objects kept out of the cycle collector's full collections", bytes(host.stderr))
+    assert found and int(found.group(1)) > 50_000, host.stderr_tail()
+    result = await host.call("generate", {"prompt": "hello", "max_tokens": 4, "temperature": 0}, timeout=60)
+    assert len(result["tokens"]) == 4  # and it serves as before
