@@ -191,13 +191,68 @@ async def test_a_worker_decodes_on_one_thread_while_another_process_keeps_one_of
         busy.wait()
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the worker has one thread on one core: none to give up")
+async def test_a_worker_on_dense_weights_keeps_its_threads_while_another_process_keeps_a_core_busy(
+    spawn_worker, tiny_model_dir: Path
+):
+    """Dense products are a library's (MKL's sgemm splits their inner dimension among threads on
+    Intel processors): a thread count changed between a cache's making and its use would change
+    the numbers the cache promises. The same steps as above, on weights kept dense."""
+    everywhere = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, sorted(everywhere)[:2])
+    try:
+        host = await spawn_worker("--log-level", "info", env={"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"})
+        busy = subprocess.Popen(BUSY_LOOP)
+    finally:
+        os.sched_setaffinity(0, everywhere)
+    try:
+        await host.call("load", {"model": str(tiny_model_dir), "quantization": "none"}, timeout=120)
+        deadline = time.monotonic() + 3  # a model that shares its cores gives one up within 0.5 s
+        while time.monotonic() < deadline:
+            await host.call("generate", {"prompt": "the cat sat on the mat", "max_tokens": 32, "stream": False}, timeout=60)
+    finally:
+        busy.kill()
+        busy.wait()
+    log = host.stderr_tail(100_000)
+    assert "model threads: 2, kept" in log, log
+    assert "model threads: 1 of 2" not in log, log
+
+
+def test_a_cache_of_library_products_is_bound_to_the_thread_count_and_one_of_the_native_pass_is_not(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    """A worker on another thread count (another machine, OMP_NUM_THREADS) computes dense
+    products with other last bits, so their caches must not pass for its own; the native pass's
+    numbers are the same on any count, and its caches are shared whatever the count."""
+    import torch
+
+    from protocol.methods import LoadParams
+    from worker.backends.transformers.backend import TransformersBackend
+
+    before = torch.get_num_threads()
+    identities: dict[tuple[str, int], str] = {}
+    try:
+        for quantization in ("none", "int8"):
+            for threads in (2, 1):
+                torch.set_num_threads(threads)
+                loaded = TransformersBackend().load(
+                    LoadParams(model=str(tiny_model_dir), quantization=quantization), data_dir=tmp_path
+                )
+                identities[quantization, threads] = loaded.cache_identity().config_sha256
+                assert (loaded._cores is not None) == (quantization == "int8")
+                loaded.close()
+    finally:
+        torch.set_num_threads(before)
+    assert identities["none", 2] != identities["none", 1]
+    assert identities["int8", 2] == identities["int8", 1]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("model", "quantization"), [("default", "auto"), ("default", "gguf"), ("default", "none"), ("gemma3-270m", "auto")]
-)
-def test_the_thread_count_changes_no_bit_of_the_logits(model: str, quantization: str):
+@pytest.mark.parametrize(("model", "quantization"), [("default", "auto"), ("default", "gguf"), ("gemma3-270m", "auto")])
+def test_the_thread_count_changes_no_bit_of_the_logits_of_a_model_that_shares_its_cores(model: str, quantization: str):
     """What lets the count change between steps: a cache computed on two threads, or a request
-    begun on them, continues on one with the numbers it would have had."""
+    begun on them, continues on one with the numbers it would have had. Checked on every model
+    whose count the worker changes (dense weights keep theirs: the test above)."""
     import torch
 
     from protocol.methods import LoadParams
@@ -206,6 +261,7 @@ def test_the_thread_count_changes_no_bit_of_the_logits(model: str, quantization:
 
     before = torch.get_num_threads()
     loaded = TransformersBackend().load(LoadParams(model=model, quantization=quantization), data_dir=default_data_dir())
+    assert loaded._cores is not None, "the worker changes this model's thread count"
     loaded._cores = None  # the test sets the count itself
     ids = loaded.tokenize("The history of the city of Rome begins with a small settlement by the river. " * 6, add_special_tokens=True)
     logits = {}

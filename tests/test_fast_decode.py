@@ -493,7 +493,7 @@ def test_a_cache_computed_on_a_gpu_is_another_identity_than_on_the_cpu(tiny_mode
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
     config._attn_implementation = hf_compat.ATTENTION
-    on_cpu = hf_compat.config_digest(config, device=backend._arithmetic_device("cpu"))
+    on_cpu = hf_compat.config_digest(config, device=backend._arithmetic_device("cpu", native=True))
     gpus = {hf_compat.config_digest(config, device=gpu) for gpu in ("cuda NVIDIA H200", "cuda NVIDIA A100", "mps")}
     assert on_cpu == hf_compat.config_digest(config)
     assert len(gpus) == 3 and on_cpu not in gpus

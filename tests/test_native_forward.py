@@ -238,7 +238,7 @@ def test_the_cache_identity_names_the_native_pass_and_a_model_without_it_keeps_a
     """The native pass gives a position other last bits than PyTorch's operations: a cache
     computed with one must not be read as the other's. Where native_forward.c cannot be built
     the model keeps PyTorch's operations, and the log says why."""
-    from worker.backends.transformers import exact_attention, hf_compat, native_forward
+    from worker.backends.transformers import backend, exact_attention, hf_compat, native_forward
     from worker.backends.transformers.decode_step import DecodeStep
 
     native = load(tiny_model_dir, tmp_path)
@@ -254,7 +254,9 @@ def test_the_cache_identity_names_the_native_pass_and_a_model_without_it_keeps_a
     with caplog.at_level(logging.WARNING):
         without = load(tiny_model_dir, tmp_path)
     assert type(without._decode_step) is DecodeStep
-    assert without.cache_identity().config_sha256 == hf_compat.config_digest(config, products)
+    assert without.cache_identity().config_sha256 == hf_compat.config_digest(
+        config, products, device=backend._arithmetic_device("cpu", native=False)
+    )
     assert "could not build native_forward.c" in caplog.text
 
 

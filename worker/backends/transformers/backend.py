@@ -194,6 +194,8 @@ class TransformersModel:
         self, params: LoadParams, path: Path, model: PreTrainedModel, tokenizer, identity: Identity, device: str,
         dtype: str, quantization: str, started: float,
     ):
+        import torch
+
         from worker.backends.transformers import decode_step, native_forward
 
         self._model: PreTrainedModel | None = model  # None once closed
@@ -211,7 +213,11 @@ class TransformersModel:
         self._chunk_decode_step = self._decode_step if quantization != "none" else None
         self._tokenizer = tokenizer
         self._device = device
-        self._cores = CoreShare() if device == "cpu" else None
+        # Only the native pass's numbers are the same on any thread count (torch_threads).
+        self._cores = CoreShare() if isinstance(self._decode_step, native_forward.NativeForward) else None
+        if self._cores is None and device == "cpu":
+            log.info("model threads: %d, kept (this model's passes multiply through PyTorch's libraries, "
+                     "whose last bits follow the thread count)", torch.get_num_threads())
         # Fast tokenizers may raise "Already borrowed" when shared between threads.
         self._lock = threading.Lock()
         config = model.config
@@ -582,7 +588,7 @@ def _identity(path: Path, model, tokenizer, dtype: str, quantization: str, devic
             config,
             fast_weights.int8_products() if quantization != "none" else None,
             native_forward.forward_name(config, dtype, quantization),
-            _arithmetic_device(device),
+            _arithmetic_device(device, native=native_forward.applies(config, dtype, quantization)),
         ),
         layers=config.num_hidden_layers,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
@@ -594,16 +600,22 @@ def _identity(path: Path, model, tokenizer, dtype: str, quantization: str, devic
     )
 
 
-def _arithmetic_device(device: str) -> str | None:
-    """The processor that computes a cache's numbers where it is not the CPU: a GPU's kernels
-    (and which kernels its libraries pick for its architecture) give a position other last bits
-    than the CPU's, so a cache made on one must not pass for one of the other."""
+def _arithmetic_device(device: str, *, native: bool) -> str | None:
+    """The processor that computes a cache's numbers where its kernels decide their last bits:
+    a GPU's (and which kernels its libraries pick for its architecture), or on the CPU, for a
+    pass other than the ``native`` one, the library products' thread count and processor
+    (torch_threads.library_arithmetic). The native pass's numbers are the same on every
+    processor and thread count: its caches keep the identity they always had."""
     import torch
+
+    from worker.backends.transformers.torch_threads import library_arithmetic
 
     kind = device.split(":")[0]
     if kind == "cuda":
         return f"cuda {torch.cuda.get_device_name(torch.device(device))}"
-    return None if kind == "cpu" else kind
+    if kind == "cpu":
+        return None if native else f"cpu {library_arithmetic()}"
+    return kind
 
 
 def _check_device(device: str) -> str:

@@ -14,10 +14,17 @@ A core another process keeps busy (the Node host, a build) hurts the same way: e
 small operations waits at its end for the thread that shares a core with that process, so
 decode on 2 cores with one kept busy ran at a quarter of its quiet speed (12 against 44–51
 tokens/s), and at 28–32 on one thread. :class:`CoreShare` measures how much of the cores
-others use and gives the model thread one thread fewer for each core they take. The thread
-count changes no number the model computes (the products split their outputs between
-threads, never a sum; the attention kernel fixes its order): a cache computed on two threads
-gives the same tokens on one.
+others use and gives the model thread one thread fewer for each core they take.
+
+It does so only for a model whose every pass is the worker's native pass (native_forward.c:
+the int8 and gguf products split their outputs between threads, never a sum, and the
+attention kernel fixes its order), where the thread count changes no number the model
+computes: a cache computed on two threads gives the same tokens on one. Any other pass
+(dense weights, transformers' forward, the layers' PyTorch operations) multiplies through a
+library whose order is its own: MKL's sgemm splits a product's inner dimension among threads
+on some processors (Intel's), so its last bits follow the thread count. Such a model keeps the
+count it was loaded with, and its cache identity names that count and the processor
+(:func:`library_arithmetic`), so a cache is read only where those numbers would be the same.
 """
 
 from __future__ import annotations
@@ -51,6 +58,30 @@ def threads_for(work: int) -> int:
     import torch
 
     return torch.get_num_threads() if work >= SHARE_FROM else 1
+
+
+def library_arithmetic() -> str:
+    """What a pass computed by library products depends on besides the model: the calling
+    thread's torch thread count (the model thread's, at load) and the processor, whose kind
+    picks the library's code paths."""
+    import torch
+
+    return f"{torch.get_num_threads()} threads on {processor_name()}"
+
+
+def processor_name() -> str:
+    """The processor's model name as /proc/cpuinfo gives it, else the platform's."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            for line in f:
+                key, _, value = line.partition(b":")
+                if key.strip() == b"model name":
+                    return value.strip().decode(errors="replace")
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def keep_to_one_thread() -> None:
