@@ -54,7 +54,7 @@ def tiny_thinking_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_gguf(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama test model as a .gguf file (loads read and dequantize it)."""
+    """The tiny Llama test model as a .gguf file, its matrices Q8_0 blocks (loads map them)."""
     from worker.backends.transformers.tiny_model import write_gguf
 
     return write_gguf(tiny_model_dir, tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf")

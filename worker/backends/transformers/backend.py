@@ -99,16 +99,75 @@ class TransformersBackend:
             _int8_kernel(data_dir)
             _native_forward(data_dir)
         path = _model_path(params.model, data_dir)
-        model, tokenizer = _load_pretrained(path, dtype, device, params.trust_remote_code, attention)
-        blocks = _gguf_blocks(model, _gguf_source(params.model, path), data_dir) if quantization == "gguf" else {}
-        if quantization == "gguf" and not blocks:
+        mapped = _mappable_gguf(params, path, dtype, data_dir)
+        if mapped is not None:
+            quantization = "gguf"
+            model, tokenizer = _load_mapped(mapped, attention, data_dir)
+        else:
+            model, tokenizer = _load_pretrained(path, dtype, device, params.trust_remote_code, attention)
+        blocks = _gguf_blocks(model, _gguf_source(params.model, path), data_dir) if quantization == "gguf" and mapped is None else {}
+        if quantization == "gguf" and mapped is None and not blocks:
             quantization = "int8"  # nothing of the file's own to keep: the rule for the other linears
         identity = _identity(path, model, tokenizer, dtype, quantization, device, data_dir / "digests")
-        if quantization != "none":
+        if quantization != "none" and mapped is None:
             from worker.backends.transformers.fast_weights import quantize
 
             quantize(model, "int8" if quantization == "gguf" else quantization, blocks)
         return TransformersModel(params, path, model, tokenizer, identity, device, dtype, quantization, started)
+
+
+def _mappable_gguf(params: LoadParams, path: Path, dtype: str, data_dir: Path):
+    """The gguf file mapped where the model is computed on its own blocks: a .gguf path on the
+    CPU in float32, ``quantization`` auto or gguf, an architecture gguf_model builds, and the
+    gguf kernel built; else None (transformers' loader takes the file, and the log says why).
+    A file that is not a gguf the reader takes is a load error naming what is wrong."""
+    from worker.backends.transformers import exact_attention, gguf_model, gguf_weights
+    from worker.gguf.reader import GgufError, read
+
+    if not (path.is_file() and path.suffix == ".gguf") or params.quantization not in ("auto", "gguf"):
+        return None
+    if params.device.split(":")[0] != "cpu" or dtype != "float32":
+        return None
+    try:
+        file = read(path)
+    except GgufError as exc:
+        raise RpcError(ErrorKind.MODEL_LOAD_FAILED, f"Could not load the model: {exc}",
+                       field="params.model") from exc
+    arch = gguf_model.architecture(file)
+    if arch is None:
+        log.warning("%s: a %r model is loaded by transformers' gguf loader (every tensor dequantized, then int8): "
+                    "lm-worker computes on a gguf's own blocks for %s", path, file.get("general.architecture", str, "?"),
+                    ", ".join(gguf_model.ARCHITECTURES))
+        file.close()
+        return None
+    try:
+        gguf_weights.load_kernel(data_dir)
+    except exact_attention.KernelUnavailable as exc:
+        log.warning("%s is dequantized by transformers' loader (the gguf kernel cannot be built): %s", path, exc)
+        file.close()
+        return None
+    return file
+
+
+def _load_mapped(file, attention: str, data_dir: Path):
+    """The model and tokenizer of a mapped gguf file (gguf_model); a file whose tensors do not
+    make the model its metadata describes is a load error naming the tensor."""
+    from worker.backends.transformers import gguf_model
+    from worker.backends.transformers.hf_compat import LOADING
+    from worker.fingerprint import digests
+    from worker.gguf.reader import GgufError
+
+    try:
+        config = gguf_model.config_of(file)
+        digest = digests([file.path], data_dir / "digests")[file.path]
+        with LOADING:  # from_config swaps process-wide state as from_pretrained does
+            tokenizer = gguf_model.tokenizer_of(file, data_dir / "gguf" / digest)
+            model = gguf_model.build(file, config, attention)
+    except GgufError as exc:
+        file.close()
+        raise RpcError(ErrorKind.MODEL_LOAD_FAILED, f"Could not load the model: {exc}",
+                       field="params.model") from exc
+    return model, tokenizer
 
 
 def _gguf_source(model: str, path: Path) -> Path | None:

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from worker import load_progress
-from worker.backends.transformers.gguf_weights import GgufLinear, float_rows_product, joined
+from worker.backends.transformers.gguf_weights import GgufLinear, float_rows_product
 
 if TYPE_CHECKING:
     from worker.backends.transformers.exact_attention import CFunction
@@ -245,7 +245,7 @@ def fused(linears: list[torch.nn.Module]):
     if not all(type(linear) is type(linears[0]) and linear.bias is None for linear in linears):
         return None
     if isinstance(linears[0], GgufLinear):
-        return joined(cast("list[GgufLinear]", linears))
+        return None  # joined blocks are a copy: a mapped file's weights would be resident twice
     if isinstance(linears[0], Int8Linear):
         return Int8Linear.joined(cast("list[Int8Linear]", linears))
     int4s = [linear for linear in linears if isinstance(linear, Int4Linear)]

@@ -11,7 +11,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
 os.environ.setdefault("TQDM_DISABLE", "1")  # gguf conversion draws raw tqdm bars on stderr
@@ -25,6 +25,9 @@ from transformers.modeling_utils import AttentionInterface  # noqa: E402
 
 from worker import load_progress  # noqa: E402
 from worker.kvcache.container import LayerKind  # noqa: E402
+
+if TYPE_CHECKING:
+    from worker.gguf.reader import GgufFile
 
 VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
 
@@ -395,3 +398,39 @@ def _gguf_tensors(tensors, **tqdm_options):
 # Where a version's gguf loading loops otherwise, its load shows no dequantizing stage.
 if getattr(modeling_gguf_pytorch_utils, "tqdm", None) is not None:
     setattr(modeling_gguf_pytorch_utils, "tqdm", _gguf_tensors)  # a name that module imports, not its own
+
+
+def gguf_config_keys(architecture: str) -> dict[str, str | None]:
+    """The metadata keys (after ``<architecture>.``) transformers reads a gguf's configuration
+    from, with the configuration's names for them."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    return dict(GGUF_CONFIG_MAPPING.get(architecture, {}))
+
+
+def gguf_tokenizer(file: GgufFile):
+    """The tokenizer a gguf file describes, built by transformers' gguf converter from the
+    metadata the worker's reader read (transformers' own reader parses every array again)."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    architecture = file.architecture
+    grouped: dict[str, dict] = {}
+    for group, renames in GGUF_TOKENIZER_MAPPING.items():
+        grouped[group] = {}
+        for key, name in renames.items():
+            full = f"tokenizer.{key}"
+            if full not in file.metadata:
+                continue
+            strings = file.strings(full) if key in ("ggml.tokens", "ggml.merges") else None
+            grouped[group][name] = strings if strings is not None else file.metadata[full]
+    tokenizer, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer.get("tokenizer_type") == "llama":
+        config.setdefault("add_bos_token", True)  # llama.cpp adds BOS to a sentencepiece vocabulary that does not say
+    tokens = tokenizer.get("tokens") or []
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unk_token_id"),
+                      ("pad_token", "pad_token_id")):
+        token_id = tokenizer.get(key)
+        config[name] = tokens[token_id] if isinstance(token_id, int) and 0 <= token_id < len(tokens) else None
+    backend, extra = convert_gguf_tokenizer(architecture, tokenizer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)

@@ -105,10 +105,11 @@ def build(
     return out
 
 
-def write_gguf(model_dir: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
-    """The tiny ``llama`` model of ``model_dir`` as a .gguf file of float32 tensors, laid out
-    as llama.cpp's converter writes one (its tokenizer as a GPT-2 BPE, query and key rows
-    permuted), so that a load reads and dequantizes it as it does a downloaded gguf."""
+def write_gguf(model_dir: str | os.PathLike[str], out: str | os.PathLike[str], matrices: int = 8) -> Path:
+    """The tiny ``llama`` model of ``model_dir`` as a .gguf file laid out as llama.cpp's
+    converter writes one (its tokenizer as a GPT-2 BPE, query and key rows permuted), its
+    matrices (the linears and the embedding) in blocks of ggml type ``matrices`` (Q8_0 unless
+    told; 0 keeps them float32) and its vectors float32, as a downloaded gguf holds them."""
     import json
 
     import gguf
@@ -148,7 +149,12 @@ def write_gguf(model_dir: str | os.PathLike[str], out: str | os.PathLike[str]) -
         if gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config.num_attention_heads if "attn_q" in gguf_name else config.num_key_value_heads
             tensor = tensor.reshape(heads, 2, tensor.shape[0] // heads // 2, *tensor.shape[1:]).swapaxes(1, 2).reshape(tensor.shape)
-        writer.add_tensor(gguf_name, np.ascontiguousarray(tensor, dtype=np.float32))
+        tensor = np.ascontiguousarray(tensor, dtype=np.float32)
+        if tensor.ndim == 2 and matrices:
+            kind = gguf.GGMLQuantizationType(matrices)
+            writer.add_tensor(gguf_name, gguf.quants.quantize(tensor, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(gguf_name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,0 +1,254 @@
+"""A gguf file loaded from its own blocks, mapped (worker/gguf/reader.py, gguf_model.py): the
+header read with bounds and checked against the file, the model built with no float copy of its
+matrices, the same numbers as the file's blocks dequantized, and hostile files refused at once
+with a load error naming what is wrong."""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_transformers_backend import generate
+from worker.gguf import reader
+from worker.gguf.reader import GgufError
+from worker.host import Host, WorkerError
+
+torch = pytest.importorskip("torch")
+gguf = pytest.importorskip("gguf")
+
+
+def write(path: Path, arch: str = "llama", metadata=(), tensors=()) -> Path:
+    """A gguf file of the given metadata ((key, writer method, value)) and float32 tensors."""
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, method, value in metadata:
+        getattr(writer, method)(key, value)
+    for name, shape in tensors:
+        writer.add_tensor(name, np.zeros(shape, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_the_reader_finds_the_tensors_and_metadata_gguf_s_own_reader_finds(tiny_gguf: Path):
+    mine = reader.read(tiny_gguf)
+    theirs = gguf.GGUFReader(tiny_gguf)
+    assert {t.name: (t.data_offset, t.n_bytes, tuple(int(x) for x in t.shape)) for t in theirs.tensors} == {
+        t.name: (t.offset, t.size, t.shape) for t in mine.tensors.values()
+    }
+    assert mine.get("llama.block_count", int) == 2
+    assert mine.strings("tokenizer.ggml.tokens") == [str(bytes(theirs.fields["tokenizer.ggml.tokens"].parts[i]), "utf-8")
+                                                     for i in theirs.fields["tokenizer.ggml.tokens"].data]
+    with pytest.raises(GgufError, match="llama.block_count is int"):
+        mine.get("llama.block_count", str)
+
+
+def header(count_field: bytes, *, version: int = 3, tensors: int = 0, keys: int = 1) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", version, tensors, keys) + count_field
+
+
+def key(name: str) -> bytes:
+    return struct.pack("<Q", len(name)) + name.encode()
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b"GGML" + bytes(20), "not a gguf file"),
+        (header(b"", version=1), "gguf version 1"),
+        (header(b"", keys=1 << 40), "metadata entries, more than"),
+        (header(b"", tensors=1 << 40), "tensors, more than"),
+        (header(key("a") + struct.pack("<IIQ", 9, 4, 10_000_000)), "more than the file holds"),  # 10 M uint32s in 50 bytes
+        (header(key("a") + struct.pack("<IIQ", 9, 8, 5_000_000)), "5000000 strings, more than 4194304"),
+        (header(struct.pack("<Q", 1 << 62)), "a metadata key is 4611686018427387904 bytes long"),
+        (header(key("a") + struct.pack("<I", 77)), "value type 77"),
+        (header(key("a") + struct.pack("<IQ", 8, 10)), "more than the file holds"),
+        (header(key("a") + struct.pack("<I", 4)), "truncated"),
+    ],
+    ids=["magic", "version", "keys", "tensors", "array-past-the-end", "array-count", "key-length", "value-type",
+         "string-past-the-end", "truncated"],
+)
+def test_a_hostile_header_is_refused_at_once_naming_what_is_wrong(tmp_path: Path, content: bytes, says: str):
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(content)
+    started = time.monotonic()
+    with pytest.raises(GgufError, match=says):
+        reader.read(path)
+    assert time.monotonic() - started < 1
+
+
+def test_an_array_of_millions_of_strings_is_walked_within_bounds_not_held(tmp_path: Path):
+    path = tmp_path / "many.gguf"
+    count = 4_000_000
+    path.write_bytes(header(key("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, count) + bytes(8 * count)))
+    read = reader.read(path)
+    assert read.metadata["tokenizer.ggml.tokens"] == reader.Strings(count, 24 + 8 + 21 + 4 + 12)
+
+
+def test_tensors_past_the_end_overlapping_or_of_no_type_are_refused(tmp_path: Path):
+    good = write(tmp_path / "good.gguf", tensors=[("a", (4, 32)), ("b", (4, 32))])
+    data = good.read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(data[:-100])
+    with pytest.raises(GgufError, match="tensor b's data .* past the end of the file: truncated"):
+        reader.read(truncated)
+    info = reader.read(good).tensors
+    table = data.index(b"\x01\x00\x00\x00\x00\x00\x00\x00b")  # tensor b's name in the table
+    overlapping = bytearray(data)
+    offset_at = table + 9 + 4 + 16 + 4
+    struct.pack_into("<Q", overlapping, offset_at, info["a"].offset - info["b"].offset + struct.unpack_from("<Q", data, offset_at)[0] + 32)
+    (tmp_path / "overlap.gguf").write_bytes(overlapping)
+    with pytest.raises(GgufError, match="overlap"):
+        reader.read(tmp_path / "overlap.gguf")
+    typeless = bytearray(data)
+    struct.pack_into("<I", typeless, table + 9 + 4 + 16, 200)
+    (tmp_path / "typeless.gguf").write_bytes(typeless)
+    with pytest.raises(GgufError, match="ggml type 200"):
+        reader.read(tmp_path / "typeless.gguf")
+
+
+def test_a_fifo_is_refused_not_waited_on(tmp_path: Path):
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="not a regular file"):
+        reader.read(fifo)
+
+
+def load(path: Path, data_dir: Path, **params):
+    from protocol.methods import LoadParams
+    from worker.backends.transformers.backend import TransformersBackend
+
+    return TransformersBackend().load(LoadParams(model=str(path), **params), data_dir=data_dir)
+
+
+def test_a_gguf_loads_mapped_with_the_numbers_of_its_blocks_dequantized(tiny_gguf: Path, tmp_path: Path, monkeypatch):
+    """The mapped model and transformers' dequantized one with the same blocks in its linears
+    compute the same logits bit for bit; no matrix of the mapped one is a float copy."""
+    from worker.backends.transformers import backend, gguf_model
+    from worker.backends.transformers.gguf_weights import GgufLinear
+
+    mapped = load(tiny_gguf, tmp_path)
+    assert mapped.info.quantization == "gguf"
+    model = mapped._open_model
+    assert isinstance(model.model.embed_tokens, gguf_model.GgufEmbedding)
+    assert all(not isinstance(m, torch.nn.Linear) for m in model.modules())
+    linears = [m for m in model.modules() if isinstance(m, GgufLinear)]
+    assert len(linears) == 2 * 7 + 1
+    floats = sum(p.numel() for p in model.parameters())
+    assert floats == sum(p.numel() for n, p in model.named_parameters() if "norm" in n)  # vectors alone
+    monkeypatch.setattr(backend, "_mappable_gguf", lambda *args: None)
+    dequantized = load(tiny_gguf, tmp_path, quantization="gguf")
+    assert not isinstance(dequantized._open_model.model.embed_tokens, gguf_model.GgufEmbedding)
+    ids = mapped.tokenize("the quick brown fox jumps over the lazy dog", add_special_tokens=True)
+    with torch.inference_mode():
+        ours = mapped.forward_chunk(mapped.new_cache(), ids)
+        theirs = dequantized.forward_chunk(dequantized.new_cache(), ids)
+    assert torch.equal(ours, theirs)
+
+
+def test_the_tokenizer_is_built_once_and_kept_in_the_data_directory(tiny_gguf: Path, tmp_path: Path, monkeypatch):
+    from worker.backends.transformers import hf_compat
+
+    first = load(tiny_gguf, tmp_path)
+    kept = list((tmp_path / "gguf").iterdir())
+    assert len(kept) == 1 and (kept[0] / "tokenizer.json").is_file()
+
+    def not_again(file):
+        raise AssertionError("the tokenizer was built again")
+
+    monkeypatch.setattr(hf_compat, "gguf_tokenizer", not_again)
+    second = load(tiny_gguf, tmp_path)
+    text = "a red sun over <|im_end|> the sea"
+    assert second.tokenize(text, add_special_tokens=True) == first.tokenize(text, add_special_tokens=True)
+    assert second.info.has_chat_template and second.info.special_tokens == first.info.special_tokens
+
+
+def rewritten(source: Path, out: Path, *, drop: str = "", add: str = "", block_count: int | None = None,
+              reshape: str = "", kind: dict[str, int] | None = None) -> Path:
+    """``source`` written again with a tensor dropped, one added, one of another shape or type, or
+    another block count in its metadata."""
+    import numpy as np
+
+    original = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(str(out), "llama")
+    for field in original.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        if field.name == "llama.block_count" and block_count is not None:
+            value = block_count
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, vtype, sub_type=sub)
+    for tensor in original.tensors:
+        if tensor.name == drop:
+            continue
+        data = np.asarray(tensor.data)
+        raw = gguf.GGMLQuantizationType(tensor.tensor_type)
+        if tensor.name == reshape:
+            data, raw = np.zeros((int(tensor.shape[1]) + 32, int(tensor.shape[0])), np.float32), gguf.GGMLQuantizationType.F32
+        elif kind and tensor.name in kind:
+            floats = gguf.quants.dequantize(data, raw).reshape(int(tensor.shape[1]), int(tensor.shape[0]))
+            raw = gguf.GGMLQuantizationType(kind[tensor.name])
+            data = gguf.quants.quantize(floats, raw) if raw not in (0,) else floats
+        writer.add_tensor(tensor.name, data, raw_dtype=raw if raw != gguf.GGMLQuantizationType.F32 else None)
+    if add:
+        writer.add_tensor(add, np.zeros((4, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"drop": "blk.0.attn_q.weight"}, "the tensor blk.0.attn_q.weight is missing"),
+        ({"add": "blk.0.attn_extra.weight"}, "does not use: blk.0.attn_extra.weight"),
+        ({"reshape": "blk.1.ffn_up.weight"}, "blk.1.ffn_up.weight has the shape"),
+        ({"block_count": 1000}, "block_count says 1000 layers"),
+        ({"block_count": 1}, "block_count says 1 layers, and the file's tensors go past them"),
+        ({"kind": {"blk.0.ffn_down.weight": 2}}, "blk.0.ffn_down.weight is Q4_0, which lm-worker does not multiply"),
+    ],
+    ids=["missing", "extra", "misshapen", "block-count-high", "block-count-low", "type"],
+)
+async def test_a_gguf_whose_tensors_do_not_make_its_model_is_a_load_error_naming_the_tensor(
+    tiny_gguf: Path, tmp_path: Path, change: dict, says: str
+):
+    """Never a weight made up at random (two workers would compute two models under one
+    identity), never a loop over a thousand layers' names: -32002 within seconds."""
+    path = rewritten(tiny_gguf, tmp_path / "changed.gguf", **change)
+    host = await Host.start_in_process("--data-dir", str(tmp_path / "data"))
+    try:
+        started = time.monotonic()
+        with pytest.raises(WorkerError) as refused:
+            await host.call("load", {"model": str(path)}, timeout=120)
+        error = refused.value
+        assert error.code == -32002 and says in error.message and str(path) in error.message, error.message
+        assert time.monotonic() - started < 30
+        assert await host.call("capabilities")
+    finally:
+        await host.close()
+
+
+async def test_greedy_from_a_cache_of_a_mapped_gguf_equals_greedy_without_one(tiny_gguf: Path, tmp_path: Path):
+    host = await Host.start_in_process("--data-dir", str(tmp_path / "data"), "--cache-dir", str(tmp_path / "caches"))
+    try:
+        loaded = await host.call("load", {"model": str(tiny_gguf)}, timeout=120)
+        assert loaded["quantization"] == "gguf"
+        prompt = " ".join(["the history of the city begins with a small settlement by the river."] * 3)
+        await host.call("prefill", {"prompt": prompt, "cache": "ctx"}, timeout=60)
+        cached, _ = await generate(host, {"prompt": prompt + " And so", "max_tokens": 12, "temperature": 0, "cache": "ctx"})
+        plain, _ = await generate(host, {"prompt": prompt + " And so", "max_tokens": 12, "temperature": 0})
+        assert cached["tokens"] == plain["tokens"]
+        assert cached["usage"]["cache_read_tokens"] > 0
+    finally:
+        await host.close()

@@ -1,0 +1,287 @@
+"""A model built from a gguf file's own blocks, the file mapped: no float copy of a weight matrix,
+no conversion at each load.
+
+transformers' own gguf loader dequantizes every tensor to float32 (a 1.5B model peaked at
+10.9 GB) and the worker then quantized it again to int8; each load did all of it again. Here
+the file is mapped read-only (worker.gguf.reader, its header checked with bounds) and:
+
+- the configuration comes from the file's metadata (the keys transformers maps, hf_compat),
+- the tokenizer too, built once by transformers' gguf converter and kept in the data
+  directory under the file's digest (``DATA_DIR/gguf/<digest>/``), so later loads read it,
+- the model is made on PyTorch's meta device (no memory), and each linear becomes a
+  GgufLinear over the file's blocks as they lie in the mapping (Llama's q and k rows,
+  which the file keeps permuted for llama.cpp's rotary embedding, are the one copy), the
+  embedding a GgufEmbedding that widens only the rows a pass looks up, and the norms and
+  biases (vectors) float32 copies.
+
+Every tensor the architecture needs must be in the file with its shape, and the file must
+hold no tensor the model does not use (GgufError names it): a missing weight is never made
+up, so two workers loading a file always compute the same model.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from worker.backends.transformers import gguf_weights, hf_compat
+from worker.files import is_regular
+from worker.gguf.reader import GgufError, GgufFile, TensorInfo
+from worker.gguf.types import BF16, F16, F32, TYPES, type_name
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+# gguf's general.architecture: transformers' model_type, for the architectures built here
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text", "phi3": "phi3"}
+# Tensors a file may hold beyond the model's parameters, and what is done with them.
+_ROPE_FREQUENCIES = "rope_freqs.weight"  # Llama 3.1's scaled frequencies: divide the rotary ones
+_FLOAT_TYPES = (F32, F16, BF16)
+# Layers' count bounds a header's block_count before any name is made from it.
+MAX_LAYERS = 1024
+
+
+def architecture(file: GgufFile) -> str | None:
+    """transformers' model_type for the file's architecture where this module builds it."""
+    return ARCHITECTURES.get(file.get("general.architecture", str, "") or "")
+
+
+def config_of(file: GgufFile) -> PretrainedConfig:
+    """The model's configuration from the file's metadata, checked against its tensors."""
+    from transformers import AutoConfig
+
+    arch = file.architecture
+    model_type = ARCHITECTURES[arch]
+    values: dict[str, Any] = {}
+    for suffix, name in hf_compat.gguf_config_keys(arch).items():
+        value = file.get(f"{arch}.{suffix}", (int, float))
+        if value is not None and name is not None:
+            values[name] = value
+    layers = values.get("num_hidden_layers")
+    if not isinstance(layers, int) or not 1 <= layers <= MAX_LAYERS:
+        raise GgufError(f"{file.path}: {arch}.block_count is {layers!r}, not a layer count from 1 to {MAX_LAYERS}")
+    present = sum(1 for name in file.tensors if name.startswith(f"blk.{layers - 1}."))
+    beyond = sum(1 for name in file.tensors if name.startswith(f"blk.{layers}."))
+    if not present or beyond:
+        raise GgufError(f"{file.path}: {arch}.block_count says {layers} layers, and the file's tensors "
+                        f"{'have none for layer ' + str(layers - 1) if not present else 'go past them'}")
+    for name in ("hidden_size", "num_attention_heads", "intermediate_size"):
+        if not isinstance(values.get(name), int) or values[name] <= 0:
+            raise GgufError(f"{file.path}: the metadata has no positive {name} ({arch}.*)")
+    values["tie_word_embeddings"] = "output.weight" not in file.tensors
+    embedding = file.tensors.get("token_embd.weight")
+    if embedding is None or len(embedding.shape) != 2:
+        raise GgufError(f"{file.path}: no token_embd.weight matrix")
+    values["vocab_size"] = embedding.shape[1]
+    if model_type == "llama" and "mistral" in str(file.get("general.name", str, "")).lower():
+        model_type = "mistral"
+    if model_type == "gemma3_text":
+        values.setdefault("head_dim", file.get("gemma3.attention.key_length", int))
+    return AutoConfig.for_model(model_type, **{k: v for k, v in values.items() if v is not None})
+
+
+def tokenizer_of(file: GgufFile, kept: Path):
+    """The file's tokenizer: the one kept in ``kept`` (a directory the data directory holds), else
+    built from the metadata and kept there (written beside and renamed into place)."""
+    from transformers import AutoTokenizer
+
+    if is_regular(kept / "tokenizer_config.json"):
+        try:
+            return AutoTokenizer.from_pretrained(kept)
+        except Exception as exc:  # a damaged copy: build it again over it
+            log.warning("the kept tokenizer in %s does not load (%s: %s): built again", kept, type(exc).__name__, exc)
+    tokenizer = hf_compat.gguf_tokenizer(file)
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=kept.parent))
+        tokenizer.save_pretrained(staging)
+        try:
+            os.replace(staging, kept)
+        except OSError:  # another worker kept it first, or a file is in the way
+            import shutil
+
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as exc:
+        log.warning("the tokenizer of %s is not kept in %s (%s): it is built again at each load", file.path, kept, exc)
+    return tokenizer
+
+
+# The types whose rows a lookup widens (gguf-py's numpy arithmetic; a lookup takes a pass's rows alone).
+WIDENED = frozenset(TYPES) - {9, 15, 39}  # Q8_1 and Q8_K are activations' types; MXFP4 needs a newer gguf-py
+
+
+def widened(kind: int, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of gguf blocks (uint8, (n, row bytes)) as float32 numbers, (n, inputs)."""
+    import gguf
+
+    return torch.from_numpy(gguf.quants.dequantize(rows.numpy(), gguf.GGMLQuantizationType(kind)).astype("float32", copy=False))
+
+
+class GgufEmbedding(torch.nn.Module):
+    """An embedding whose rows are gguf blocks: a lookup widens the rows it takes, times
+    ``scale`` where the model scales them (Gemma: √hidden, rounded as transformers rounds it)."""
+
+    def __init__(self, kind: int, blocks: torch.Tensor, hidden: int, scale: float | None = None) -> None:
+        super().__init__()
+        self.kind, self.embedding_dim, self.scale = kind, hidden, scale
+        self.num_embeddings = blocks.shape[0]
+        self.blocks = blocks  # a view of the mapping: never written, never saved
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = widened(self.kind, self.blocks[ids.reshape(-1)])
+        rows = rows.reshape(*ids.shape, self.embedding_dim)
+        return rows if self.scale is None else rows * torch.tensor(self.scale, dtype=rows.dtype)
+
+
+def build(file: GgufFile, config: PretrainedConfig, attention: str) -> PreTrainedModel:
+    """The model of ``config`` with the file's tensors in place; GgufError for a tensor missing,
+    left over, misshapen or of a type no kernel here multiplies."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    arch = file.architecture
+    config._attn_implementation = attention  # pyright: ignore[reportAttributeAccessIssue]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    used: set[str] = set()
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    for module_name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Linear):
+            source = "token_embd.weight" if tied and module_name == "lm_head" else _gguf_name(names, module_name, ".weight")
+            linear: torch.nn.Module = _linear(file, source, module, config, arch)
+            used.add(source)
+            if module.bias is not None:
+                bias = _gguf_name(names, module_name, ".bias")
+                linear = _BiasedGguf(linear, _vector(file, bias, module.out_features))
+                used.add(bias)
+            _set_module(model, module_name, linear)
+        elif isinstance(module, torch.nn.Embedding):
+            scale = None
+            if hasattr(module, "embed_scale"):  # Gemma's scaled embedding: √hidden in the model's dtype
+                scale = float(torch.tensor(math.sqrt(config.hidden_size), dtype=torch.float32))
+            _set_module(model, module_name, _embedding(file, "token_embd.weight", module, scale))
+            used.add("token_embd.weight")
+    for parameter_name, parameter in list(model.named_parameters()):
+        if not parameter.is_meta:
+            continue
+        module_name, _, kind = parameter_name.rpartition(".")
+        source = _gguf_name(names, module_name, f".{kind}")
+        vector = _vector(file, source, parameter.numel())
+        if arch == "gemma3" and kind == "weight" and "norm" in module_name:
+            vector = vector - 1  # the file keeps Gemma's norm scales as 1 + weight
+        _set_parameter(model, parameter_name, vector.reshape(parameter.shape))
+        used.add(source)
+    _rotary_on_cpu(model, config, file, used)
+    left = sorted(set(file.tensors) - used)
+    if left:
+        raise GgufError(f"{file.path}: the file holds tensors a {arch} model of this configuration does not use: "
+                        + ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else ""))
+    return model.eval()
+
+
+def _gguf_name(names, module_name: str, suffix: str) -> str:
+    found = names.get_name(module_name + suffix, try_suffixes=(suffix,))
+    if found is None:
+        raise GgufError(f"no gguf name for the model's {module_name}{suffix}")
+    return found
+
+
+def _tensor(file: GgufFile, name: str) -> TensorInfo:
+    tensor = file.tensors.get(name)
+    if tensor is None:
+        raise GgufError(f"{file.path}: the tensor {name} is missing")
+    return tensor
+
+
+def _rows(file: GgufFile, tensor: TensorInfo, outputs: int, inputs: int) -> torch.Tensor:
+    """The tensor's rows as (outputs, row bytes) uint8, a view of the mapping; GgufError where
+    its shape is not (inputs, outputs) as gguf lists it."""
+    if tensor.shape != ((inputs, outputs) if outputs > 1 else (inputs,)) and tensor.shape != (inputs, outputs):
+        raise GgufError(f"{file.path}: the tensor {tensor.name} has the shape {list(tensor.shape)}, "
+                        f"where the model needs {[inputs, outputs]}")
+    view = file.view(tensor)
+    import warnings
+
+    with warnings.catch_warnings():  # the mapping is read-only, and nothing writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(view, dtype=torch.uint8)
+    return flat.view(outputs, -1)
+
+
+def _linear(file: GgufFile, name: str, module: torch.nn.Linear, config, arch: str) -> torch.nn.Module:
+    tensor = _tensor(file, name)
+    rows = _rows(file, tensor, module.out_features, module.in_features)
+    if tensor.type not in gguf_weights.BLOCK_BYTES:
+        raise GgufError(
+            f"{file.path}: the tensor {name} is {type_name(tensor.type)}, which lm-worker does not multiply; "
+            f"it takes {', '.join(type_name(t) for t in sorted(gguf_weights.BLOCK_BYTES))}"
+        )
+    if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+        heads = config.num_attention_heads if name.endswith("attn_q.weight") else config.num_key_value_heads
+        rows = rows[torch.from_numpy(gguf_weights._unpermuted_rows(module.out_features, heads))]
+    return gguf_weights.GgufLinear(tensor.type, rows, module.in_features)
+
+
+def _embedding(file: GgufFile, name: str, module: torch.nn.Embedding, scale: float | None) -> GgufEmbedding:
+    tensor = _tensor(file, name)
+    if tensor.type not in WIDENED:
+        raise GgufError(f"{file.path}: the embedding {name} is {type_name(tensor.type)}, which lm-worker does not read")
+    return GgufEmbedding(tensor.type, _rows(file, tensor, module.num_embeddings, module.embedding_dim), module.embedding_dim, scale)
+
+
+def _vector(file: GgufFile, name: str, count: int) -> torch.Tensor:
+    """A norm's scales or a bias as float32 (a copy: they are small)."""
+    tensor = _tensor(file, name)
+    if tensor.type not in _FLOAT_TYPES or tensor.count != count:
+        raise GgufError(f"{file.path}: the tensor {name} is {type_name(tensor.type)} of shape {list(tensor.shape)}, "
+                        f"where the model needs {count} floats")
+    return widened(tensor.type, _rows(file, tensor, 1, count)).reshape(count)
+
+
+class _BiasedGguf(torch.nn.Module):
+    """A GgufLinear and its bias (Qwen2's q, k and v)."""
+
+    def __init__(self, linear: torch.nn.Module, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.linear = linear
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = torch.nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.bias
+
+
+def _set_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def _set_parameter(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, torch.nn.Parameter(value, requires_grad=False))
+
+
+def _rotary_on_cpu(model: torch.nn.Module, config, file: GgufFile, used: set[str]) -> None:
+    """The rotary embeddings made again off the meta device (their frequencies are computed, not
+    read), divided by the file's frequency factors where it has them (Llama 3.1's scaling)."""
+    for name, module in list(model.named_modules()):
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            rebuilt: Any = type(module)(config=config)
+            if _ROPE_FREQUENCIES in file.tensors:
+                factors = _vector(file, _ROPE_FREQUENCIES, rebuilt.inv_freq.numel())
+                rebuilt.inv_freq = rebuilt.inv_freq / factors
+                rebuilt.original_inv_freq = rebuilt.inv_freq
+                used.add(_ROPE_FREQUENCIES)
+            _set_module(model, name, rebuilt)
+    for name, buffer in model.named_buffers():
+        if buffer.is_meta:
+            raise GgufError(f"{file.path}: the model's {name} has no value (an architecture this loader does not build)")
