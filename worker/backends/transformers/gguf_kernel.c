@@ -1,24 +1,49 @@
-/* Products of a gguf file's own quantized weights (Q4_1, Q8_0 blocks, unchanged) with rows of
- * float32 activations, computed as llama.cpp's CPU backend computes them, so a model run
- * with them gives llama.cpp's numbers for its matrix products. gguf_weights.py explains why
- * the worker needs that and how it builds this file (as exact_attention.c).
+/* Products of a gguf file's own weights (its blocks, unchanged) with rows of float32
+ * activations, computed as llama.cpp's CPU backend computes them, so a model run with them
+ * gives llama.cpp's numbers for its matrix products. gguf_weights.py explains why the worker
+ * needs that and how it builds this file (as exact_attention.c).
  *
- * The blocks (ggml's layout, 32 weights each, fp16 numbers little-endian):
- *   Q4_1: d, m, then 16 bytes: byte j holds weight j (low nibble) and j + 16 (high); w = d·q + m.
- *   Q8_0: d, then 32 signed bytes; w = d·q.
- * An activation row is quantized first, per block of 32, as llama.cpp's quantize_row_q8_1
- * (for Q4_1 weights) and quantize_row_q8_0 (for Q8_0) do on x86: a = max |x|, d = a / 127,
- * q = x · (127 / a) rounded to nearest, ties to even; d is kept as fp16, and for Q8_1 also
- * s = fp16(d · sum of q).
- * One output number, a dot product of a weight row with a quantized activation row, in
- * ggml_vec_dot_q4_1_q8_1's (and ggml_vec_dot_q8_0_q8_0's) order: per block, the 32 integer
- * products are summed in 8 lanes of 4 consecutive weights (exact, integers); lane k adds
- * fma(d_w · d_x, lane sum, acc[k]); Q4_1 also sums m_w · s_x over the blocks in order; then
- * ((acc4 + acc0) + (acc6 + acc2)) + ((acc5 + acc1) + (acc7 + acc3)), plus that sum.
- * So an output row depends on its activation row alone, however many rows a call has.
- * The vector code below (AVX2, its byte products summed by AVX512-VNNI's one instruction where
- * the processor has it) and the plain C beside it give the same bits; fmaf rounds once
- * whatever the compiler's contraction setting.
+ * The blocks (ggml's layouts and type numbers; fp16 numbers little-endian; q an integer):
+ *   Q4_0 (2),  18 bytes per 32: d, 16 bytes: byte j holds q_j (low nibble), q_{j+16} (high); w = d·(q − 8).
+ *   Q4_1 (3),  20 bytes per 32: d, m, 16 bytes as Q4_0; w = d·q + m.
+ *   Q5_0 (6),  22 bytes per 32: d, 4 bytes qh (bit j: q_j's fifth bit), 16 bytes as Q4_0; w = d·(q − 16).
+ *   Q5_1 (7),  24 bytes per 32: d, m, qh, 16 bytes; w = d·q + m.
+ *   Q8_0 (8),  34 bytes per 32: d, 32 signed bytes; w = d·q.
+ *   Q4_K (12), 144 bytes per 256: d, dmin, 12 bytes of 6-bit scales sc_s and mins m_s of the
+ *     8 sub-blocks of 32 (ggml's get_scale_min_k4), 128 bytes: 32-byte chunk c holds sub-block
+ *     2c in its low nibbles, 2c + 1 in its high ones; w = d·sc_s·q − dmin·m_s.
+ *   Q5_K (13), 176 bytes per 256: d, dmin, the 12 bytes of scales and mins, 32 bytes qh (bit s of
+ *     byte l: the fifth bit of weight l of sub-block s), 128 bytes as Q4_K; w as Q4_K.
+ *   Q6_K (14), 210 bytes per 256: 128 bytes low nibbles, 64 bytes high bit pairs, 16 signed
+ *     8-bit scales of the 16 sub-blocks of 16, d; w = d·sc_s·(q − 32) (ggml's dequantize_row_q6_K).
+ *   F32 (0), F16 (1), BF16 (30): one number a weight, widened to float32 exactly.
+ *
+ * Activation rows are quantized first as llama.cpp does on x86: per block of 32, as
+ * quantize_row_q8_0 (for Q4_0, Q5_0, Q8_0) and quantize_row_q8_1 (for Q4_1, Q5_1): a = max |x|,
+ * d = a / 127, q = x · (127 / a) rounded to nearest, ties to even; d kept as fp16, and for Q8_1
+ * also s = fp16(d · sum of q); per block of 256 for the K types, as quantize_row_q8_K_ref: M the
+ * first x of the largest |x|, i = −127 / M, q = min(127, round(i · x)), d = 1 / i (float32), and
+ * the sums S_s of each 32 q. The float types' activations are taken as they are.
+ *
+ * One output, weight row · activation row, in ggml_vec_dot's AVX2 order (fmaf rounds once):
+ * - The 32-blocks (ggml_vec_dot_q4_0_q8_0 and its kin): per block the 32 integer products
+ *   q_w · q_x (q_w with Q4_0's and Q5_0's offsets taken off) are summed in 8 lanes of 4
+ *   consecutive weights (exact integers); lane k = fmaf(d_w · d_x, (float)lane sum, lane k).
+ *   Q4_1 and Q5_1 also sum m = m + m_w · s_x (a rounded product, then the sum) over the blocks
+ *   in order. The result: ((acc4 + acc0) + (acc6 + acc2)) + ((acc5 + acc1) + (acc7 + acc3)),
+ *   plus m for Q4_1 and Q5_1.
+ * - The K types (ggml_vec_dot_q4_K_q8_K and its kin): per superblock, 8 lanes: lane k the exact
+ *   integer sum over the positions p with (p mod 32) div 4 = k of sc(p) · q_w(p) · q_x(p) (sc(p)
+ *   the scale of p's sub-block; Q6_K's q_w − 32); lane k = fmaf(d_x · d_w, (float)lane, lane k).
+ *   Q4_K: 4 mins lanes, t = fmaf(−d_x · dmin_w, (float)(m_2t · S_2t + m_2t+1 · S_2t+1), t);
+ *   Q5_K: one sum, m = m + (−d_x · dmin_w) · (float)(sum of m_s · S_s). The result: the 8 lanes'
+ *   sum tree above, plus ((t0 + t2) + (t1 + t3)) for Q4_K, plus m for Q5_K.
+ * - The float types: 16 lanes, lane k = fmaf(w_j, x_j, lane k) for the inputs j with j mod 16 =
+ *   k, in input order; then s_k = l_k + l_k+8, t_k = s_k + s_k+4, u_k = t_k + t_k+2, u_0 + u_1.
+ *   (Not llama.cpp's: it rounds the activations to F16 or BF16 first.)
+ * So an output row depends on its activation row alone, however many rows a call has. The
+ * vector code below (AVX-512, AVX2, their byte products summed by AVX512-VNNI's instructions
+ * where the processor has them) and the plain C beside it give the same bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -29,17 +54,43 @@
 #define VECTOR 1
 #endif
 
+#define INLINE static inline __attribute__((always_inline)) /* specialized where called with constants */
 #define BLOCK 32
-#define Q4_1_BYTES 20
-#define Q8_0_BYTES 34
+#define SUPER 256
 #define ROWS_TOGETHER 16 /* weight rows one work item takes, against every activation row */
 
-enum { Q4_1 = 3, Q8_0 = 8 }; /* ggml's type numbers */
+enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
 
-typedef struct {
+/* Bytes per block of a type (and its weights per block), 0 for a type this kernel does not take. */
+static int block_bytes(int type, int *weights) {
+    *weights = type == F32 || type == F16 || type == BF16   ? 1
+               : type == Q4_K || type == Q5_K || type == Q6_K ? SUPER
+                                                              : BLOCK;
+    switch (type) {
+    case F32: return 4;
+    case F16: case BF16: return 2;
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+typedef struct { /* an activation block of 32 (Q8_0, Q8_1) */
     float d, s;     /* fp16 values, widened */
     int8_t q[BLOCK];
 } xblock;
+
+typedef struct __attribute__((aligned(32))) { /* an activation block of 256 (Q8_K) */
+    int8_t q[SUPER];
+    int16_t sums[8]; /* of each 32 q */
+    float d;
+} kblock;
 
 static inline float half_to_float(const uint8_t *p) {
     _Float16 h;
@@ -48,6 +99,9 @@ static inline float half_to_float(const uint8_t *p) {
 }
 
 static inline float rounded_to_half(float x) { return (float)(_Float16)x; }
+
+static inline int signed_offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0; }
+static inline int has_min(int type) { return type == Q4_1 || type == Q5_1; }
 
 static void quantize_row(const float *x, int64_t blocks, xblock *out) {
     for (int64_t b = 0; b < blocks; b++, x += BLOCK) {
@@ -66,8 +120,67 @@ static void quantize_row(const float *x, int64_t blocks, xblock *out) {
     }
 }
 
+static void quantize_row_k(const float *x, int64_t supers, kblock *out) {
+    for (int64_t b = 0; b < supers; b++, x += SUPER) {
+        float largest = 0.0f, extreme = 0.0f;
+        for (int i = 0; i < SUPER; i++) {
+            const float a = fabsf(x[i]);
+            if (a > largest) { largest = a; extreme = x[i]; }
+        }
+        memset(&out[b], 0, sizeof out[b]);
+        if (largest == 0.0f) continue;
+        const float inverse = -127.0f / extreme;
+        for (int i = 0; i < SUPER; i++) {
+            const int q = (int)nearbyintf(inverse * x[i]);
+            out[b].q[i] = (int8_t)(q < 127 ? q : 127);
+            out[b].sums[i / BLOCK] += out[b].q[i];
+        }
+        out[b].d = 1.0f / inverse;
+    }
+}
+
+/* Q4_K's and Q5_K's 12 bytes as 8 scales then 8 mins, a byte each (llama.cpp's unpacking). */
+static inline void scales_and_mins(const uint8_t *packed, uint32_t u[4]) {
+    const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+    memcpy(u, packed, 12);
+    u[3] = ((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4);
+    const uint32_t mins = u[1] & six;
+    u[1] = (u[2] & four) | (((u[0] >> 6) & two) << 4);
+    u[2] = mins;
+    u[0] &= six;
+}
+
 static inline float lanes_sum(const float acc[8]) {
     return ((acc[4] + acc[0]) + (acc[6] + acc[2])) + ((acc[5] + acc[1]) + (acc[7] + acc[3]));
+}
+
+static inline float mins_sum(const float m[4]) { return (m[0] + m[2]) + (m[1] + m[3]); }
+
+static inline float float_lanes_sum(const float l[16]) {
+    float s[8], t[4];
+    for (int k = 0; k < 8; k++) s[k] = l[k] + l[k + 8];
+    for (int k = 0; k < 4; k++) t[k] = s[k] + s[k + 4];
+    return (t[0] + t[2]) + (t[1] + t[3]);
+}
+
+/* Weight j of a float type's row, widened. */
+static inline float widened(int type, const uint8_t *w, int64_t j) {
+    if (type == F16) return half_to_float(w + 2 * j);
+    float f;
+    if (type == F32) {
+        memcpy(&f, w + 4 * j, sizeof f);
+    } else {
+        const uint32_t bits = (uint32_t)(w[2 * j] | w[2 * j + 1] << 8) << 16;
+        memcpy(&f, &bits, sizeof f);
+    }
+    return f;
+}
+
+/* The fmaf chains of the inputs past the last whole 16 (lane j mod 16), then the lanes' sum tree. */
+static inline float float_tail(int type, const uint8_t *w, const float *x, int64_t from, int64_t inputs,
+                               float lanes[16]) {
+    for (int64_t j = from; j < inputs; j++) lanes[j & 15] = fmaf(widened(type, w, j), x[j], lanes[j & 15]);
+    return float_lanes_sum(lanes);
 }
 
 #ifdef VECTOR
@@ -76,38 +189,91 @@ static inline float vector_sum(__m256 acc) {
     _mm256_storeu_ps(lanes, acc);
     return lanes_sum(lanes);
 }
+
+static inline float vector_mins_sum(__m128 acc) {
+    float m[4];
+    _mm_storeu_ps(m, acc);
+    return mins_sum(m);
+}
+
+#define AHEAD 2048 /* bytes of a weight row asked into L2 ahead of its products */
+/* On the first pass over its weights (`ahead`), a product asks the lines AHEAD bytes on into L2
+ * as it takes a block: the weights stream from memory once a call, and the processor's own
+ * prefetching leaves the core waiting on them while it multiplies (int8_kernel.c; here about
+ * 5% off Q8_0's 2 to 8 rows on weights from memory, nothing measurable for one row or the K
+ * types). A prefetch never faults, past the last row included. */
+static inline void ask_ahead(int ahead, const uint8_t *p, int64_t bytes) {
+    if (ahead)
+        for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(p + AHEAD + o), _MM_HINT_T1);
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+/* The sums of 4 consecutive products of unsigned by signed bytes, in 32-bit lanes: one
+ * instruction where the processor has it, else two (through 16-bit pair sums, which these
+ * never saturate: 2 · 31 · 127 at most); the same integers. And the same for 16-bit pairs
+ * times scales, added to the lanes. */
+#define LANE_SUMS(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+#define SCALED_SUMS(acc, scale, pairs) _mm256_dpwssd_epi32(acc, scale, pairs)
+#else
+#define LANE_SUMS(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+#define SCALED_SUMS(acc, scale, pairs) _mm256_add_epi32(acc, _mm256_madd_epi16(scale, pairs))
 #endif
 
-#ifdef VECTOR
+/* 16 packed bytes as 32: the low nibbles, then the high ones. */
+static inline __m256i nibbles(const uint8_t *p) {
+    const __m128i packed = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
+}
+
+static inline uint32_t bits32(const uint8_t *p) {
+    uint32_t bits;
+    memcpy(&bits, p, sizeof bits);
+    return bits;
+}
+
+/* Byte j is 0x10 where bit j of the 32 bits at p is set: Q5_0's and Q5_1's fifth bits. */
+static inline __m256i fifth_bits(const uint8_t *p) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_maskz_mov_epi8(bits32(p), _mm256_set1_epi8(0x10));
+#else
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits32(p)),
+                                               _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                                 0x0101010101010101, 0));
+    const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe); /* every bit but byte j's bit j mod 8 */
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1));
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+#endif
+}
+
+/* A 32-block's weights as bytes, in order: Q4_1's and Q5_1's unsigned, the others' signed (their
+ * offsets taken off). */
+static inline __m256i block_weights(int type, const uint8_t *w) {
+    switch (type) {
+    case Q8_0: return _mm256_loadu_si256((const __m256i *)(w + 2));
+    case Q4_0: return _mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8));
+    case Q4_1: return nibbles(w + 4);
+    case Q5_0: return _mm256_sub_epi8(_mm256_or_si256(nibbles(w + 6), fifth_bits(w + 2)), _mm256_set1_epi8(16));
+    default: return _mm256_or_si256(nibbles(w + 8), fifth_bits(w + 4)); /* Q5_1 */
+    }
+}
+
 /* One weight row against X activation rows (at most 4), each output with its own accumulators
  * fed in the order above: the weight block is unpacked once for all of them, and their X
  * accumulations are independent chains the processor overlaps. More weight rows at once were
  * slower inside the worker (up to three times for the output head; bench/README). */
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-/* The sums of 4 consecutive products of unsigned by signed bytes, in 32-bit lanes: one
- * instruction where the processor has it, else two (through 16-bit pair sums, which these
- * never saturate: 2 · 15 · 127 for Q4_1, 2 · 128 · 127 for Q8_0); the same integers. */
-#define LANE_SUMS(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
-#else
-#define LANE_SUMS(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones)
-#endif
-
-static inline __attribute__((always_inline)) void row_times(int type, const uint8_t *w, const xblock *x,
-                                                           int64_t blocks, int X, float *out, int64_t out_stride) {
+INLINE void row_times(int type, const uint8_t *w, int64_t bytes, const xblock *x, int64_t blocks, int X, float *out,
+                      int64_t out_stride, int ahead) {
     __m256 acc[4];
     float sum_m[4];
     for (int i = 0; i < X; i++) { acc[i] = _mm256_setzero_ps(); sum_m[i] = 0.0f; }
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i ones __attribute__((unused)) = _mm256_set1_epi16(1);
-    const int64_t step = type == Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
-    for (int64_t b = 0; b < blocks; b++, w += step) {
+    for (int64_t b = 0; b < blocks; b++, w += bytes) {
+        ask_ahead(ahead, w, bytes);
         __m256i qx[4];
         for (int i = 0; i < X; i++) qx[i] = _mm256_loadu_si256((const __m256i *)x[i * blocks + b].q);
         const float wd = half_to_float(w);
-        if (type == Q4_1) {
+        const __m256i qw = block_weights(type, w);
+        if (has_min(type)) {
             const float wm = half_to_float(w + 2);
-            const __m128i packed = _mm_loadu_si128((const __m128i *)(w + 4));
-            const __m256i qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
             for (int i = 0; i < X; i++) {
                 const xblock *xb = &x[i * blocks + b];
                 sum_m[i] += wm * xb->s;
@@ -115,7 +281,6 @@ static inline __attribute__((always_inline)) void row_times(int type, const uint
                 acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(wd * xb->d), lanes, acc[i]);
             }
         } else {
-            const __m256i qw = _mm256_loadu_si256((const __m256i *)(w + 2));
             const __m256i magnitude = _mm256_sign_epi8(qw, qw);
             for (int i = 0; i < X; i++) {
                 /* |w| times x with w's sign: unsigned by signed bytes, as ggml does */
@@ -124,50 +289,91 @@ static inline __attribute__((always_inline)) void row_times(int type, const uint
             }
         }
     }
-    for (int i = 0; i < X; i++) out[i * out_stride] = vector_sum(acc[i]) + sum_m[i];
+    for (int i = 0; i < X; i++)
+        out[i * out_stride] = has_min(type) ? vector_sum(acc[i]) + sum_m[i] : vector_sum(acc[i]);
+}
+
+/* The mins of a K superblock for each activation row (Q4_K: 4 lanes; Q5_K: one sum), in the
+ * order above. */
+INLINE void add_mins(int type, __m128i mins, float wdmin, const kblock *xb, __m128 *acc_m, float *sum_m) {
+    const __m128i products = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)xb->sums));
+    const float dmin = -xb->d * wdmin;
+    if (type == Q4_K) {
+        *acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(products), *acc_m);
+    } else {
+        const __m128i pairs = _mm_add_epi32(products, _mm_unpackhi_epi64(products, products));
+        *sum_m += dmin * (float)_mm_cvtsi128_si32(_mm_add_epi32(pairs, _mm_shuffle_epi32(pairs, 1)));
+    }
+}
+
+static inline float k_result(int type, __m256 acc, __m128 acc_m, float sum_m) {
+    return type == Q4_K   ? vector_sum(acc) + vector_mins_sum(acc_m)
+           : type == Q5_K ? vector_sum(acc) + sum_m
+                          : vector_sum(acc);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
 #define WIDE 1
 #define GROUP_ROWS 8 /* activation rows taken together: a pair of weight rows is unpacked once for 8 */
-/* Two weight rows, r and r + 1, against X activation rows (2 to 8), in 512-bit registers:
- * the low half of each holds row r's 8 lanes, the high half row r + 1's, and the activation
+/* Two rows' 16 packed bytes (at p, p1) as 64: row r's low nibbles, its high ones, then row r + 1's. */
+static inline __m512i pair_nibbles(const uint8_t *p, const uint8_t *p1) {
+    const __m512i twice = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);   /* [a, a, c, c] from [a, c] */
+    const __m512i shifts = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0); /* then the high nibbles of each second copy */
+    const __m256i packed = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)p1), _mm_loadu_si128((const __m128i *)p));
+    return _mm512_and_si512(_mm512_srlv_epi64(_mm512_permutexvar_epi64(twice, _mm512_castsi256_si512(packed)), shifts),
+                            _mm512_set1_epi8(0x0F));
+}
+
+/* Two rows' fifth bits (the 32 bits at p, then at p1) as 0x10 bytes. */
+static inline __m512i pair_fifth_bits(const uint8_t *p, const uint8_t *p1) {
+    return _mm512_maskz_mov_epi8((uint64_t)bits32(p) | (uint64_t)bits32(p1) << 32, _mm512_set1_epi8(0x10));
+}
+
+/* Two weight rows, r and r + apart, against X activation rows (2 to 8), in 512-bit registers:
+ * the low half of each holds row r's 8 lanes, the high half row r + apart's, and the activation
  * block sits in both halves. Each output's lanes, products and order are row_times's; only
  * the work around them is shared by two rows and X activation rows (a block's scales, the
- * weights' unpacking). `s` holds, per block, the X rows' sums (Q4_1's s, zeros past X), so
- * that both rows' terms m_w · s_x are one multiply and one add for every activation row. */
-static inline __attribute__((always_inline)) void row_pair_times(int type, const uint8_t *w, int64_t row_bytes,
-                                                                const xblock *x, const float *s, int64_t blocks,
-                                                                int X, float *out, int64_t out_stride) {
+ * weights' unpacking). `s` holds, per block, the X rows' sums (Q4_1's and Q5_1's s, zeros
+ * past X), so that both rows' terms m_w · s_x are one multiply and one add for every row. */
+INLINE void row_pair_times(int type, const uint8_t *w, const uint8_t *w1, int64_t apart, int64_t bytes,
+                           const xblock *x, const float *s, int64_t blocks, int X, float *out, int64_t out_stride,
+                           int ahead) {
     __m512 acc[GROUP_ROWS];
     for (int i = 0; i < X; i++) acc[i] = _mm512_setzero_ps();
-    __m512 sum_m = _mm512_setzero_ps(); /* lane i: row r with activation row i; lane 8 + i: row r + 1 */
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512i twice = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);   /* [a, a, c, c] from [a, c] */
-    const __m512i nibbles = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0); /* then the high nibbles of each second copy */
-    const int64_t step = type == Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
-    const uint8_t *w1 = w + row_bytes;
-    for (int64_t b = 0; b < blocks; b++, w += step, w1 += step) {
+    __m512 sum_m = _mm512_setzero_ps(); /* lane i: row r with activation row i; lane 8 + i: row r + apart */
+    for (int64_t b = 0; b < blocks; b++, w += bytes, w1 += bytes) {
+        ask_ahead(ahead, w, bytes);
+        ask_ahead(ahead, w1, bytes);
         const __m512 wd = _mm512_insertf32x8(_mm512_set1_ps(half_to_float(w)), _mm256_set1_ps(half_to_float(w1)), 1);
-        __m512i qw;
+        __m512i q;
+        switch (type) {
+        case Q8_0:
+            q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 2))),
+                                   _mm256_loadu_si256((const __m256i *)(w1 + 2)), 1);
+            break;
+        case Q4_0: q = _mm512_sub_epi8(pair_nibbles(w + 2, w1 + 2), _mm512_set1_epi8(8)); break;
+        case Q4_1: q = pair_nibbles(w + 4, w1 + 4); break;
+        case Q5_0:
+            q = _mm512_sub_epi8(_mm512_or_si512(pair_nibbles(w + 6, w1 + 6), pair_fifth_bits(w + 2, w1 + 2)),
+                                _mm512_set1_epi8(16));
+            break;
+        default: q = _mm512_or_si512(pair_nibbles(w + 8, w1 + 8), pair_fifth_bits(w + 4, w1 + 4)); /* Q5_1 */
+        }
         __mmask64 negative = 0;
-        if (type == Q4_1) {
-            const __m512 wm = _mm512_insertf32x8(_mm512_set1_ps(half_to_float(w + 2)), _mm256_set1_ps(half_to_float(w1 + 2)), 1);
-            sum_m = _mm512_add_ps(sum_m, _mm512_mul_ps(wm, _mm512_broadcast_f32x8(_mm256_loadu_ps(s + GROUP_ROWS * b))));
-            const __m256i packed = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(w1 + 4)),
-                                                    _mm_loadu_si128((const __m128i *)(w + 4)));
-            qw = _mm512_and_si512(_mm512_srlv_epi64(_mm512_permutexvar_epi64(twice, _mm512_castsi256_si512(packed)), nibbles), low);
+        if (has_min(type)) {
+            const __m512 wm = _mm512_insertf32x8(_mm512_set1_ps(half_to_float(w + 2)),
+                                                 _mm256_set1_ps(half_to_float(w1 + 2)), 1);
+            const __m512 sx = _mm512_broadcast_f32x8(_mm256_loadu_ps(s + GROUP_ROWS * b));
+            sum_m = _mm512_add_ps(sum_m, _mm512_mul_ps(wm, sx));
         } else {
-            const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 2))),
-                                                 _mm256_loadu_si256((const __m256i *)(w1 + 2)), 1);
             negative = _mm512_movepi8_mask(q);
-            qw = _mm512_abs_epi8(q); /* |w| times x with w's sign, as row_times (x is never -128) */
+            q = _mm512_abs_epi8(q); /* |w| times x with w's sign, as row_times (x is never -128) */
         }
         for (int i = 0; i < X; i++) {
             const xblock *xb = &x[i * blocks + b];
             __m512i qx = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xb->q));
-            if (type != Q4_1) qx = _mm512_mask_sub_epi8(qx, negative, _mm512_setzero_si512(), qx);
-            const __m512 lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), qw, qx));
+            if (!has_min(type)) qx = _mm512_mask_sub_epi8(qx, negative, _mm512_setzero_si512(), qx);
+            const __m512 lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, qx));
             acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(wd, _mm512_set1_ps(xb->d)), lanes, acc[i]);
         }
     }
@@ -175,142 +381,563 @@ static inline __attribute__((always_inline)) void row_pair_times(int type, const
     _mm512_storeu_ps(m, sum_m);
     for (int i = 0; i < X; i++) {
         _mm512_storeu_ps(lanes, acc[i]);
-        out[i * out_stride] = lanes_sum(lanes) + m[i];
-        out[i * out_stride + 1] = lanes_sum(lanes + 8) + m[8 + i];
+        out[i * out_stride] = has_min(type) ? lanes_sum(lanes) + m[i] : lanes_sum(lanes);
+        out[i * out_stride + apart] = has_min(type) ? lanes_sum(lanes + 8) + m[8 + i] : lanes_sum(lanes + 8);
     }
 }
-/* The Q4_1 sums s of each group of GROUP_ROWS activation rows (from row g), per block, side by
- * side, zeros past the last row: sums[g * blocks + GROUP_ROWS * b + k] is row g + k's. Made once
- * a call, for every work item. */
+/* The Q4_1 and Q5_1 sums s of each group of GROUP_ROWS activation rows (from row g), per block,
+ * side by side, zeros past the last row: sums[g * blocks + GROUP_ROWS * b + k] is row g + k's.
+ * Made once a call, for every work item. */
 static void group_sums(const xblock *x, int64_t n, int64_t blocks, float *sums) {
     for (int64_t g = 0; g < n; g += GROUP_ROWS)
         for (int64_t b = 0; b < blocks; b++)
             for (int64_t k = 0; k < GROUP_ROWS; k++)
                 sums[g * blocks + GROUP_ROWS * b + k] = g + k < n ? x[(g + k) * blocks + b].s : 0.0f;
 }
+
+#define K_ROWS 4 /* activation rows a K weight row is unpacked for at once */
+static const int16_t EIGHTHS[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                    2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+/* One K weight row against X activation rows (at most K_ROWS), 64 weights a 512-bit register:
+ * its 16 lanes of 4 products are each output's 8 lanes for two sub-blocks of 32 (or four of 16),
+ * added together at the end of the superblock (exact integers, so the same lanes). */
+INLINE void k_row_times(int type, const uint8_t *w, int64_t bytes, const kblock *x, int64_t supers, int X, float *out,
+                        int64_t out_stride, int ahead) {
+    __m256 acc[K_ROWS];
+    __m128 acc_m[K_ROWS];
+    float sum_m[K_ROWS];
+    for (int i = 0; i < X; i++) { acc[i] = _mm256_setzero_ps(); acc_m[i] = _mm_setzero_ps(); sum_m[i] = 0.0f; }
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i halves = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0); /* nibble shifts: low half 0, high half 4 */
+    const __m512i eighths = _mm512_loadu_si512(EIGHTHS); /* 16-bit lane t: t / 8 */
+    for (int64_t b = 0; b < supers; b++, w += bytes) {
+        ask_ahead(ahead, w, bytes);
+        __m512i sums[K_ROWS];
+        for (int i = 0; i < X; i++) sums[i] = _mm512_setzero_si512();
+        float wd, wdmin = 0.0f;
+        __m128i mins = _mm_setzero_si128();
+        if (type == Q6_K) {
+            wd = half_to_float(w + 208);
+            /* 16-bit lane t of register u (64 weights) takes sub-block 4u + t / 8's scale */
+            const __m128i bytes16 = _mm_loadu_si128((const __m128i *)(w + 192));
+            const __m512i scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(bytes16));
+            const __m512i m32 = _mm512_set1_epi8(32);
+            for (int h = 0; h < 2; h++) {
+                const __m512i ql = _mm512_loadu_si512(w + 64 * h);
+                const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h)));
+                for (int v = 0; v < 2; v++) {
+                    /* weights 64v + l (l < 32): bits 4v of byte l, 32 + l: bits 4v + 2 */
+                    const __m512i nib = _mm512_and_si512(v ? _mm512_srli_epi16(ql, 4) : ql, low);
+                    const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(4 * v), _mm256_set1_epi16(4 * v + 2), 1);
+                    const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(qh, shift), _mm512_set1_epi8(3));
+                    const __m512i q = _mm512_or_si512(nib, _mm512_slli_epi16(high, 4));
+                    const __m512i which = _mm512_add_epi16(eighths, _mm512_set1_epi16(4 * (2 * h + v)));
+                    const __m512i scale = _mm512_permutexvar_epi16(which, scales);
+                    for (int i = 0; i < X; i++) {
+                        const __m512i qx = _mm512_loadu_si512(x[i * supers + b].q + 128 * h + 64 * v);
+                        const __m512i pairs =
+                            _mm512_sub_epi16(_mm512_maddubs_epi16(q, qx), _mm512_maddubs_epi16(m32, qx));
+                        sums[i] = _mm512_dpwssd_epi32(sums[i], scale, pairs);
+                    }
+                }
+            }
+        } else {
+            wd = half_to_float(w);
+            wdmin = half_to_float(w + 2);
+            uint32_t u[4];
+            scales_and_mins(w + 4, u);
+            const __m128i both = _mm_loadu_si128((const __m128i *)u);
+            mins = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(both, both));
+            const __m512i scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(both));
+            const uint8_t *qs = w + (type == Q4_K ? 16 : 48);
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 16)));
+            for (int c = 0; c < 4; c++) { /* sub-blocks 2c (low nibbles) and 2c + 1 (high) */
+                const __m512i packed = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+                __m512i q = _mm512_and_si512(_mm512_srlv_epi64(packed, halves), low);
+                if (type == Q5_K) {
+                    const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << 2 * c)),
+                                                           _mm256_set1_epi8((char)(2 << 2 * c)), 1);
+                    const __mmask64 set = _mm512_test_epi8_mask(qh, bit);
+                    q = _mm512_or_si512(q, _mm512_maskz_mov_epi8(set, _mm512_set1_epi8(0x10)));
+                }
+                const __m512i which = _mm512_add_epi16(_mm512_srli_epi16(eighths, 1), _mm512_set1_epi16(2 * c));
+                const __m512i scale = _mm512_permutexvar_epi16(which, scales);
+                for (int i = 0; i < X; i++) {
+                    const __m512i qx = _mm512_loadu_si512(x[i * supers + b].q + 64 * c);
+                    sums[i] = _mm512_dpwssd_epi32(sums[i], scale, _mm512_maddubs_epi16(q, qx));
+                }
+            }
+        }
+        for (int i = 0; i < X; i++) {
+            const kblock *xb = &x[i * supers + b];
+            const __m256i lanes =
+                _mm256_add_epi32(_mm512_castsi512_si256(sums[i]), _mm512_extracti64x4_epi64(sums[i], 1));
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(xb->d * wd), _mm256_cvtepi32_ps(lanes), acc[i]);
+            if (type != Q6_K) add_mins(type, mins, wdmin, xb, &acc_m[i], &sum_m[i]);
+        }
+    }
+    for (int i = 0; i < X; i++) out[i * out_stride] = k_result(type, acc[i], acc_m[i], sum_m[i]);
+}
 #else
 #define GROUP_ROWS 4
+#define K_ROWS 4
+/* One K weight row against X activation rows (at most K_ROWS), 32 weights a register (one
+ * sub-block of 32 or two of 16): its 8 lanes of 4 products are each output's lanes. */
+INLINE void k_row_times(int type, const uint8_t *w, int64_t bytes, const kblock *x, int64_t supers, int X, float *out,
+                        int64_t out_stride, int ahead) {
+    __m256 acc[K_ROWS];
+    __m128 acc_m[K_ROWS];
+    float sum_m[K_ROWS];
+    for (int i = 0; i < X; i++) { acc[i] = _mm256_setzero_ps(); acc_m[i] = _mm_setzero_ps(); sum_m[i] = 0.0f; }
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < supers; b++, w += bytes) {
+        ask_ahead(ahead, w, bytes);
+        __m256i sums[K_ROWS];
+        for (int i = 0; i < X; i++) sums[i] = _mm256_setzero_si256();
+        float wd, wdmin = 0.0f;
+        __m128i mins = _mm_setzero_si128();
+        if (type == Q6_K) {
+            wd = half_to_float(w + 208);
+            const int8_t *sc = (const int8_t *)(w + 192);
+            const __m256i m32 = _mm256_set1_epi8(32);
+            for (int h = 0; h < 2; h++) {
+                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(w + 64 * h));
+                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+                /* weights 32v + l: nibble v / 2 of ql[l + 32 (v mod 2)], bits 2v of qh[l] */
+                for (int v = 0; v < 4; v++) {
+                    const __m256i bits = v & 1 ? ql1 : ql0;
+                    const __m256i nib = _mm256_and_si256(v & 2 ? _mm256_srli_epi16(bits, 4) : bits, low);
+                    const __m256i shifted = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * v));
+                    const __m256i high = _mm256_and_si256(shifted, _mm256_set1_epi8(3));
+                    const __m256i q = _mm256_or_si256(nib, _mm256_slli_epi16(high, 4));
+                    const int s = 8 * h + 2 * v;
+                    const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[s + 1]), _mm_set1_epi16(sc[s]));
+                    for (int i = 0; i < X; i++) {
+                        const int8_t *xq = x[i * supers + b].q + 128 * h + 32 * v;
+                        const __m256i qx = _mm256_loadu_si256((const __m256i *)xq);
+                        const __m256i pairs =
+                            _mm256_sub_epi16(_mm256_maddubs_epi16(q, qx), _mm256_maddubs_epi16(m32, qx));
+                        sums[i] = SCALED_SUMS(sums[i], scale, pairs);
+                    }
+                }
+            }
+        } else {
+            wd = half_to_float(w);
+            wdmin = half_to_float(w + 2);
+            uint32_t u[4];
+            scales_and_mins(w + 4, u);
+            const uint8_t *sc = (const uint8_t *)u;
+            mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(u + 2)));
+            const uint8_t *qs = w + (type == Q4_K ? 16 : 48);
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
+            for (int c = 0; c < 4; c++) { /* sub-blocks 2c (low nibbles) and 2c + 1 (high) */
+                const __m256i bits = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                __m256i q[2] = {_mm256_and_si256(bits, low), _mm256_and_si256(_mm256_srli_epi16(bits, 4), low)};
+                for (int half = 0; half < 2 && type == Q5_K; half++) {
+                    const __m256i shifted = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c + half));
+                    const __m256i fifth = _mm256_and_si256(shifted, _mm256_set1_epi8(1));
+                    q[half] = _mm256_or_si256(q[half], _mm256_slli_epi16(fifth, 4));
+                }
+                for (int half = 0; half < 2; half++) {
+                    const __m256i scale = _mm256_set1_epi16(sc[2 * c + half]);
+                    for (int i = 0; i < X; i++) {
+                        const int8_t *xq = x[i * supers + b].q + 64 * c + 32 * half;
+                        const __m256i qx = _mm256_loadu_si256((const __m256i *)xq);
+                        sums[i] = SCALED_SUMS(sums[i], scale, _mm256_maddubs_epi16(q[half], qx));
+                    }
+                }
+            }
+        }
+        for (int i = 0; i < X; i++) {
+            const kblock *xb = &x[i * supers + b];
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(xb->d * wd), _mm256_cvtepi32_ps(sums[i]), acc[i]);
+            if (type != Q6_K) add_mins(type, mins, wdmin, xb, &acc_m[i], &sum_m[i]);
+        }
+    }
+    for (int i = 0; i < X; i++) out[i * out_stride] = k_result(type, acc[i], acc_m[i], sum_m[i]);
+}
 #endif
 
 /* Weight rows [first, last) against activation rows [0, n), GROUP_ROWS activation rows at a
- * time; `sums` holds each group's Q4_1 sums as row_pair_times takes them (group_sums). */
-static void rows_times(int type, const uint8_t *w, int64_t row_bytes, const xblock *x, const float *sums,
-                       int64_t blocks, int64_t first, int64_t last, int64_t n, float *out, int64_t outputs) {
+ * time; `sums` holds each group's Q4_1 and Q5_1 sums as row_pair_times takes them (group_sums). */
+INLINE void rows_times(int type, const uint8_t *w, int64_t row_bytes, int64_t bytes, const xblock *x,
+                       const float *sums, int64_t blocks, int64_t first, int64_t last, int64_t n, float *out,
+                       int64_t outputs) {
     for (int64_t i = 0; i < n; i += GROUP_ROWS) {
         const int64_t left = n - i < GROUP_ROWS ? n - i : GROUP_ROWS;
         const xblock *xs = x + i * blocks;
         int64_t r = first;
 #ifdef WIDE
         /* Pairs of weight rows where there are several activation rows to share them (for one,
-         * a pair's extra setup costs more than it saves). */
+         * a pair's extra setup costs more than it saves): row r of the item's first half with
+         * its row in the second half, so that each half is read as one stream from memory.
+         * Pairs of neighbouring rows, two streams that jump a row at each pair, were as fast on
+         * weights in cache but 2.4 times as slow on weights from memory (Q8_0, 896 × 4864, 2
+         * activation rows: 0.55 against 0.23 ms; 4 rows 0.70 against 0.43). */
         const float *s = sums + i * blocks;
-        for (; left > 1 && r + 1 < last; r += 2) {
-            const uint8_t *row = w + r * row_bytes;
+        const int64_t half = left > 1 ? (last - first) / 2 : 0;
+        for (; r < first + half; r++) {
+            const uint8_t *row = w + r * row_bytes, *other = row + half * row_bytes;
             float *o = out + i * outputs + r;
             switch (left) { /* a constant X for each, so that the accumulators stay in registers */
-            case 8: row_pair_times(type, row, row_bytes, xs, s, blocks, 8, o, outputs); break;
-            case 7: row_pair_times(type, row, row_bytes, xs, s, blocks, 7, o, outputs); break;
-            case 6: row_pair_times(type, row, row_bytes, xs, s, blocks, 6, o, outputs); break;
-            case 5: row_pair_times(type, row, row_bytes, xs, s, blocks, 5, o, outputs); break;
-            case 4: row_pair_times(type, row, row_bytes, xs, s, blocks, 4, o, outputs); break;
-            case 3: row_pair_times(type, row, row_bytes, xs, s, blocks, 3, o, outputs); break;
-            default: row_pair_times(type, row, row_bytes, xs, s, blocks, 2, o, outputs);
+            case 8: row_pair_times(type, row, other, half, bytes, xs, s, blocks, 8, o, outputs, i == 0); break;
+            case 7: row_pair_times(type, row, other, half, bytes, xs, s, blocks, 7, o, outputs, i == 0); break;
+            case 6: row_pair_times(type, row, other, half, bytes, xs, s, blocks, 6, o, outputs, i == 0); break;
+            case 5: row_pair_times(type, row, other, half, bytes, xs, s, blocks, 5, o, outputs, i == 0); break;
+            case 4: row_pair_times(type, row, other, half, bytes, xs, s, blocks, 4, o, outputs, i == 0); break;
+            case 3: row_pair_times(type, row, other, half, bytes, xs, s, blocks, 3, o, outputs, i == 0); break;
+            default: row_pair_times(type, row, other, half, bytes, xs, s, blocks, 2, o, outputs, i == 0);
             }
         }
+        r += half; /* past the second half's rows; an odd count's last row is left */
+#else
+        (void)sums; /* row_pair_times's */
 #endif
         for (; r < last; r++) {
             const uint8_t *row = w + r * row_bytes;
             for (int64_t j = 0; j < left; j += 4) {
                 float *o = out + (i + j) * outputs + r;
                 switch (left - j < 4 ? left - j : 4) {
-                case 4: row_times(type, row, xs + j * blocks, blocks, 4, o, outputs); break;
-                case 3: row_times(type, row, xs + j * blocks, blocks, 3, o, outputs); break;
-                case 2: row_times(type, row, xs + j * blocks, blocks, 2, o, outputs); break;
-                default: row_times(type, row, xs + j * blocks, blocks, 1, o, outputs);
+                case 4: row_times(type, row, bytes, xs + j * blocks, blocks, 4, o, outputs, i + j == 0); break;
+                case 3: row_times(type, row, bytes, xs + j * blocks, blocks, 3, o, outputs, i + j == 0); break;
+                case 2: row_times(type, row, bytes, xs + j * blocks, blocks, 2, o, outputs, i + j == 0); break;
+                default: row_times(type, row, bytes, xs + j * blocks, blocks, 1, o, outputs, i + j == 0);
                 }
             }
+        }
+    }
+}
+
+INLINE void k_rows_times(int type, const uint8_t *w, int64_t row_bytes, int64_t bytes, const kblock *x,
+                         int64_t supers, int64_t first, int64_t last, int64_t n, float *out, int64_t outputs) {
+    for (int64_t i = 0; i < n; i += K_ROWS) {
+        const int64_t left = n - i < K_ROWS ? n - i : K_ROWS;
+        for (int64_t r = first; r < last; r++) {
+            const uint8_t *row = w + r * row_bytes;
+            float *o = out + i * outputs + r;
+            const kblock *xs = x + i * supers;
+            switch (left) { /* a constant X for each, so that the accumulators stay in registers */
+            case 4: k_row_times(type, row, bytes, xs, supers, 4, o, outputs, i == 0); break;
+            case 3: k_row_times(type, row, bytes, xs, supers, 3, o, outputs, i == 0); break;
+            case 2: k_row_times(type, row, bytes, xs, supers, 2, o, outputs, i == 0); break;
+            default: k_row_times(type, row, bytes, xs, supers, 1, o, outputs, i == 0);
+            }
+        }
+    }
+}
+
+#ifdef WIDE
+#define FLOAT_ROWS 4 /* weight rows and activation rows a float product takes at once */
+#define FLOAT_X 4
+/* 16 weights of a float type from weight j, widened, in one register (lanes 0 to 15). */
+static inline __m512 widened16(int type, const uint8_t *w, int64_t j) {
+    switch (type) {
+    case F32: return _mm512_loadu_ps(w + 4 * j);
+    case F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 2 * j)));
+    default: { /* BF16: the top half of a float32 */
+        const __m256i halves = _mm256_loadu_si256((const __m256i *)(w + 2 * j));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+    }
+    }
+}
+
+/* R weight rows (`apart` rows from each other) against X activation rows: R · X independent
+ * chains of 16 lanes. */
+INLINE void float_times(int type, const uint8_t *w, int64_t row_bytes, int64_t apart, const float *x,
+                        int64_t x_stride, int64_t inputs, int R, int X, float *out, int64_t outputs, int ahead) {
+    row_bytes *= apart;
+    __m512 acc[FLOAT_ROWS][FLOAT_X];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < X; i++) acc[r][i] = _mm512_setzero_ps();
+    const int64_t whole = inputs & ~(int64_t)15;
+    for (int64_t j = 0; j < whole; j += 16) {
+        __m512 xs[FLOAT_X];
+        for (int i = 0; i < X; i++) xs[i] = _mm512_loadu_ps(x + i * x_stride + j);
+        for (int r = 0; r < R; r++) {
+            ask_ahead(ahead, w + r * row_bytes + j * (type == F32 ? 4 : 2), type == F32 ? 64 : 32);
+            const __m512 ws = widened16(type, w + r * row_bytes, j);
+            for (int i = 0; i < X; i++) acc[r][i] = _mm512_fmadd_ps(ws, xs[i], acc[r][i]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < X; i++) {
+            float lanes[16];
+            _mm512_storeu_ps(lanes, acc[r][i]);
+            out[i * outputs + r * apart] = float_tail(type, w + r * row_bytes, x + i * x_stride, whole, inputs, lanes);
+        }
+}
+#else
+#define FLOAT_ROWS 2
+#define FLOAT_X 2
+/* 8 weights of a float type from weight j, widened. */
+static inline __m256 widened8(int type, const uint8_t *w, int64_t j) {
+    switch (type) {
+    case F32: return _mm256_loadu_ps((const float *)(w + 4 * j));
+    case F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * j)));
+    default: { /* BF16: the top half of a float32 */
+        const __m128i halves = _mm_loadu_si128((const __m128i *)(w + 2 * j));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+    }
+    }
+}
+
+/* R weight rows (`apart` rows from each other) against X activation rows: R · X independent
+ * chains of 16 lanes, in two registers of 8 (lanes 0 to 7, 8 to 15). */
+INLINE void float_times(int type, const uint8_t *w, int64_t row_bytes, int64_t apart, const float *x,
+                        int64_t x_stride, int64_t inputs, int R, int X, float *out, int64_t outputs, int ahead) {
+    row_bytes *= apart;
+    __m256 acc[FLOAT_ROWS][FLOAT_X][2];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < X; i++) acc[r][i][0] = acc[r][i][1] = _mm256_setzero_ps();
+    const int64_t whole = inputs & ~(int64_t)15;
+    for (int64_t j = 0; j < whole; j += 16) {
+        __m256 xs[FLOAT_X][2];
+        for (int i = 0; i < X; i++) {
+            xs[i][0] = _mm256_loadu_ps(x + i * x_stride + j);
+            xs[i][1] = _mm256_loadu_ps(x + i * x_stride + j + 8);
+        }
+        for (int r = 0; r < R; r++) {
+            ask_ahead(ahead, w + r * row_bytes + j * (type == F32 ? 4 : 2), type == F32 ? 64 : 32);
+            const __m256 w0 = widened8(type, w + r * row_bytes, j), w1 = widened8(type, w + r * row_bytes, j + 8);
+            for (int i = 0; i < X; i++) {
+                acc[r][i][0] = _mm256_fmadd_ps(w0, xs[i][0], acc[r][i][0]);
+                acc[r][i][1] = _mm256_fmadd_ps(w1, xs[i][1], acc[r][i][1]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < X; i++) {
+            float lanes[16];
+            _mm256_storeu_ps(lanes, acc[r][i][0]);
+            _mm256_storeu_ps(lanes + 8, acc[r][i][1]);
+            out[i * outputs + r * apart] = float_tail(type, w + r * row_bytes, x + i * x_stride, whole, inputs, lanes);
+        }
+}
+#endif
+
+#define FLOAT_CASE(R, X) float_times(type, row, row_bytes, part, xs, x_stride, inputs, R, X, o, outputs, i == 0)
+/* Weight rows [first, last) against activation rows [0, n): FLOAT_ROWS rows at a time, each from
+ * its own part of the item, so that each part is read as one stream from memory (as the pairs
+ * of rows_times), then the rows past the parts one at a time. */
+INLINE void float_rows_times(int type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t x_stride,
+                             int64_t inputs, int64_t first, int64_t last, int64_t n, float *out, int64_t outputs) {
+    const int64_t part = (last - first) / FLOAT_ROWS;
+    for (int64_t i = 0; i < n; i += FLOAT_X) {
+        const int64_t left = n - i < FLOAT_X ? n - i : FLOAT_X;
+        const float *xs = x + i * x_stride;
+        for (int64_t r = first; r < last;) {
+            const uint8_t *row = w + r * row_bytes;
+            float *o = out + i * outputs + r;
+            const int R = r < first + part ? FLOAT_ROWS : 1;
+            switch (left * 8 + R) { /* constant counts for each, so that the accumulators stay in registers */
+#if FLOAT_X == 4
+            case 4 * 8 + FLOAT_ROWS: FLOAT_CASE(FLOAT_ROWS, 4); break;
+            case 4 * 8 + 1: FLOAT_CASE(1, 4); break;
+            case 3 * 8 + FLOAT_ROWS: FLOAT_CASE(FLOAT_ROWS, 3); break;
+            case 3 * 8 + 1: FLOAT_CASE(1, 3); break;
+#endif
+            case 2 * 8 + FLOAT_ROWS: FLOAT_CASE(FLOAT_ROWS, 2); break;
+            case 2 * 8 + 1: FLOAT_CASE(1, 2); break;
+            case 1 * 8 + FLOAT_ROWS: FLOAT_CASE(FLOAT_ROWS, 1); break;
+            default: FLOAT_CASE(1, 1);
+            }
+            r = r + 1 == first + part ? first + FLOAT_ROWS * part : r + 1;
         }
     }
 }
 #else
 #define GROUP_ROWS 1 /* the plain code takes activation rows one at a time */
 
-static float dot_q4_1(const uint8_t *w, const xblock *x, int64_t blocks) {
-    float sum_m = 0.0f;
-    float acc[8] = {0};
-    for (int64_t b = 0; b < blocks; b++, w += Q4_1_BYTES) {
-        sum_m += half_to_float(w + 2) * x[b].s;
-        const float scale = half_to_float(w) * x[b].d;
-        for (int k = 0; k < 8; k++) {
-            int lane = 0;
-            for (int j = 4 * k; j < 4 * k + 4; j++) {
-                const int q = j < 16 ? (w[4 + j] & 0x0F) : (w[4 + j - 16] >> 4);
-                lane += q * x[b].q[j];
-            }
-            acc[k] = fmaf(scale, (float)lane, acc[k]);
-        }
+/* A 32-block's weights as integers (Q4_0's and Q5_0's offsets taken off). */
+static void block_integers(int type, const uint8_t *w, int q[BLOCK]) {
+    if (type == Q8_0) {
+        for (int j = 0; j < BLOCK; j++) q[j] = (int8_t)w[2 + j];
+        return;
     }
-    return lanes_sum(acc) + sum_m;
+    const int five = type == Q5_0 || type == Q5_1;
+    const uint32_t high = five ? (uint32_t)w[2 * has_min(type) + 2] | (uint32_t)w[2 * has_min(type) + 3] << 8 |
+                                     (uint32_t)w[2 * has_min(type) + 4] << 16 | (uint32_t)w[2 * has_min(type) + 5] << 24
+                               : 0;
+    const uint8_t *qs = w + 2 + 2 * has_min(type) + 4 * five;
+    for (int j = 0; j < BLOCK / 2; j++) {
+        q[j] = ((qs[j] & 0x0F) | ((high >> j) & 1) << 4) - signed_offset(type);
+        q[j + 16] = ((qs[j] >> 4) | ((high >> (j + 16)) & 1) << 4) - signed_offset(type);
+    }
 }
 
-static float dot_q8_0(const uint8_t *w, const xblock *x, int64_t blocks) {
+static float block_dot(int type, const uint8_t *w, int64_t bytes, const xblock *x, int64_t blocks) {
+    float sum_m = 0.0f;
     float acc[8] = {0};
-    for (int64_t b = 0; b < blocks; b++, w += Q8_0_BYTES) {
+    for (int64_t b = 0; b < blocks; b++, w += bytes) {
+        if (has_min(type)) sum_m += half_to_float(w + 2) * x[b].s;
         const float scale = half_to_float(w) * x[b].d;
-        const int8_t *q = (const int8_t *)(w + 2);
+        int q[BLOCK];
+        block_integers(type, w, q);
         for (int k = 0; k < 8; k++) {
             int lane = 0;
             for (int j = 4 * k; j < 4 * k + 4; j++) lane += q[j] * x[b].q[j];
             acc[k] = fmaf(scale, (float)lane, acc[k]);
         }
     }
-    return lanes_sum(acc);
+    return has_min(type) ? lanes_sum(acc) + sum_m : lanes_sum(acc);
 }
 
-static void rows_times(int type, const uint8_t *w, int64_t row_bytes, const xblock *x, const float *sums,
-                       int64_t blocks, int64_t first, int64_t last, int64_t n, float *out, int64_t outputs) {
+/* A K superblock's weights as integers (Q6_K's offset taken off) and each one's scale. */
+static void super_integers(int type, const uint8_t *w, int q[SUPER], int scale[SUPER]) {
+    if (type == Q6_K) {
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
+            for (int l = 0; l < 32; l++)
+                for (int v = 0; v < 4; v++) {
+                    const int p = 128 * h + 32 * v + l;
+                    const int nibble = (v & 2) ? ql[l + 32 * (v & 1)] >> 4 : ql[l + 32 * (v & 1)] & 0x0F;
+                    q[p] = (nibble | ((qh[l] >> 2 * v) & 3) << 4) - 32;
+                    scale[p] = ((const int8_t *)(w + 192))[p / 16];
+                }
+        }
+        return;
+    }
+    uint32_t u[4];
+    scales_and_mins(w + 4, u);
+    const uint8_t *sc = (const uint8_t *)u, *qs = w + (type == Q4_K ? 16 : 48), *qh = w + 16;
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 32; l++)
+            for (int half = 0; half < 2; half++) {
+                const int s = 2 * c + half, p = 32 * s + l;
+                const int fifth = type == Q5_K ? (qh[l] >> s) & 1 : 0;
+                q[p] = (half ? qs[32 * c + l] >> 4 : qs[32 * c + l] & 0x0F) | fifth << 4;
+                scale[p] = sc[s];
+            }
+}
+
+static float super_dot(int type, const uint8_t *w, int64_t bytes, const kblock *x, int64_t supers) {
+    float acc[8] = {0}, acc_m[4] = {0}, sum_m = 0.0f;
+    for (int64_t b = 0; b < supers; b++, w += bytes) {
+        int q[SUPER], scale[SUPER], lanes[8] = {0};
+        super_integers(type, w, q, scale);
+        for (int p = 0; p < SUPER; p++) lanes[(p % BLOCK) / 4] += scale[p] * q[p] * x[b].q[p];
+        const float d = x[b].d * half_to_float(type == Q6_K ? w + 208 : w);
+        for (int k = 0; k < 8; k++) acc[k] = fmaf(d, (float)lanes[k], acc[k]);
+        if (type == Q6_K) continue;
+        uint32_t u[4];
+        scales_and_mins(w + 4, u);
+        const uint8_t *mins = (const uint8_t *)(u + 2);
+        const float dmin = -x[b].d * half_to_float(w + 2);
+        if (type == Q4_K) {
+            for (int t = 0; t < 4; t++)
+                acc_m[t] = fmaf(dmin, (float)(mins[2 * t] * x[b].sums[2 * t] + mins[2 * t + 1] * x[b].sums[2 * t + 1]),
+                                acc_m[t]);
+        } else {
+            int total = 0;
+            for (int s = 0; s < 8; s++) total += mins[s] * x[b].sums[s];
+            sum_m += dmin * (float)total;
+        }
+    }
+    return type == Q4_K ? lanes_sum(acc) + mins_sum(acc_m) : type == Q5_K ? lanes_sum(acc) + sum_m : lanes_sum(acc);
+}
+
+static float float_dot(int type, const uint8_t *w, const float *x, int64_t inputs) {
+    float lanes[16] = {0};
+    return float_tail(type, w, x, 0, inputs, lanes);
+}
+
+INLINE void rows_times(int type, const uint8_t *w, int64_t row_bytes, int64_t bytes, const xblock *x,
+                       const float *sums, int64_t blocks, int64_t first, int64_t last, int64_t n, float *out,
+                       int64_t outputs) {
     (void)sums; /* row_pair_times's, which this plain code has no use for */
     for (int64_t i = 0; i < n; i++)
         for (int64_t r = first; r < last; r++)
-            out[i * outputs + r] = type == Q4_1 ? dot_q4_1(w + r * row_bytes, x + i * blocks, blocks)
-                                                : dot_q8_0(w + r * row_bytes, x + i * blocks, blocks);
+            out[i * outputs + r] = block_dot(type, w + r * row_bytes, bytes, x + i * blocks, blocks);
+}
+
+INLINE void k_rows_times(int type, const uint8_t *w, int64_t row_bytes, int64_t bytes, const kblock *x,
+                         int64_t supers, int64_t first, int64_t last, int64_t n, float *out, int64_t outputs) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t r = first; r < last; r++)
+            out[i * outputs + r] = super_dot(type, w + r * row_bytes, bytes, x + i * supers, supers);
+}
+
+INLINE void float_rows_times(int type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t x_stride,
+                             int64_t inputs, int64_t first, int64_t last, int64_t n, float *out, int64_t outputs) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t r = first; r < last; r++)
+            out[i * outputs + r] = float_dot(type, w + r * row_bytes, x + i * x_stride, inputs);
 }
 #endif
 
-/* out[i][r] = weight row r · x row i, for `outputs` weight rows of type `type` (Q4_1 or Q8_0)
- * and `n` activation rows of `inputs` floats each (a multiple of 32; row i at x + i *
- * x_stride); out is n rows of `outputs` floats. Work is shared among `threads` OpenMP
- * threads. Returns 0, 1 when there is no memory for the quantized rows, 2 for an unknown type. */
+/* Weight rows [first, last) against activation rows [0, n), the type a constant in each case
+ * so that the loops are compiled for each type alone (a type tested inside them cost 15%). */
+static void item_times(int type, const uint8_t *w, int64_t row_bytes, int64_t bytes, const xblock *xs,
+                       const float *sums, const kblock *ks, const float *x, int64_t x_stride, int64_t blocks,
+                       int64_t inputs, int64_t first, int64_t last, int64_t n, float *out, int64_t outputs) {
+#define SMALL_TYPE(T) \
+    case T: rows_times(T, w, row_bytes, bytes, xs, sums, blocks, first, last, n, out, outputs); break
+#define K_TYPE(T) case T: k_rows_times(T, w, row_bytes, bytes, ks, blocks, first, last, n, out, outputs); break
+#define FLOAT_TYPE(T) \
+    case T: float_rows_times(T, w, row_bytes, x, x_stride, inputs, first, last, n, out, outputs); break
+    switch (type) {
+    SMALL_TYPE(Q4_0); SMALL_TYPE(Q4_1); SMALL_TYPE(Q5_0); SMALL_TYPE(Q5_1); SMALL_TYPE(Q8_0);
+    K_TYPE(Q4_K); K_TYPE(Q5_K); K_TYPE(Q6_K);
+    FLOAT_TYPE(F32); FLOAT_TYPE(F16); FLOAT_TYPE(BF16);
+    }
+}
+
+/* out[i][r] = weight row r · x row i, for `outputs` weight rows of ggml type `type` and `n`
+ * activation rows of `inputs` floats each (row i at x + i * x_stride); out is n rows of
+ * `outputs` floats. Work is shared among `threads` OpenMP threads. Returns 0; 1 when there is
+ * no memory for the quantized rows; 2 for a type this kernel does not take; 3 for a shape it
+ * cannot take (inputs not a positive multiple of the type's block of 32 or 256, negative
+ * counts, rows that overlap). */
 int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t inputs, const float *x,
                     int64_t n, int64_t x_stride, float *out, int threads) {
-    if (type != Q4_1 && type != Q8_0) return 2;
-    const int64_t blocks = inputs / BLOCK;
-    const int64_t row_bytes = blocks * (type == Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
-    const int64_t grouped = (n + GROUP_ROWS - 1) / GROUP_ROWS * GROUP_ROWS;
-    xblock *quantized = malloc((size_t)(n * blocks) * sizeof *quantized);
-    float *sums = malloc((size_t)(grouped * blocks) * sizeof *sums);
-    if (quantized == NULL || sums == NULL) {
-        free(quantized);
-        free(sums);
-        return 1;
-    }
+    int per_block;
+    const int bytes = block_bytes(type, &per_block);
+    if (bytes == 0) return 2;
+    if (inputs <= 0 || inputs % per_block != 0 || outputs < 0 || n < 0 || (n > 1 && x_stride < inputs)) return 3;
+    const int64_t blocks = inputs / per_block, row_bytes = blocks * bytes;
     const int64_t items = (outputs + ROWS_TOGETHER - 1) / ROWS_TOGETHER;
+    xblock *quantized = NULL;
+    kblock *k_quantized = NULL;
+    float *sums = NULL;
+    if (per_block == BLOCK) {
+        const int64_t grouped = (n + GROUP_ROWS - 1) / GROUP_ROWS * GROUP_ROWS;
+        quantized = malloc((size_t)(n * blocks) * sizeof *quantized + 1);
+        sums = malloc((size_t)(grouped * blocks) * sizeof *sums + 1);
+        if (quantized == NULL || sums == NULL) {
+            free(quantized);
+            free(sums);
+            return 1;
+        }
+    } else if (per_block == SUPER) {
+        k_quantized = aligned_alloc(32, (size_t)(n * blocks + 1) * sizeof *k_quantized);
+        if (k_quantized == NULL) return 1;
+    }
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
+        if (per_block == BLOCK) {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < n; i++) quantize_row(x + i * x_stride, blocks, quantized + i * blocks);
+            for (int64_t i = 0; i < n; i++) quantize_row(x + i * x_stride, blocks, quantized + i * blocks);
 #ifdef WIDE
+            if (has_min(type)) {
 #pragma omp single
-        group_sums(quantized, n, blocks, sums);
+                group_sums(quantized, n, blocks, sums);
+            }
 #endif
+        } else if (per_block == SUPER) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < n; i++) quantize_row_k(x + i * x_stride, blocks, k_quantized + i * blocks);
+        }
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < items; item++) {
             const int64_t first = item * ROWS_TOGETHER;
             const int64_t last = first + ROWS_TOGETHER < outputs ? first + ROWS_TOGETHER : outputs;
-            rows_times(type, weights, row_bytes, quantized, sums, blocks, first, last, n, out, outputs);
+            item_times(type, weights, row_bytes, bytes, quantized, sums, k_quantized, x, x_stride, blocks, inputs,
+                       first, last, n, out, outputs);
         }
     }
     free(quantized);
     free(sums);
+    free(k_quantized);
     return 0;
 }

@@ -45,6 +45,30 @@ ARCHITECTURES = {"llama": "LLAMA"}  # transformers' model_type: gguf's MODEL_ARC
 # ggml's type number: bytes per block of 32 weights
 BLOCK_BYTES = {3: 20, 8: 34}  # Q4_1, Q8_0
 BLOCK = 32
+# Every type gguf_kernel.c multiplies, by ggml's type number: (weights per block, bytes per
+# block), as gguf.GGML_QUANT_SIZES has them. A row of n weights is n / weights blocks.
+LAYOUTS = {
+    0: (1, 4),  # F32
+    1: (1, 2),  # F16
+    30: (1, 2),  # BF16
+    2: (32, 18),  # Q4_0
+    3: (32, 20),  # Q4_1
+    6: (32, 22),  # Q5_0
+    7: (32, 24),  # Q5_1
+    8: (32, 34),  # Q8_0
+    12: (256, 144),  # Q4_K
+    13: (256, 176),  # Q5_K
+    14: (256, 210),  # Q6_K
+}
+
+
+def bytes_per_row(kind: int, in_features: int) -> int | None:
+    """Bytes of one weight row of type ``kind`` with ``in_features`` weights; None where the
+    kernel does not take the type or the row is not whole blocks."""
+    if kind not in LAYOUTS or in_features <= 0 or in_features % LAYOUTS[kind][0]:
+        return None
+    weights, size = LAYOUTS[kind]
+    return in_features // weights * size
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, ctypes.c_int]
@@ -72,6 +96,9 @@ class GgufLinear(torch.nn.Module):
         super().__init__()
         if _matmul is None:
             raise RuntimeError("load_kernel() first")
+        if blocks.dim() != 2 or blocks.dtype != torch.uint8 or blocks.shape[1] != bytes_per_row(kind, in_features):
+            shape = tuple(blocks.shape)
+            raise ValueError(f"gguf weights: {shape} bytes are not rows of {in_features} weights of type {kind}")
         self.kind, self.in_features, self.out_features = kind, in_features, blocks.shape[0]
         self.bias = None
         self.register_buffer("blocks", blocks.contiguous())
@@ -79,8 +106,11 @@ class GgufLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         def product(*rows_args: int) -> None:
-            if self.function(self.kind, self.blocks.data_ptr(), self.out_features, self.in_features, *rows_args) != 0:
+            status = self.function(self.kind, self.blocks.data_ptr(), self.out_features, self.in_features, *rows_args)
+            if status == 1:
                 raise MemoryError("gguf weights: no memory for the quantized activations")
+            if status != 0:
+                raise RuntimeError(f"gguf kernel: status {status} for type {self.kind}, {self.in_features} inputs")
 
         return float_rows_product(x, self.in_features, self.out_features, product)
 
@@ -228,13 +258,8 @@ def _unpermuted_rows(rows: int, heads: int):
 
 
 def dequantized(kind: int, blocks: torch.Tensor) -> torch.Tensor:
-    """The float32 weights the blocks stand for (for checks: the kernel never needs them)."""
-    rows = blocks.shape[0]
-    per_block = blocks.reshape(rows, -1, BLOCK_BYTES[kind])
-    d = per_block[..., 0:2].contiguous().view(torch.float16).float()
-    if kind == 8:
-        return (d * per_block[..., 2:].contiguous().view(torch.int8).float()).reshape(rows, -1)
-    m = per_block[..., 2:4].contiguous().view(torch.float16).float()
-    packed = per_block[..., 4:].int()
-    q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
-    return (d * q + m).reshape(rows, -1)
+    """The float32 weights the blocks stand for, (rows, weights per row) (for checks: the
+    kernel never needs them): gguf's own dequantization."""
+    import gguf
+
+    return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(kind)).copy())
