@@ -100,7 +100,6 @@ static inline float half_to_float(const uint8_t *p) {
 
 static inline float rounded_to_half(float x) { return (float)(_Float16)x; }
 
-static inline int signed_offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0; }
 static inline int has_min(int type) { return type == Q4_1 || type == Q5_1; }
 
 static void quantize_row(const float *x, int64_t blocks, xblock *out) {
@@ -748,6 +747,8 @@ INLINE void float_rows_times(int type, const uint8_t *w, int64_t row_bytes, cons
 }
 #else
 #define GROUP_ROWS 1 /* the plain code takes activation rows one at a time */
+
+static inline int signed_offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0; }
 
 /* A 32-block's weights as integers (Q4_0's and Q5_0's offsets taken off). */
 static void block_integers(int type, const uint8_t *w, int q[BLOCK]) {
