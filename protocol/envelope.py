@@ -6,6 +6,7 @@ each way a message can be wrong gets its own precise error.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any, TypeGuard, cast
 
@@ -22,6 +23,12 @@ _encoder = msgspec.json.Encoder()
 # parts through $defs and $ref). The field named in the error goes at most _NAMED_LEVELS deep.
 MAX_PARAMS_DEPTH = 64
 _NAMED_LEVELS = 4
+# A message nested past what the decoder takes (about a thousand levels) is read again with every
+# value below this level cut out: the envelope (1), params (2), and a level more than params may
+# hold, so that the refusal names the field and answers the request's id, whatever the depth.
+_KEPT_LEVELS = MAX_PARAMS_DEPTH + 3
+# A JSON string whole (its brackets are not structure), or a run of opening or closing brackets.
+_STRUCTURE = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{]+|[\]}]+')
 
 
 class Request(msgspec.Struct, frozen=True):
@@ -71,16 +78,55 @@ class OutgoingNotification(msgspec.Struct, kw_only=True):
 
 def parse_incoming(body: bytes) -> Incoming:
     try:
-        try:
-            obj = _decoder.decode(body)
-        except msgspec.DecodeError as exc:
-            obj = _with_lone_surrogates_replaced(body)  # walks the value: as deep as msgspec let it be
-            if obj is None:
-                return Rejected(None, RpcError(ErrorKind.PARSE_ERROR, f"Parse error: {exc}; send one valid JSON object."))
+        return _classify(body)
     except RecursionError:
-        return Rejected(
-            None, RpcError(ErrorKind.PARSE_ERROR, "Parse error: JSON nested too deeply; send a flatter message.")
-        )
+        return _too_deep_to_decode(body)
+
+
+def _too_deep_to_decode(body: bytes) -> Incoming:
+    """A message nested past what the decoders take, refused from a reading of it without its
+    deepest values (linear in its length), so that a request is answered with its id: too deep
+    params name the field as in any request; another member too deep is an invalid request."""
+    shallow = _classify(_cut_below(body, _KEPT_LEVELS))  # _KEPT_LEVELS deep at most: it decodes
+    if isinstance(shallow, Rejected) and shallow.error.kind is not ErrorKind.PARSE_ERROR:
+        return shallow
+    if isinstance(shallow, Request):
+        return Rejected(shallow.id, _invalid(f"a member other than params nests more than {MAX_PARAMS_DEPTH} levels deep"))
+    return Rejected(None, RpcError(ErrorKind.PARSE_ERROR, "Parse error: JSON nested too deeply; send a flatter message."))
+
+
+def _cut_below(body: bytes, levels: int) -> bytes:
+    """``body`` with every array or object nested below ``levels`` replaced by 0. One pass of a
+    regular expression over the text: strings are skipped whole, runs of brackets taken at once."""
+    parts: list[bytes] = []
+    depth, kept_from, cutting = 0, 0, False
+    for token in _STRUCTURE.finditer(body):
+        start, end = token.span()
+        first = body[start]
+        if first == 0x22:  # a string
+            continue
+        if first in b"[{":
+            if not cutting and depth + end - start > levels:
+                parts += [body[kept_from : start + levels - depth], b"0"]
+                cutting = True
+            depth += end - start
+        else:
+            depth -= end - start
+            if cutting and depth <= levels:
+                kept_from, cutting = end - (levels - depth), False  # the closing brackets of kept levels stay
+    if not cutting:
+        parts.append(body[kept_from:])
+    return b"".join(parts)
+
+
+def _classify(body: bytes) -> Incoming:
+    """Raises RecursionError for a message nested past what the decoders take."""
+    try:
+        obj = _decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        obj = _with_lone_surrogates_replaced(body)  # walks the value: as deep as msgspec let it be
+        if obj is None:
+            return Rejected(None, RpcError(ErrorKind.PARSE_ERROR, f"Parse error: {exc}; send one valid JSON object."))
     if isinstance(obj, list):
         return Rejected(
             None,
@@ -182,7 +228,7 @@ def _with_lone_surrogates_replaced(body: bytes) -> Any | None:
 
     try:
         obj = json.loads(body.decode("utf-8"), parse_constant=refuse, parse_float=finite)
-    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         return None
     return _replace_surrogates(obj)
 

@@ -194,12 +194,21 @@ def test_deeply_nested_json_is_rejected_not_raised(body):
 
 
 @pytest.mark.parametrize("depth", [600, 900])
-def test_deeply_nested_json_with_a_lone_surrogate_is_rejected_not_raised(depth):
+def test_deeply_nested_json_with_a_lone_surrogate_is_rejected_with_its_id_not_raised(depth):
     """The lenient second reading of a lone surrogate walks the value, as deep as the first let it be."""
     body = b'{"jsonrpc":"2.0","id":1,"method":"x","params":{"x":' + b'{"a":' * depth + b'"\\ud83d"' + b"}" * depth + b"}}"
-    message = parse_incoming(body)
-    assert isinstance(message, Rejected) and message.error.kind is ErrorKind.PARSE_ERROR
-    assert "nested too deeply" in message.error.message
+    message = rejected(body)
+    assert (message.id, message.error.kind, message.error.data.field) == (1, ErrorKind.INVALID_PARAMS, "params.x.a.a.a")
+
+
+def test_a_member_nested_past_what_the_decoder_takes_is_refused_with_the_id_whatever_strings_hold():
+    """Brackets and escaped quotes inside strings are no structure to the reading that cuts the depth."""
+    level = b'{"b":"[[{\\"]","c":'
+    body = b'{"jsonrpc":"2.0","id":9,"method":"x","params":{"a":' + level * 5000 + b"1" + b"}" * 5000 + b"}}"
+    message = rejected(body)
+    assert (message.id, message.error.kind, message.error.data.field) == (9, ErrorKind.INVALID_PARAMS, "params.a.c.c.c")
+    outside = rejected(b'{"jsonrpc":"2.0","id":9,"method":"x","meta":' + b"[" * 5000 + b"]" * 5000 + b"}")
+    assert (outside.id, outside.error.kind) == (9, ErrorKind.INVALID_REQUEST)
 
 
 # --- method and params ------------------------------------------------------------------

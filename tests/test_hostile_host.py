@@ -19,6 +19,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from protocol.envelope import MAX_PARAMS_DEPTH
 from protocol.methods import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tests.cache_samples import IDENTITY
 from tests.conftest import TORCH_ENV, SpawnWorker
@@ -439,15 +440,15 @@ async def test_only_temporaries_named_exactly_as_the_worker_names_its_own_are_re
 # --- found attacking again: deep nesting and a lone surrogate ------------------------------------------
 
 
-async def test_a_deeply_nested_message_with_a_lone_surrogate_is_a_parse_error_and_the_worker_reads_on(
+async def test_a_deeply_nested_request_with_a_lone_surrogate_is_refused_with_its_id_and_the_worker_reads_on(
     echo_worker: Host
 ):
     depth = 600  # within what the JSON decoder takes; the lenient second reading walked it recursively
     await echo_worker.send_raw(b'{"jsonrpc":"2.0","id":1,"method":"capabilities","params":{"x":'
                                + b'{"a":' * depth + b'"\\ud83d"' + b"}" * depth + b"}}\n")
     assert (await echo_worker.call("tokenize", {"text": "ok"}, timeout=10))["count"] == 3
-    [error] = [m["error"] for m in echo_worker.messages if "error" in m]
-    assert error["code"] == -32700 and "nested too deeply" in error["message"]
+    [refused] = [m for m in echo_worker.messages if "error" in m]
+    assert (refused["id"], refused["error"]["code"], refused["error"]["data"]["field"]) == (1, -32602, "params.x.a.a.a")
 
 
 # --- 9: deep tool parameters ----------------------------------------------------------------------------
@@ -471,6 +472,30 @@ async def test_tool_parameters_nested_300_deep_are_refused_naming_the_field(
                                          "tool_choice": choice, "max_tokens": 4})
         assert (caught.value.code, caught.value.data.get("field")) == (-32602, "params.tools[0].function.parameters")
     assert (await host.call("generate", {"prompt": "the cat", "max_tokens": 4}))["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("levels", [600, 900, 200_000])
+async def test_tool_parameters_nested_past_what_the_decoder_takes_are_refused_at_once_with_the_requests_id(
+    echo_worker: Host, levels: int
+):
+    """Issue 47 item 7: past about a thousand JSON levels the decoder gave up and the parse error's
+    id was null, so the request itself was never answered. A reading of the message without its
+    deepest values (linear in its length) answers it with its id, whatever the depth."""
+    schema = b'{"type":"string"}'
+    for _ in range(levels):
+        schema = b'{"type":"object","properties":{"a":' + schema + b"}}"
+    started = time.perf_counter()
+    await echo_worker.send_raw(
+        b'{"jsonrpc":"2.0","id":"deep","method":"generate","params":{"messages":[{"role":"user","content":"hi"}],'
+        b'"tool_choice":"required","max_tokens":4,"tools":[{"type":"function","function":{"name":"deep",'
+        b'"parameters":' + schema + b"}}]}}\n"
+    )
+    answer = await echo_worker.wait_for(lambda m: m.get("id") == "deep", timeout=10)
+    elapsed = time.perf_counter() - started
+    assert (answer["error"]["code"], answer["error"]["data"]["field"]) == (-32602, "params.tools[0].function.parameters")
+    assert f"more than {MAX_PARAMS_DEPTH} levels deep" in answer["error"]["message"]
+    assert elapsed < 2.0, elapsed
+    assert (await echo_worker.call("tokenize", {"text": "ok"}))["count"] == 3
 
 
 # --- 10: hostile tool names ---------------------------------------------------------------------------
