@@ -194,10 +194,11 @@ def rewritten(source: Path, out: Path, *, drop: str = "", add: str = "", block_c
         raw = gguf.GGMLQuantizationType(tensor.tensor_type)
         if tensor.name == reshape:
             data, raw = np.zeros((int(tensor.shape[1]) + 32, int(tensor.shape[0])), np.float32), gguf.GGMLQuantizationType.F32
-        elif kind and tensor.name in kind:
-            floats = gguf.quants.dequantize(data, raw).reshape(int(tensor.shape[1]), int(tensor.shape[0]))
+        elif kind and tensor.name in kind:  # random blocks of that type: refused before they are read
             raw = gguf.GGMLQuantizationType(kind[tensor.name])
-            data = gguf.quants.quantize(floats, raw) if raw not in (0,) else floats
+            weights, size = gguf.GGML_QUANT_SIZES[raw]
+            rows, inputs = int(tensor.shape[1]), int(tensor.shape[0])
+            data = np.random.default_rng(0).integers(0, 256, (rows, inputs // weights * size), dtype=np.uint8)
         writer.add_tensor(tensor.name, data, raw_dtype=raw if raw != gguf.GGMLQuantizationType.F32 else None)
     if add:
         writer.add_tensor(add, np.zeros((4, 32), np.float32))
@@ -216,7 +217,7 @@ def rewritten(source: Path, out: Path, *, drop: str = "", add: str = "", block_c
         ({"reshape": "blk.1.ffn_up.weight"}, "blk.1.ffn_up.weight has the shape"),
         ({"block_count": 1000}, "block_count says 1000 layers"),
         ({"block_count": 1}, "block_count says 1 layers, and the file's tensors go past them"),
-        ({"kind": {"blk.0.ffn_down.weight": 2}}, "blk.0.ffn_down.weight is Q4_0, which lm-worker does not multiply"),
+        ({"kind": {"blk.0.ffn_down.weight": 20}}, "blk.0.ffn_down.weight is IQ4_NL, which lm-worker does not multiply; it takes F32, F16, Q4_0"),
     ],
     ids=["missing", "extra", "misshapen", "block-count-high", "block-count-low", "type"],
 )
@@ -252,3 +253,27 @@ async def test_greedy_from_a_cache_of_a_mapped_gguf_equals_greedy_without_one(ti
         assert cached["usage"]["cache_read_tokens"] > 0
     finally:
         await host.close()
+
+
+@pytest.mark.parametrize("kind", ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_a_mapped_gguf_of_each_block_type_computes_its_dequantized_model_to_the_kernels_rounding(
+    tiny_model_dir: Path, tmp_path: Path, kind: str
+):
+    """Against the same file dequantized by transformers and computed in float32 (`none`): a Llama
+    model on gguf blocks is computed in llama.cpp's arithmetic (its keys, values and queries
+    rounded to float16), and the quantized types' activations are rounded to 8-bit blocks too
+    (the kernel's arithmetic itself is held bit for bit in test_gguf_kernel.py). On the tiny
+    model's random weights those roundings reach 1% of the largest logit for the float types and
+    8% for the quantized ones; a row in the wrong place or a misread block is of its size."""
+    from worker.backends.transformers.tiny_model import write_gguf
+
+    path = write_gguf(tiny_model_dir, tmp_path / f"tiny-{kind}.gguf", matrices=int(gguf.GGMLQuantizationType[kind]))
+    mapped = load(path, tmp_path / "data")
+    dense = load(path, tmp_path / "data", quantization="none")
+    assert mapped.info.quantization == "gguf" and dense.info.quantization == "none"
+    ids = mapped.tokenize("the quick brown fox jumps over the lazy dog", add_special_tokens=True)
+    with torch.inference_mode():
+        ours = mapped.forward_chunk(mapped.new_cache(), ids)
+        theirs = dense.forward_chunk(dense.new_cache(), ids)
+    bound = 2e-2 if kind in ("F32", "F16", "BF16") else 0.15
+    assert (ours - theirs).abs().max() <= bound * theirs.abs().max(), (ours - theirs).abs().max()

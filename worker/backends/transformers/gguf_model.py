@@ -33,7 +33,7 @@ import torch
 from worker.backends.transformers import gguf_weights, hf_compat
 from worker.files import is_regular
 from worker.gguf.reader import GgufError, GgufFile, TensorInfo
-from worker.gguf.types import BF16, F16, F32, TYPES, type_name
+from worker.gguf.types import BF16, F16, F32, type_name
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -45,6 +45,7 @@ ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3":
 # Tensors a file may hold beyond the model's parameters, and what is done with them.
 _ROPE_FREQUENCIES = "rope_freqs.weight"  # Llama 3.1's scaled frequencies: divide the rotary ones
 _FLOAT_TYPES = (F32, F16, BF16)
+_TAKEN = "which lm-worker does not multiply; it takes " + ", ".join(type_name(t) for t in sorted(gguf_weights.LAYOUTS))
 # Layers' count bounds a header's block_count before any name is made from it.
 MAX_LAYERS = 1024
 
@@ -114,17 +115,6 @@ def tokenizer_of(file: GgufFile, kept: Path):
     return tokenizer
 
 
-# The types whose rows a lookup widens (gguf-py's numpy arithmetic; a lookup takes a pass's rows alone).
-WIDENED = frozenset(TYPES) - {9, 15, 39}  # Q8_1 and Q8_K are activations' types; MXFP4 needs a newer gguf-py
-
-
-def widened(kind: int, rows: torch.Tensor) -> torch.Tensor:
-    """Rows of gguf blocks (uint8, (n, row bytes)) as float32 numbers, (n, inputs)."""
-    import gguf
-
-    return torch.from_numpy(gguf.quants.dequantize(rows.numpy(), gguf.GGMLQuantizationType(kind)).astype("float32", copy=False))
-
-
 class GgufEmbedding(torch.nn.Module):
     """An embedding whose rows are gguf blocks: a lookup widens the rows it takes, times
     ``scale`` where the model scales them (Gemma: √hidden, rounded as transformers rounds it)."""
@@ -136,7 +126,7 @@ class GgufEmbedding(torch.nn.Module):
         self.blocks = blocks  # a view of the mapping: never written, never saved
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = widened(self.kind, self.blocks[ids.reshape(-1)])
+        rows = gguf_weights.dequantized(self.kind, self.blocks[ids.reshape(-1)])
         rows = rows.reshape(*ids.shape, self.embedding_dim)
         return rows if self.scale is None else rows * torch.tensor(self.scale, dtype=rows.dtype)
 
@@ -220,11 +210,8 @@ def _rows(file: GgufFile, tensor: TensorInfo, outputs: int, inputs: int) -> torc
 def _linear(file: GgufFile, name: str, module: torch.nn.Linear, config, arch: str) -> torch.nn.Module:
     tensor = _tensor(file, name)
     rows = _rows(file, tensor, module.out_features, module.in_features)
-    if tensor.type not in gguf_weights.BLOCK_BYTES:
-        raise GgufError(
-            f"{file.path}: the tensor {name} is {type_name(tensor.type)}, which lm-worker does not multiply; "
-            f"it takes {', '.join(type_name(t) for t in sorted(gguf_weights.BLOCK_BYTES))}"
-        )
+    if tensor.type not in gguf_weights.LAYOUTS:
+        raise GgufError(f"{file.path}: the tensor {name} is {type_name(tensor.type)}, {_TAKEN}")
     if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
         heads = config.num_attention_heads if name.endswith("attn_q.weight") else config.num_key_value_heads
         rows = rows[torch.from_numpy(gguf_weights._unpermuted_rows(module.out_features, heads))]
@@ -233,8 +220,8 @@ def _linear(file: GgufFile, name: str, module: torch.nn.Linear, config, arch: st
 
 def _embedding(file: GgufFile, name: str, module: torch.nn.Embedding, scale: float | None) -> GgufEmbedding:
     tensor = _tensor(file, name)
-    if tensor.type not in WIDENED:
-        raise GgufError(f"{file.path}: the embedding {name} is {type_name(tensor.type)}, which lm-worker does not read")
+    if tensor.type not in gguf_weights.LAYOUTS:
+        raise GgufError(f"{file.path}: the embedding {name} is {type_name(tensor.type)}, {_TAKEN}")
     return GgufEmbedding(tensor.type, _rows(file, tensor, module.num_embeddings, module.embedding_dim), module.embedding_dim, scale)
 
 
@@ -244,7 +231,7 @@ def _vector(file: GgufFile, name: str, count: int) -> torch.Tensor:
     if tensor.type not in _FLOAT_TYPES or tensor.count != count:
         raise GgufError(f"{file.path}: the tensor {name} is {type_name(tensor.type)} of shape {list(tensor.shape)}, "
                         f"where the model needs {count} floats")
-    return widened(tensor.type, _rows(file, tensor, 1, count)).reshape(count)
+    return gguf_weights.dequantized(tensor.type, _rows(file, tensor, 1, count)).reshape(count)
 
 
 class _BiasedGguf(torch.nn.Module):

@@ -34,6 +34,7 @@ import torch
 
 from worker.backends.transformers.torch_threads import threads_for
 from worker.files import open_regular
+from worker.gguf.types import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, TYPES
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -46,20 +47,8 @@ ARCHITECTURES = {"llama": "LLAMA"}  # transformers' model_type: gguf's MODEL_ARC
 BLOCK_BYTES = {3: 20, 8: 34}  # Q4_1, Q8_0
 BLOCK = 32
 # Every type gguf_kernel.c multiplies, by ggml's type number: (weights per block, bytes per
-# block), as gguf.GGML_QUANT_SIZES has them. A row of n weights is n / weights blocks.
-LAYOUTS = {
-    0: (1, 4),  # F32
-    1: (1, 2),  # F16
-    30: (1, 2),  # BF16
-    2: (32, 18),  # Q4_0
-    3: (32, 20),  # Q4_1
-    6: (32, 22),  # Q5_0
-    7: (32, 24),  # Q5_1
-    8: (32, 34),  # Q8_0
-    12: (256, 144),  # Q4_K
-    13: (256, 176),  # Q5_K
-    14: (256, 210),  # Q6_K
-}
+# block). A row of n weights is n / weights blocks.
+LAYOUTS = {number: (TYPES[number].weights, TYPES[number].bytes) for number in (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)}
 
 
 def bytes_per_row(kind: int, in_features: int) -> int | None:
