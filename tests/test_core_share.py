@@ -3,6 +3,7 @@ takes it back when they let it go (worker/backends/transformers/torch_threads.py
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -164,15 +165,11 @@ def test_the_cpu_reading_counts_another_processs_busy_loop_and_not_this_process(
     assert others > 0.5, others
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the worker has one thread on one core: none to give up")
-async def test_a_worker_decodes_on_one_thread_while_another_process_keeps_one_of_its_two_cores_busy(
-    spawn_worker, tiny_model_dir: Path
-):
-    """The rule wired to the real CPU times. Taking the thread back once the loop ends is held
-    by the tests with readings given above: on a machine shared with other work (the test
-    suite's vLLM server warms up on these cores), a real worker rightly keeps it given up."""
-    # The worker and the busy loop on the same two cores (spawned while this process is kept to
-    # them): on a machine with more, the loop would run on a core of its own and take nothing.
+@contextlib.asynccontextmanager
+async def beside_a_busy_loop(spawn_worker):
+    """A worker (logging at info) and a busy loop on the same two cores, spawned while this
+    process is kept to them: on a machine with more, the loop would run on a core of its own
+    and take nothing."""
     everywhere = os.sched_getaffinity(0)
     os.sched_setaffinity(0, sorted(everywhere)[:2])
     try:
@@ -181,14 +178,25 @@ async def test_a_worker_decodes_on_one_thread_while_another_process_keeps_one_of
     finally:
         os.sched_setaffinity(0, everywhere)
     try:
+        yield host
+    finally:
+        busy.kill()
+        busy.wait()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the worker has one thread on one core: none to give up")
+async def test_a_worker_decodes_on_one_thread_while_another_process_keeps_one_of_its_two_cores_busy(
+    spawn_worker, tiny_model_dir: Path
+):
+    """The rule wired to the real CPU times. Taking the thread back once the loop ends is held
+    by the tests with readings given above: on a machine shared with other work (the test
+    suite's vLLM server warms up on these cores), a real worker rightly keeps it given up."""
+    async with beside_a_busy_loop(spawn_worker) as host:
         await host.call("load", {"model": str(tiny_model_dir)}, timeout=120)
         deadline = time.monotonic() + 60
         while "model threads: 1 of 2" not in host.stderr_tail(100_000):
             assert time.monotonic() < deadline, host.stderr_tail()
             await host.call("generate", {"prompt": "the cat sat on the mat", "max_tokens": 64, "stream": False}, timeout=60)
-    finally:
-        busy.kill()
-        busy.wait()
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the worker has one thread on one core: none to give up")
@@ -198,21 +206,11 @@ async def test_a_worker_on_dense_weights_keeps_its_threads_while_another_process
     """Dense products are a library's (MKL's sgemm splits their inner dimension among threads on
     Intel processors): a thread count changed between a cache's making and its use would change
     the numbers the cache promises. The same steps as above, on weights kept dense."""
-    everywhere = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, sorted(everywhere)[:2])
-    try:
-        host = await spawn_worker("--log-level", "info", env={"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"})
-        busy = subprocess.Popen(BUSY_LOOP)
-    finally:
-        os.sched_setaffinity(0, everywhere)
-    try:
+    async with beside_a_busy_loop(spawn_worker) as host:
         await host.call("load", {"model": str(tiny_model_dir), "quantization": "none"}, timeout=120)
         deadline = time.monotonic() + 3  # a model that shares its cores gives one up within 0.5 s
         while time.monotonic() < deadline:
             await host.call("generate", {"prompt": "the cat sat on the mat", "max_tokens": 32, "stream": False}, timeout=60)
-    finally:
-        busy.kill()
-        busy.wait()
     log = host.stderr_tail(100_000)
     assert "model threads: 2, kept" in log, log
     assert "model threads: 1 of 2" not in log, log
