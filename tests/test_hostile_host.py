@@ -498,6 +498,45 @@ async def test_tool_parameters_nested_past_what_the_decoder_takes_are_refused_at
     assert (await echo_worker.call("tokenize", {"text": "ok"}))["count"] == 3
 
 
+# --- issue 47 item 10: a library's BaseException -------------------------------------------------
+
+
+@pytest.fixture
+def panicking_model(tiny_model_dir: Path, tmp_path: Path) -> Path:
+    """The tiny model with a tokenizer whose pre-tokenizer's regex gives up on "a"*40+"b": the
+    tokenizers library then raises pyo3's PanicException, a BaseException, not an Exception."""
+    model = tmp_path / "tiny-panicking"
+    shutil.copytree(tiny_model_dir, model)
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    split = {"type": "Split", "pattern": {"Regex": "(a|aa)+$"}, "behavior": "Isolated", "invert": False}
+    tokenizer["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [split, tokenizer["pre_tokenizer"]]}
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return model
+
+
+async def test_a_tokenizer_that_panics_fails_that_request_alone_and_every_lane_keeps_serving(
+    spawn_worker: SpawnWorker, panicking_model: Path
+):
+    host = await spawn_worker()
+    await host.call("load", {"model": str(panicking_model), **DENSE}, timeout=300)
+    panics = "a" * 40 + "b"
+    for method, params in [("tokenize", {"text": panics}),
+                           ("render", {"messages": [{"role": "user", "content": panics}]}),
+                           ("generate", {"prompt": panics, "max_tokens": 2})]:
+        with pytest.raises(WorkerError) as caught:
+            await host.call(method, params, timeout=30)
+        assert (caught.value.code, caught.value.kind) == (-32603, "internal_error"), (method, caught.value.message)
+        assert "PanicException" in caught.value.message
+    tokens = (await host.call("tokenize", {"text": "the cat"}, timeout=30))["tokens"]
+    assert (await host.call("detokenize", {"tokens": tokens}, timeout=30))["text"].endswith("the cat")
+    assert (await host.call("render", {"messages": [{"role": "user", "content": "hi"}]}, timeout=30))["count"] > 0
+    _, failed = host.start("generate", {"prompt": panics, "max_tokens": 2}, id="panics")
+    assert (await asyncio.wait_for(failed, 30))["error"]["code"] == -32603
+    _, reused = host.start("generate", {"prompt": "the cat", "max_tokens": 2}, id="panics")
+    assert (await asyncio.wait_for(reused, 30))["result"]["usage"]["completion_tokens"] == 2, "the id is free again"
+    assert await host.close() == 0, "the lanes drain and end"
+
+
 # --- 10: hostile tool names ---------------------------------------------------------------------------
 
 

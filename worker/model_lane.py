@@ -34,5 +34,5 @@ class ModelLane:
     def start_task(self, job: Job, ready: Callable[[Task | None], None]) -> None:
         self._cache_io.submit(lambda: ready(self._responder.make_task(job)))
 
-    def finish_task(self, job: Job, task: Task, error: Exception | None = None) -> None:
+    def finish_task(self, job: Job, task: Task, error: BaseException | None = None) -> None:
         self._cache_io.submit(self._responder.finish, job, task, error)

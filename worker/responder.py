@@ -70,12 +70,12 @@ class Responder:
         """The task of a generate or prefill; None when making it failed (answered then)."""
         try:
             return self._routes[job.method](self._context(job), job.params)
-        except Exception as exc:
+        except BaseException as exc:  # a library's BaseException too (_answer says why)
             self._session.release(job)
             self._replies.send_error(job.id, _as_rpc_error(job.method, exc))
             return None
 
-    def finish(self, job: Job, task: Task, error: Exception | None = None) -> None:
+    def finish(self, job: Job, task: Task, error: BaseException | None = None) -> None:
         """Answer with the task's result, or with ``error`` when its computation failed."""
 
         def fail() -> Any:
@@ -91,7 +91,10 @@ class Responder:
     def _answer(self, msg_id: RequestId, method: str, run: Callable[[], Any], job: Job | None = None) -> None:
         try:
             result, error = run(), None
-        except Exception as exc:
+        # Not only Exceptions: a library may raise a BaseException of its own (a Rust panic in
+        # tokenizers is pyo3's PanicException), which would end the lane and leave this request,
+        # and every one after it on that lane, unanswered.
+        except BaseException as exc:
             result, error = None, _as_rpc_error(method, exc)
         if job is not None:  # the id is free again before the host can see the answer
             self._session.release(job)
@@ -104,7 +107,7 @@ class Responder:
         self._replies.send_error(msg_id, error)
 
 
-def _as_rpc_error(method: str, exc: Exception) -> RpcError:
+def _as_rpc_error(method: str, exc: BaseException) -> RpcError:
     if isinstance(exc, RpcError):
         exc.data.method = exc.data.method or method
         return exc

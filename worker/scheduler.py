@@ -120,7 +120,7 @@ class Work(Protocol[J_in]):
         (it may read a stored cache first); None when it failed (already answered)."""
         ...
 
-    def finish_task(self, job: J_in, task: Task, error: Exception | None = None) -> None:
+    def finish_task(self, job: J_in, task: Task, error: BaseException | None = None) -> None:
         """Answer with the task's result (it may store a cache first), or with ``error`` when
         its computation failed. The model thread no longer touches the task."""
         ...
@@ -392,7 +392,7 @@ class Scheduler(Generic[J]):
         """Run ``work``; if it fails, the tasks it was for fail with its error, and only they."""
         try:
             work()
-        except Exception as exc:
+        except BaseException as exc:  # a library's BaseException too (a Rust panic): only these tasks fail
             failed = [(job, task) for job, task in self._tasks if any(task is t for t in tasks)]
             for job, task in failed:
                 self._tasks.remove((job, task))

@@ -223,7 +223,7 @@ class StreamEnd(msgspec.Struct, frozen=True):
 
     reason: str  # the engine's finish_reason ("stop", "length", "tool_calls", ...) or "error"
     stop: str | None = None  # the engine's stop string, where one ended it
-    error: RpcError | None = None  # for "error": what broke the request
+    error: BaseException | None = None  # for "error": what broke the request (an RpcError, or a bug's exception)
 
 
 class StreamedDecoding(Decoding, Protocol):

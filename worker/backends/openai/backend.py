@@ -436,7 +436,7 @@ class EngineDecoding:
                 self._push(self._last)
             if not self._closed:
                 self._ended(self._finish or StreamEnd(reason="stop"))
-        except RpcError as exc:
+        except BaseException as exc:  # any: a thread that ends without an end leaves its request waiting for ever
             self._ended(StreamEnd(reason="error", error=exc))
 
     def _take(self, event: _Event) -> None:
