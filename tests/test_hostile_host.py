@@ -537,6 +537,38 @@ async def test_a_tokenizer_that_panics_fails_that_request_alone_and_every_lane_k
     assert await host.close() == 0, "the lanes drain and end"
 
 
+# --- issue 47 item 12: cancels of requests queued behind a running load ------------------------------
+
+
+async def test_requests_queued_behind_a_running_load_answer_as_soon_as_they_are_cancelled(
+    spawn_worker: SpawnWorker, tmp_path: Path
+):
+    """PROTOCOL 9: a queued request cancelled answers at once; they answered only once the load
+    (which sleeps 1 s in this backend) had ended. The load goes on and answers as usual."""
+    from tests.conftest import install_plugin
+    from tests.test_e2e_protocol import SLOW_LOADING_BACKEND
+
+    host = await spawn_worker(env=install_plugin(tmp_path, "slow_backend", SLOW_LOADING_BACKEND, {"slow": "slow_backend:Slow"}))
+    await host.call("load", {"backend": "echo"})
+    load_id, load = host.start("load", {"backend": "slow"})
+    await host.wait_until(lambda: b"slow load started" in host.stderr)
+    queued = [host.start("generate", {"prompt": "x"}), host.start("tokenize", {"text": "x"}),
+              host.start("unload"), host.start("generate", {"prompt": "y"})]
+    started = time.perf_counter()
+    for msg_id, _ in queued[:3]:
+        assert await host.call("cancel", {"id": msg_id}) == {"cancelled": True, "state": "queued"}
+    await host.notify("$/cancelRequest", {"id": queued[3][0]})
+    answers = await asyncio.wait_for(asyncio.gather(*(answer for _, answer in queued)), 5)
+    answered_s = time.perf_counter() - started
+    assert not load.done() and answered_s < 0.5, answered_s
+    assert [a["result"]["finish_reason"] for a in (answers[0], answers[3])] == ["cancelled", "cancelled"]
+    assert [a["error"]["data"]["kind"] for a in answers[1:3]] == ["request_cancelled"] * 2
+    assert (await asyncio.wait_for(load, 10))["result"]["backend"] == "echo"
+    ids = [m.get("id") for m in host.messages if "result" in m or "error" in m]
+    assert ids.index(load_id) == len(ids) - 1, "the load answered last"
+    assert (await host.call("generate", {"prompt": "ok", "max_tokens": 2}))["text"] == "ok"
+
+
 # --- 10: hostile tool names ---------------------------------------------------------------------------
 
 

@@ -48,15 +48,16 @@ def test_cache_requests_wait_only_behind_requests_that_use_a_cache():
     assert deleting is not None, "queued behind the listing received before it"
 
 
-def test_a_cancelled_shutdown_keeps_its_place_and_a_cancelled_prefill_is_let_out():
+def test_a_cancelled_shutdown_keeps_its_place_and_a_cancelled_prefill_is_withdrawn():
     session = Session(max_batch=8)
     load = receive(session, 1, "load", LoadParams())
+    assert session.next_model_job() is load
     prefill = receive(session, 2, "prefill", PrefillParams(prompt="a", cache="x"))
     shutdown = receive(session, 3, "shutdown")
     assert prefill.is_cancelled(), "shutdown cancels what is in flight"
+    assert session.take_withdrawn() == [prefill], "queued: withdrawn, for the reader to answer at once"
     session.cancel(3)
-    assert session.next_model_job() is load
-    assert session.next_model_job() is prefill, "cancelled: out at once, to answer"
+    assert session.take_withdrawn() == [] and session.next_model_job() is None, "the shutdown keeps its place"
     session.release(prefill)
     assert session.next_model_job() is None, "the shutdown waits for the load, though cancelled"
     session.release(load)
@@ -93,7 +94,33 @@ def test_cancel_reports_where_the_request_was():
     assert session.cancel(1).state == "running" and session.cancel(1).cancelled
     assert session.cancel(2).state == "queued" and queued.is_cancelled()
     assert session.cancel(3).state == "unknown" and not session.cancel(3).cancelled
-    assert session.next_model_job() is queued, "a cancelled queued request is let out at once, to answer"
+    assert session.take_withdrawn() == [queued], "a cancelled queued request is withdrawn, to answer at once"
+    assert session.next_model_job() is None and session.cancel(2).state == "queued", "in flight until answered"
+    assert session.take_withdrawn() == [], "withdrawn once"
+    session.release(queued)
+    assert session.cancel(2).state == "unknown"
+
+
+@pytest.mark.parametrize("lane", ["model", "text", "starting"])
+def test_a_queued_request_cancelled_while_a_load_runs_is_withdrawn_from_its_queue(lane: str):
+    session = Session(max_batch=8)
+    if lane == "text":  # on the text lane behind a running tokenize
+        ahead = receive(session, 1, "tokenize", TokenizeParams(text="a"))
+        assert session.next_text_job() is ahead
+        queued = receive(session, 2, "tokenize", TokenizeParams(text="b"))
+    elif lane == "model":  # behind a running load
+        ahead = receive(session, 1, "load", LoadParams())
+        assert session.next_model_job() is ahead
+        queued = receive(session, 2, "generate", GenerateParams(prompt="b"))
+    else:  # a load taken off the queue, waiting for a text request received before it
+        ahead = receive(session, 1, "tokenize", TokenizeParams(text="a"))
+        queued = receive(session, 2, "load", LoadParams())
+        assert session.next_model_job() is None and session.next_text_job() is ahead
+    assert session.cancel(2).state == "queued" and session.take_withdrawn() == [queued]
+    assert session.next_text_job() is None and session.next_model_job() is None, "no lane runs it"
+    session.release(queued)
+    session.release(ahead)
+    assert session.jobs == {} and session.admission.idle
 
 
 def test_a_running_load_cannot_be_cancelled_halfway():
@@ -123,11 +150,11 @@ def test_shutdown_cancels_what_is_in_flight_refuses_what_follows_and_starts_last
     with pytest.raises(RpcError) as refused:
         receive(session, 4, "capabilities")
     assert refused.value.kind is ErrorKind.SHUTTING_DOWN
-    assert session.next_model_job() is generate  # cancelled: out at once, to answer
-    assert session.next_model_job() is None
+    assert session.take_withdrawn() == [generate, text]  # cancelled while queued: answered at once
+    assert session.next_model_job() is None and session.next_text_job() is None
     session.release(generate)
     assert session.next_model_job() is None, "shutdown waits for the text request received before it"
-    session.release(session.next_text_job())
+    session.release(text)
     assert session.next_model_job() is shutdown
 
 

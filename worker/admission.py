@@ -68,6 +68,12 @@ class Admission(Generic[J]):
         self.running.append(head)
         return head
 
+    def withdraw(self, job: J) -> None:
+        """A cancelled request leaves the queue to be answered now; it counts as running until
+        then (``done``), like any other."""
+        self.queue.remove(job)
+        self.running.append(job)
+
     def done(self, job: J) -> None:
         self.running.remove(job)
 

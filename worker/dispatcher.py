@@ -113,9 +113,18 @@ class Dispatcher:
                 self._replies.send_error(message.id, message.error)
             case Response():
                 log.warning("ignored a response (id %r): the worker sends no requests", message.id)
+        self._answer_withdrawn()
 
     def input_ended(self) -> None:
-        self.end("end of input", cancel=not self._drain_on_eof)
+        self.end("end of input", cancel=not self._drain_on_eof, withdraw=True)
+        self._answer_withdrawn()
+
+    def _answer_withdrawn(self) -> None:
+        """Answer the queued requests a cancel, shutdown or end just withdrew, after the answer
+        of the message that withdrew them: at once, not when their lane comes to them (behind
+        a running load, as long as it takes)."""
+        for job in self._session.take_withdrawn():
+            self._responder.run(job)
 
     def _on_request(self, request: Request) -> None:
         if request.method not in self._routes:
@@ -153,17 +162,20 @@ class Dispatcher:
         elif isinstance(params, AckParams):
             self._session.ack(params.id, params.index)
         else:  # exit: 0 after a shutdown request, 1 without one (as LSP does)
-            self.end("exit notification", cancel=True, exit_code=0 if self._session.shutdown_requested else 1)
+            exit_code = 0 if self._session.shutdown_requested else 1
+            self.end("exit notification", cancel=True, exit_code=exit_code, withdraw=True)
 
     def _cancel(self, ctx: Context | None, params: CancelParams) -> CancelResult:
         return self._session.cancel(params.id)
 
     # --- lifecycle --------------------------------------------------------------
 
-    def end(self, reason: str, *, cancel: bool, exit_code: int = 0) -> None:
-        """Stop reading; cancel what is in flight (or let it finish), then let the lanes drain."""
+    def end(self, reason: str, *, cancel: bool, exit_code: int = 0, withdraw: bool = False) -> None:
+        """Stop reading; cancel what is in flight (or let it finish), then let the lanes drain.
+        ``withdraw``: the caller is the reader, which answers the queued requests cancelled
+        (_answer_withdrawn); from another thread (a signal, the writer) their lanes answer them."""
         with self._ending:
-            if self._session.end(cancel=cancel):
+            if self._session.end(cancel=cancel, withdraw=withdraw):
                 log.info("stopping: %s", reason)
                 self.exit_code = exit_code
             if cancel:

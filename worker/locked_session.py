@@ -1,7 +1,7 @@
 """The session shared by the worker's threads: every read and change of worker/session.py's
 state under one lock, and the lanes' waits for their next job on that lock.
 
-Threads: the reader calls ``receive``, ``cancel``, ``ack`` and ``end``; the text lane
+Threads: the reader calls ``receive``, ``cancel``, ``ack``, ``end`` and ``take_withdrawn``; the text lane
 (``lm-worker-text``) waits in ``next_text_job`` and the model lane (``lm-worker-model``) in
 ``next_model_job``; whichever thread sends a job's answer (a lane, the cache I/O thread)
 calls ``release``; a task made on the cache I/O thread ``wake``s the model lane. Every change
@@ -64,10 +64,15 @@ class LockedSession:
         with self._change() as session:
             session.release(job)
 
-    def end(self, *, cancel: bool) -> bool:
+    def end(self, *, cancel: bool, withdraw: bool = False) -> bool:
         """See Session.end; True the first time."""
         with self._change() as session:
-            return session.end(cancel=cancel)
+            return session.end(cancel=cancel, withdraw=withdraw)
+
+    def take_withdrawn(self) -> list[Job]:
+        """See Session.take_withdrawn: the cancelled queued requests for the caller to answer."""
+        with self._changed:
+            return self._session.take_withdrawn()
 
     def next_text_job(self) -> Job | None:
         """The text lane's next job, waiting for one; None once the lane is done."""

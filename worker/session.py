@@ -13,6 +13,9 @@ the lanes wait on that lock when it says nothing is ready yet.
   uses a cache.
 - An id is in flight from the request until its answer is sent; a second request with it is
   refused. After ``shutdown`` every new request is refused, and what was in flight is cancelled.
+- A queued request cancelled by the host (``cancel``, ``shutdown``, the end of input) is
+  withdrawn from its queue, for the reader to answer at once (``take_withdrawn``), rather than
+  when its lane comes to it: a running ``load`` holds the model lane for as long as it takes.
 - A ``load``, ``unload`` or ``shutdown`` starts only after the text requests received before it
   have answered (they see the model as it was; ``shutdown`` answers last).
 """
@@ -39,6 +42,7 @@ class Job(msgspec.Struct):
     text_lane: bool = False
     cancelled: threading.Event = msgspec.field(default_factory=threading.Event)
     running: bool = False
+    withdrawn: bool = False  # cancelled while queued and taken off its queue, to be answered at once
     acked: int = -1  # the last generate/chunk the host acknowledged (generate/ack)
 
     def is_cancelled(self) -> bool:
@@ -54,6 +58,7 @@ class Session:
         self.shutdown_requested = False
         self.stopping = False  # no more input is read; the lanes finish their queues
         self._starting: Job | None = None  # a load/unload/shutdown waiting for earlier text requests
+        self._withdrawn: list[Job] = []  # cancelled while queued, taken off their queues: to answer now
 
     def receive(self, request_id: RequestId, method: str, params: Params, now: float) -> Job | None:
         """A request to queue (a method of worker/policy.py's table): its job, or None when the
@@ -85,9 +90,7 @@ class Session:
                 self.text_queue.append(job)
         if method == "shutdown":  # the one method with this rule: it ends the session
             self.shutdown_requested = True
-            for other in self.jobs.values():
-                if other is not job:
-                    other.cancelled.set()
+            self.cancel_all(withdraw=True, but=job)
         return job
 
     def cancel(self, request_id: RequestId) -> CancelResult:
@@ -97,11 +100,37 @@ class Session:
         job.cancelled.set()
         if job.running:  # a running load or unload cannot stop halfway; it answers as usual
             return CancelResult(cancelled=POLICY[job.method].stoppable, state="running")
+        self._withdraw(job)
         return CancelResult(cancelled=True, state="queued")
 
-    def cancel_all(self) -> None:
+    def cancel_all(self, *, withdraw: bool, but: Job | None = None) -> None:
+        """Cancel every request in flight (``but`` one); ``withdraw`` the queued ones too, where
+        the caller answers them (take_withdrawn), else their lanes answer them in turn."""
         for job in self.jobs.values():
-            job.cancelled.set()
+            if job is not but:
+                job.cancelled.set()
+                if withdraw and not job.running:
+                    self._withdraw(job)
+
+    def _withdraw(self, job: Job) -> None:
+        """Take a cancelled queued request off its queue, to be answered at once; a shutdown
+        keeps its place (it runs when cancelled), and one withdrawn already stays so."""
+        if POLICY[job.method].runs_when_cancelled or job.withdrawn:
+            return
+        job.withdrawn = True
+        if job.text_lane:
+            self.text_queue.remove(job)
+        elif job is self._starting:  # taken off the queue already, counted as running until answered
+            self._starting = None
+        else:
+            self.admission.withdraw(job)
+        self._withdrawn.append(job)
+
+    def take_withdrawn(self) -> list[Job]:
+        """The requests withdrawn since the last call, for the caller to answer (each is released
+        as usual once answered)."""
+        withdrawn, self._withdrawn = self._withdrawn, []
+        return withdrawn
 
     def ack(self, request_id: RequestId, index: int) -> None:
         job = self.jobs.get(request_id)  # a stream that already ended needs no acks
@@ -142,10 +171,11 @@ class Session:
         if not job.text_lane:
             self.admission.done(job)
 
-    def end(self, *, cancel: bool) -> bool:
-        """Stop taking input; cancel what is in flight, or let it finish. True the first time."""
+    def end(self, *, cancel: bool, withdraw: bool = False) -> bool:
+        """Stop taking input; cancel what is in flight (``withdraw``: see cancel_all), or let it
+        finish. True the first time."""
         first = not self.stopping
         self.stopping = True
         if cancel:
-            self.cancel_all()
+            self.cancel_all(withdraw=withdraw)
         return first
