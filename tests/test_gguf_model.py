@@ -277,3 +277,67 @@ def test_a_mapped_gguf_of_each_block_type_computes_its_dequantized_model_to_the_
         theirs = dense.forward_chunk(dense.new_cache(), ids)
     bound = 2e-2 if kind in ("F32", "F16", "BF16") else 0.15
     assert (ours - theirs).abs().max() <= bound * theirs.abs().max(), (ours - theirs).abs().max()
+
+
+ARCHITECTURES = ["qwen2", "qwen3", "gemma3-gguf", "phi3"]
+
+
+@pytest.fixture(scope="module")
+def gguf_of(tiny_models, tmp_path_factory: pytest.TempPathFactory):
+    """A tiny gguf of an architecture with its matrices of a ggml type, each written once."""
+    from worker.backends.transformers.tiny_model import write_gguf
+
+    written: dict[tuple[str, int], Path] = {}
+
+    def get(family: str, kind: int) -> Path:
+        if (family, kind) not in written:
+            written[family, kind] = write_gguf(tiny_models(family), tmp_path_factory.mktemp(family) / f"{kind}.gguf", kind)
+        return written[family, kind]
+
+    return get
+
+
+@pytest.mark.parametrize("family", ARCHITECTURES)
+@pytest.mark.parametrize("kind", [0, 8], ids=["F32", "Q8_0"])
+def test_each_architecture_loads_mapped_and_computes_the_file_s_model(gguf_of, tmp_path: Path, family: str, kind: int):
+    """Against the same file dequantized by transformers' own gguf loader and computed dense: its
+    configuration, tokenizer, tensor names, biases (Qwen2), head norms (Qwen3, Gemma 3), Gemma's
+    norm scales and Phi-3's fused projections read right. Float32 matrices differ by the order
+    of the sums alone; Q8_0's by the 8-bit rounding of the activations too."""
+    path = gguf_of(family, kind)
+    mapped = load(path, tmp_path)
+    dense = load(path, tmp_path, quantization="none")
+    assert mapped.info.quantization == "gguf"
+    text = "the quick brown fox jumps over the lazy dog"
+    ids = mapped.tokenize(text, add_special_tokens=True)
+    assert ids == dense.tokenize(text, add_special_tokens=True)
+    with torch.inference_mode():
+        ours = mapped.forward_chunk(mapped.new_cache(), ids)
+        theirs = dense.forward_chunk(dense.new_cache(), ids)
+    bound = 1e-5 if kind == 0 else 0.1
+    assert (ours - theirs).abs().max() <= bound * theirs.abs().max(), (ours - theirs).abs().max()
+
+
+@pytest.mark.parametrize("family", ["llama", *ARCHITECTURES])
+def test_on_each_architecture_a_mapped_gguf_s_streams_in_a_batch_and_prompts_cut_anyhow_get_their_own_numbers(
+    gguf_of, tmp_path: Path, family: str
+):
+    """What makes greedy from a cache equal greedy without one, and a stream in a batch equal it
+    alone: a position's logits the same bits whichever pass computed it."""
+    from tests.test_fast_decode import assert_a_batch_steps_as_each_alone
+
+    model = load(gguf_of(family, 8), tmp_path)
+    prompts = [model.tokenize(text, add_special_tokens=True) for text in ("the cat sat on the mat", TEXT, "a red sun")]
+    if model._decode_step is not None:
+        assert_a_batch_steps_as_each_alone(model, prompts)
+    prompt = prompts[1]
+    with torch.inference_mode():
+        whole = model.forward_chunk(model.new_cache(), prompt)
+        cut = model.new_cache()
+        model.forward_chunk(cut, prompt[:7])
+        model.forward_chunk(cut, prompt[7:-1])
+        last = model.forward_chunk(cut, prompt[-1:])
+    assert torch.equal(whole, last)
+
+
+TEXT = "the history of the city of rome begins with a small settlement by the river, and so it grew " * 2

@@ -61,7 +61,8 @@ Norm = Callable[[torch.Tensor], torch.Tensor]
 
 
 def supports(config: PretrainedConfig) -> bool:
-    """Whether this step computes models of this configuration (the Llama and Gemma 3 architectures)."""
+    """Whether this step computes models of this configuration (the Llama, Qwen2, Qwen3 and Gemma 3
+    architectures)."""
     plain = (
         not getattr(config, "attention_bias", False)
         and not getattr(config, "mlp_bias", False)
@@ -69,6 +70,8 @@ def supports(config: PretrainedConfig) -> bool:
     )
     if config.model_type == "llama":
         return plain
+    if config.model_type in ("qwen2", "qwen3"):  # Llama with q, k and v biases (Qwen2) or head norms (Qwen3)
+        return plain and not getattr(config, "use_sliding_window", False)
     if config.model_type == "gemma3_text":  # without the soft-capping Gemma 2 has, causal
         return (
             plain

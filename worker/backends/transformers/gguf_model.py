@@ -82,11 +82,14 @@ def config_of(file: GgufFile) -> PretrainedConfig:
     if embedding is None or len(embedding.shape) != 2:
         raise GgufError(f"{file.path}: no token_embd.weight matrix")
     values["vocab_size"] = embedding.shape[1]
+    for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id")):
+        token = file.get(f"tokenizer.ggml.{key}", int)  # the file's, not the architecture's defaults (Phi-3's 32000)
+        values[name] = token if token is not None and 0 <= token < embedding.shape[1] else None
     if model_type == "llama" and "mistral" in str(file.get("general.name", str, "")).lower():
         model_type = "mistral"
     if model_type == "gemma3_text":
         values.setdefault("head_dim", file.get("gemma3.attention.key_length", int))
-    return AutoConfig.for_model(model_type, **{k: v for k, v in values.items() if v is not None})
+    return AutoConfig.for_model(model_type, **{k: v for k, v in values.items() if v is not None or k.endswith("token_id")})
 
 
 def tokenizer_of(file: GgufFile, kept: Path):
@@ -147,13 +150,13 @@ def build(file: GgufFile, config: PretrainedConfig, attention: str) -> PreTraine
     for module_name, module in list(model.named_modules()):
         if isinstance(module, torch.nn.Linear):
             source = "token_embd.weight" if tied and module_name == "lm_head" else _gguf_name(names, module_name, ".weight")
-            linear: torch.nn.Module = _linear(file, source, module, config, arch)
-            used.add(source)
+            bias = None
             if module.bias is not None:
-                bias = _gguf_name(names, module_name, ".bias")
-                linear = _BiasedGguf(linear, _vector(file, bias, module.out_features))
-                used.add(bias)
-            _set_module(model, module_name, linear)
+                bias_name = _gguf_name(names, module_name, ".bias")
+                bias = _vector(file, bias_name, module.out_features)
+                used.add(bias_name)
+            _set_module(model, module_name, _linear(file, source, module, config, arch, bias))
+            used.add(source)
         elif isinstance(module, torch.nn.Embedding):
             scale = None
             if hasattr(module, "embed_scale"):  # Gemma's scaled embedding: √hidden in the model's dtype
@@ -207,7 +210,7 @@ def _rows(file: GgufFile, tensor: TensorInfo, outputs: int, inputs: int) -> torc
     return flat.view(outputs, -1)
 
 
-def _linear(file: GgufFile, name: str, module: torch.nn.Linear, config, arch: str) -> torch.nn.Module:
+def _linear(file: GgufFile, name: str, module: torch.nn.Linear, config, arch: str, bias: torch.Tensor | None) -> torch.nn.Module:
     tensor = _tensor(file, name)
     rows = _rows(file, tensor, module.out_features, module.in_features)
     if tensor.type not in gguf_weights.LAYOUTS:
@@ -215,7 +218,7 @@ def _linear(file: GgufFile, name: str, module: torch.nn.Linear, config, arch: st
     if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
         heads = config.num_attention_heads if name.endswith("attn_q.weight") else config.num_key_value_heads
         rows = rows[torch.from_numpy(gguf_weights._unpermuted_rows(module.out_features, heads))]
-    return gguf_weights.GgufLinear(tensor.type, rows, module.in_features)
+    return gguf_weights.GgufLinear(tensor.type, rows, module.in_features, bias)
 
 
 def _embedding(file: GgufFile, name: str, module: torch.nn.Embedding, scale: float | None) -> GgufEmbedding:
@@ -232,19 +235,6 @@ def _vector(file: GgufFile, name: str, count: int) -> torch.Tensor:
         raise GgufError(f"{file.path}: the tensor {name} is {type_name(tensor.type)} of shape {list(tensor.shape)}, "
                         f"where the model needs {count} floats")
     return gguf_weights.dequantized(tensor.type, _rows(file, tensor, 1, count)).reshape(count)
-
-
-class _BiasedGguf(torch.nn.Module):
-    """A GgufLinear and its bias (Qwen2's q, k and v)."""
-
-    def __init__(self, linear: torch.nn.Module, bias: torch.Tensor) -> None:
-        super().__init__()
-        self.linear = linear
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.bias = torch.nn.Parameter(bias, requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x) + self.bias
 
 
 def _set_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:

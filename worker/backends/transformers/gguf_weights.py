@@ -76,12 +76,13 @@ def load_kernel(data_dir: Path) -> None:
 
 
 class GgufLinear(torch.nn.Module):
-    """A linear without bias whose weight rows are gguf blocks of one type (``kind``: ggml's
-    type number), as a (out_features, row bytes) uint8 tensor."""
+    """A linear whose weight rows are gguf blocks of one type (``kind``: ggml's type number), as
+    a (out_features, row bytes) uint8 tensor, and its float32 bias where it has one (Qwen2's q,
+    k and v)."""
 
     blocks: torch.Tensor  # a buffer (moved with the module)
 
-    def __init__(self, kind: int, blocks: torch.Tensor, in_features: int) -> None:
+    def __init__(self, kind: int, blocks: torch.Tensor, in_features: int, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         if _matmul is None:
             raise RuntimeError("load_kernel() first")
@@ -89,7 +90,7 @@ class GgufLinear(torch.nn.Module):
             shape = tuple(blocks.shape)
             raise ValueError(f"gguf weights: {shape} bytes are not rows of {in_features} weights of type {kind}")
         self.kind, self.in_features, self.out_features = kind, in_features, blocks.shape[0]
-        self.bias = None
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.register_buffer("blocks", blocks.contiguous())
         self.function = _matmul
 
@@ -101,7 +102,8 @@ class GgufLinear(torch.nn.Module):
             if status != 0:
                 raise RuntimeError(f"gguf kernel: status {status} for type {self.kind}, {self.in_features} inputs")
 
-        return float_rows_product(x, self.in_features, self.out_features, product)
+        y = float_rows_product(x, self.in_features, self.out_features, product)
+        return y if self.bias is None else y + self.bias
 
 
 def float_rows_product(x: torch.Tensor, inputs: int, outputs: int, product: Callable[..., None]) -> torch.Tensor:

@@ -58,10 +58,11 @@ struct product {
 };
 
 /* q, k and v (or all three in qkv[0], the others without outputs); gate and up likewise.
- * Gemma 3 also normalizes each query and key head, and each sublayer's output before it joins
- * the residual stream (NULL where a model does not). */
+ * Gemma 3 (and Qwen3) also normalize each query and key head, Gemma 3 each sublayer's output
+ * before it joins the residual stream; Qwen2 adds a bias to q, k and v (qkv_bias: their
+ * outputs' width). NULL where a model does not. */
 struct layer {
-    const float *norm_in, *norm_mid, *norm_q, *norm_k, *norm_attended, *norm_out;
+    const float *norm_in, *norm_mid, *norm_q, *norm_k, *norm_attended, *norm_out, *qkv_bias;
     int64_t window; /* a sliding-window layer attends this many positions up to its own; 0: all */
     int64_t rope;   /* which of the pass's (cos, sin) tables it rotates with */
     struct product qkv[3], out, gate_up[2], down;
@@ -416,7 +417,8 @@ static void add_to_stream(const struct model *m, const struct pass *p, float *ad
     }
 }
 
-/* Each row's query and key heads normalized (Gemma 3) and rotated, in place. */
+/* Each row's q, k and v given their bias (Qwen2), its query and key heads normalized (Gemma 3,
+ * Qwen3) and rotated, in place. */
 static void place_heads(const struct model *m, const struct pass *p, const struct layer *layer, float *qkv,
                         int64_t qkv_width, int64_t total) {
     const int64_t dim = m->dim, width = m->heads * dim;
@@ -425,6 +427,8 @@ static void place_heads(const struct model *m, const struct pass *p, const struc
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t r = 0; r < total; r++) {
         float *row = qkv + r * qkv_width;
+        if (layer->qkv_bias != NULL) /* a linear's bias joins its product's output, as F.linear's does */
+            for (int64_t i = 0; i < qkv_width; i++) row[i] = row[i] + layer->qkv_bias[i];
         if (layer->norm_q != NULL) {
             for (int64_t h = 0; h < m->heads; h++) rms_norm(row + h * dim, layer->norm_q, dim, m->epsilon, row + h * dim);
             for (int64_t h = 0; h < m->kv_heads; h++)

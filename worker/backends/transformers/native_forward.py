@@ -73,7 +73,7 @@ class _Product(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [
         ("norm_in", _PTR), ("norm_mid", _PTR), ("norm_q", _PTR), ("norm_k", _PTR), ("norm_attended", _PTR),
-        ("norm_out", _PTR), ("window", _I64), ("rope", _I64), ("qkv", _Product * 3), ("out", _Product),
+        ("norm_out", _PTR), ("qkv_bias", _PTR), ("window", _I64), ("rope", _I64), ("qkv", _Product * 3), ("out", _Product),
         ("gate_up", _Product * 2), ("down", _Product),
     ]
 
@@ -180,12 +180,16 @@ class _LlamaCppRopes:
 
 def _activation(config: PretrainedConfig) -> int | None:
     """native_forward.c's number for the MLP's activation, None for one it does not compute."""
-    name = getattr(config, "hidden_act", None) if config.model_type == "llama" else getattr(config, "hidden_activation", None)
+    name = getattr(config, "hidden_activation" if config.model_type == "gemma3_text" else "hidden_act", None)
     return _ACTIVATIONS.get(name or "")
 
 
-def _product(linear: torch.nn.Module) -> _Product:
-    if isinstance(linear, fast_weights.Int8Linear) and linear.bias is None:
+def _product(linear: torch.nn.Module, biased: bool = False) -> _Product:
+    """The product of a linear's weights; its bias, where ``biased`` lets it have one, is the
+    caller's to add (the pass adds q, k and v's: _Layer.qkv_bias)."""
+    if getattr(linear, "bias", None) is not None and not biased:
+        raise TypeError("native_forward adds a bias to q, k and v only")
+    if isinstance(linear, fast_weights.Int8Linear):
         return _Product(
             exact_attention.address(linear.function), -1, linear.packed.data_ptr(), linear.scale.data_ptr(),
             linear.out_features, linear.in_features,
@@ -264,13 +268,14 @@ class NativeForward(Passes):
             pre_mlp = getattr(layer, "pre_feedforward_layernorm", None)
             norm_mid = layer.post_attention_layernorm if pre_mlp is None else pre_mlp
             window = getattr(attention, "sliding_window", None)
+            qkv: list[torch.nn.Module] = [attention.q_proj, attention.k_proj, attention.v_proj]
             layers[index] = _Layer(
                 self._scale(layer.input_layernorm), self._scale(norm_mid),
                 self._scale(getattr(attention, "q_norm", None)), self._scale(getattr(attention, "k_norm", None)),
                 self._scale(layer.post_attention_layernorm if pre_mlp is not None else None),
-                self._scale(getattr(layer, "post_feedforward_layernorm", None)),
+                self._scale(getattr(layer, "post_feedforward_layernorm", None)), self._biases(qkv),
                 window or 0, self._ropes.kinds.index(self._ropes.of_layers[index]),
-                self._side_by_side([attention.q_proj, attention.k_proj, attention.v_proj], 3),
+                self._side_by_side(qkv, 3),
                 _product(attention.o_proj),
                 self._side_by_side([mlp.gate_proj, mlp.up_proj], 2),
                 _product(mlp.down_proj),
@@ -299,14 +304,28 @@ class NativeForward(Passes):
         self._kept.append(scale)
         return scale.data_ptr()
 
+    def _biases(self, linears: list[torch.nn.Module]) -> int | None:
+        """Where the linears' biases lie side by side (float32; zeros for one without), None
+        where none of them has one."""
+        biases = [getattr(linear, "bias", None) for linear in linears]
+        if all(bias is None for bias in biases):
+            return None
+        side_by_side = torch.cat([
+            torch.zeros(cast(int, linear.out_features)) if bias is None else cast(torch.Tensor, bias).detach().float()
+            for linear, bias in zip(linears, biases)
+        ])
+        self._kept.append(side_by_side)
+        return side_by_side.data_ptr()
+
     def _side_by_side(self, linears: list[torch.nn.Module], count: int):
-        """Products of linears that read the same input: one joined where they join."""
+        """Products of linears that read the same input (their biases, where q, k and v have them,
+        added by the pass): one joined where they join."""
         joined = fast_weights.fused(linears)
         if isinstance(joined, (fast_weights.Int8Linear, gguf_weights.GgufLinear)):
             self._kept.append(joined)
             products = [_product(joined)]
         else:
-            products = [_product(linear) for linear in linears]
+            products = [_product(linear, biased=count == 3) for linear in linears]
         return (_Product * count)(*products, *[_Product() for _ in range(count - len(products))])
 
     def _places_of(self, cache: TorchCache, total: int, step: bool) -> _Places:

@@ -60,6 +60,8 @@ def corpus(seed: int, sentences: int = 2000) -> list[str]:
 
 
 FAMILIES = ("llama", "gemma3", "qwen3_5")
+# Further architectures, for the gguf files written of them (each one family of cache layers above).
+GGUF_FAMILIES = ("qwen2", "qwen3", "gemma3-gguf", "phi3")
 SLIDING_WINDOW = 16
 
 
@@ -105,11 +107,16 @@ def build(
     return out
 
 
+# transformers' model_type: gguf's general.architecture, for the architectures a gguf is written of
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3", "phi3": "phi3"}
+
+
 def write_gguf(model_dir: str | os.PathLike[str], out: str | os.PathLike[str], matrices: int = 8) -> Path:
-    """The tiny ``llama`` model of ``model_dir`` as a .gguf file laid out as llama.cpp's
-    converter writes one (its tokenizer as a GPT-2 BPE, query and key rows permuted), its
-    matrices (the linears and the embedding) in blocks of ggml type ``matrices`` (Q8_0 unless
-    told; 0 keeps them float32) and its vectors float32, as a downloaded gguf holds them."""
+    """The tiny model of ``model_dir`` (of an architecture in GGUF_ARCHITECTURES) as a .gguf file
+    laid out as llama.cpp's converter writes one: its tokenizer as a GPT-2 BPE, a Llama model's
+    query and key rows permuted, Gemma's norm scales as one plus their weight, its matrices (the
+    linears and the embedding) in blocks of ggml type ``matrices`` (Q8_0 unless told; 0 keeps
+    them float32) and its vectors float32, as a downloaded gguf holds them."""
     import json
 
     import gguf
@@ -119,17 +126,25 @@ def write_gguf(model_dir: str | os.PathLike[str], out: str | os.PathLike[str], m
 
     source = Path(model_dir)
     config = AutoConfig.from_pretrained(source)
-    writer = gguf.GGUFWriter(str(out), "llama")
+    arch = GGUF_ARCHITECTURES[config.model_type]
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    writer = gguf.GGUFWriter(str(out), arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count(heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    rope = config.rope_parameters  # Gemma 3's: one for each kind of layer, the full layers' in the file
+    writer.add_rope_freq_base((rope if "rope_theta" in rope else rope["full_attention"])["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    if arch == "gemma3":
+        writer.add_sliding_window(config.sliding_window)
     described = json.loads((source / "tokenizer.json").read_text())
     vocab = sorted(described["model"]["vocab"].items(), key=lambda item: item[1])
     special = set(SPECIAL_TOKENS)
@@ -142,13 +157,15 @@ def write_gguf(model_dir: str | os.PathLike[str], out: str | os.PathLike[str], m
     writer.add_pad_token_id(config.pad_token_id)
     writer.add_add_bos_token(True)
     writer.add_chat_template(CHATML)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     for name, tensor in load_file(source / "model.safetensors").items():
         base, suffix = name.rsplit(".", 1)
         gguf_name = f"{names.get_name(base)}.{suffix}"
-        if gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = config.num_attention_heads if "attn_q" in gguf_name else config.num_key_value_heads
-            tensor = tensor.reshape(heads, 2, tensor.shape[0] // heads // 2, *tensor.shape[1:]).swapaxes(1, 2).reshape(tensor.shape)
+        if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            rows = heads if "attn_q" in gguf_name else config.num_key_value_heads
+            tensor = tensor.reshape(rows, 2, tensor.shape[0] // rows // 2, *tensor.shape[1:]).swapaxes(1, 2).reshape(tensor.shape)
+        if arch == "gemma3" and gguf_name.endswith("norm.weight"):
+            tensor = tensor + 1
         tensor = np.ascontiguousarray(tensor, dtype=np.float32)
         if tensor.ndim == 2 and matrices:
             kind = gguf.GGMLQuantizationType(matrices)
@@ -184,16 +201,23 @@ def _config(family: str, tokenizer):
             linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
             linear_num_value_heads=4, initializer_range=0.1, **common,
         )
-    raise ValueError(f"unknown family {family!r}; one of {', '.join(FAMILIES)}")
+    if family in ("qwen2", "qwen3"):  # the architectures a gguf is also written of (write_gguf)
+        return AutoConfig.for_model(family, num_hidden_layers=2, initializer_range=0.3, **common)
+    if family == "gemma3-gguf":  # Gemma 3 as a gguf describes it: llama.cpp's fixed pattern of layer kinds
+        return AutoConfig.for_model("gemma3_text", num_hidden_layers=2, head_dim=16, sliding_window=SLIDING_WINDOW,
+                                    initializer_range=0.1, **common)
+    if family == "phi3":
+        return AutoConfig.for_model("phi3", num_hidden_layers=2, initializer_range=0.3, **common)
+    raise ValueError(f"unknown family {family!r}; one of {', '.join(FAMILIES + GGUF_FAMILIES)}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m worker.backends.transformers.tiny_model", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("directory")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--family", choices=FAMILIES, default="llama")
+    parser.add_argument("--family", choices=FAMILIES + GGUF_FAMILIES, default="llama")
     parser.add_argument("--thinking", action="store_true", help="a reasoning model's chat template (<think>)")
-    parser.add_argument("--gguf", metavar="FILE", help="also write the model as a .gguf file (llama only)")
+    parser.add_argument("--gguf", metavar="FILE", help="also write the model as a .gguf file (llama, qwen2, qwen3, gemma3-gguf, phi3)")
     args = parser.parse_args(argv)
     template = THINKING_CHATML if args.thinking else CHATML
     print(build(args.directory, seed=args.seed, family=args.family, chat_template=template))
