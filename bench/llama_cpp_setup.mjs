@@ -11,13 +11,19 @@ export const python = join(root, ".venv", "bin", "python");
 export const THREADS = 2; // llama.cpp's and the worker's, on this 2-core machine
 
 /** The gguf of a shipped model: SmolLM2's ("default") as its package holds it; Gemma 3 270M's
- *  ("gemma3-270m") joined from its part packages into `directory`. */
+ *  ("gemma3-270m") joined from its part packages into `directory`; Qwen2.5-Coder-0.5B's
+ *  ("qwen2.5-coder-0.5b") as the worker joined it into its data directory. */
 export function shippedGguf(model = "default", directory = undefined) {
-  const code =
-    model === "default"
-      ? "from worker.backends.transformers.shipped import gguf_path; print(gguf_path())"
-      : "import sys; from pathlib import Path; from worker.backends.transformers.shipped import assembled_gemma; " +
-        "print(assembled_gemma(Path(sys.argv[1])))";
+  const code = {
+    default: "from worker.backends.transformers.shipped import gguf_path; print(gguf_path())",
+    "gemma3-270m":
+      "import sys; from pathlib import Path; from worker.backends.transformers.shipped import assembled_gemma; " +
+      "print(assembled_gemma(Path(sys.argv[1])))",
+    "qwen2.5-coder-0.5b":
+      "from worker.backends.transformers.shipped import assembled_qwen_coder; " +
+      "from worker.data_dir import default_data_dir; print(assembled_qwen_coder(default_data_dir()))",
+  }[model];
+  if (code === undefined) throw new Error(`no shipped model ${model}`);
   return execFileSync(python, ["-c", code, ...(directory ? [directory] : [])], { cwd: root, encoding: "utf8" }).trim();
 }
 

@@ -712,10 +712,10 @@ def _model_path(model: str, data_dir: Path) -> Path:
     from worker.backends.transformers.shipped import SHIPPED
 
     if model in SHIPPED:
-        from worker.backends.transformers.shipped import converted_path
+        from worker.backends.transformers.shipped import QWEN_CODER, assembled_qwen_coder, converted_path
 
         try:
-            return converted_path(data_dir, model)
+            return assembled_qwen_coder(data_dir) if model == QWEN_CODER else converted_path(data_dir, model)
         except RpcError:
             raise
         except Exception as exc:
@@ -734,7 +734,7 @@ def _local_model_path(model: str) -> Path:
         raise RpcError(
             ErrorKind.MODEL_NOT_FOUND,
             f"No model at {model!r}: no such file or directory. Give a local model directory or .gguf file "
-            "(model hubs are not used), or a shipped model: 'default' or 'gemma3-270m'.",
+            "(model hubs are not used), or a shipped model: 'default', 'gemma3-270m' or 'qwen2.5-coder-0.5b'.",
             field="params.model",
         )
     if not path.is_dir() and not is_regular(path):

