@@ -128,10 +128,10 @@ def load(path: Path, data_dir: Path, **params):
     return TransformersBackend().load(LoadParams(model=str(path), **params), data_dir=data_dir)
 
 
-def test_a_gguf_loads_mapped_with_the_numbers_of_its_blocks_dequantized(tiny_gguf: Path, tmp_path: Path, monkeypatch):
-    """The mapped model and transformers' dequantized one with the same blocks in its linears
-    compute the same logits bit for bit; no matrix of the mapped one is a float copy."""
-    from worker.backends.transformers import backend, gguf_model
+def test_a_mapped_gguf_holds_no_float_copy_of_a_matrix(tiny_gguf: Path, tmp_path: Path):
+    """Every linear multiplies the file's blocks, the embedding widens the rows it looks up, and
+    the only float parameters are the norms' vectors."""
+    from worker.backends.transformers import gguf_model
     from worker.backends.transformers.gguf_weights import GgufLinear
 
     mapped = load(tiny_gguf, tmp_path)
@@ -139,18 +139,9 @@ def test_a_gguf_loads_mapped_with_the_numbers_of_its_blocks_dequantized(tiny_ggu
     model = mapped._open_model
     assert isinstance(model.model.embed_tokens, gguf_model.GgufEmbedding)
     assert all(not isinstance(m, torch.nn.Linear) for m in model.modules())
-    linears = [m for m in model.modules() if isinstance(m, GgufLinear)]
-    assert len(linears) == 2 * 7 + 1
+    assert len([m for m in model.modules() if isinstance(m, GgufLinear)]) == 2 * 7 + 1
     floats = sum(p.numel() for p in model.parameters())
-    assert floats == sum(p.numel() for n, p in model.named_parameters() if "norm" in n)  # vectors alone
-    monkeypatch.setattr(backend, "_mappable_gguf", lambda *args: None)
-    dequantized = load(tiny_gguf, tmp_path, quantization="gguf")
-    assert not isinstance(dequantized._open_model.model.embed_tokens, gguf_model.GgufEmbedding)
-    ids = mapped.tokenize("the quick brown fox jumps over the lazy dog", add_special_tokens=True)
-    with torch.inference_mode():
-        ours = mapped.forward_chunk(mapped.new_cache(), ids)
-        theirs = dequantized.forward_chunk(dequantized.new_cache(), ids)
-    assert torch.equal(ours, theirs)
+    assert floats == sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
 
 
 def test_the_tokenizer_is_built_once_and_kept_in_the_data_directory(tiny_gguf: Path, tmp_path: Path, monkeypatch):
@@ -259,12 +250,11 @@ async def test_greedy_from_a_cache_of_a_mapped_gguf_equals_greedy_without_one(ti
 def test_a_mapped_gguf_of_each_block_type_computes_its_dequantized_model_to_the_kernels_rounding(
     tiny_model_dir: Path, tmp_path: Path, kind: str
 ):
-    """Against the same file dequantized by transformers and computed in float32 (`none`): a Llama
-    model on gguf blocks is computed in llama.cpp's arithmetic (its keys, values and queries
-    rounded to float16), and the quantized types' activations are rounded to 8-bit blocks too
-    (the kernel's arithmetic itself is held bit for bit in test_gguf_kernel.py). On the tiny
-    model's random weights those roundings reach 1% of the largest logit for the float types and
-    8% for the quantized ones; a row in the wrong place or a misread block is of its size."""
+    """Against the same file dequantized by transformers and computed in float32 (`none`): the
+    float types differ by the order of their sums alone, the quantized types by the rounding of
+    their activations to 8-bit blocks too (the kernel's arithmetic itself is held bit for bit in
+    test_gguf_kernel.py), which on the tiny model's random weights reaches 8% of the largest
+    logit; a row in the wrong place or a misread block is of its size."""
     from worker.backends.transformers.tiny_model import write_gguf
 
     path = write_gguf(tiny_model_dir, tmp_path / f"tiny-{kind}.gguf", matrices=int(gguf.GGMLQuantizationType[kind]))
@@ -275,11 +265,11 @@ def test_a_mapped_gguf_of_each_block_type_computes_its_dequantized_model_to_the_
     with torch.inference_mode():
         ours = mapped.forward_chunk(mapped.new_cache(), ids)
         theirs = dense.forward_chunk(dense.new_cache(), ids)
-    bound = 2e-2 if kind in ("F32", "F16", "BF16") else 0.15
+    bound = 1e-5 if kind in ("F32", "F16", "BF16") else 0.15
     assert (ours - theirs).abs().max() <= bound * theirs.abs().max(), (ours - theirs).abs().max()
 
 
-ARCHITECTURES = ["qwen2", "qwen3", "gemma3-gguf", "phi3"]
+ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma3-gguf", "phi3"]
 
 
 @pytest.fixture(scope="module")
@@ -301,8 +291,8 @@ def gguf_of(tiny_models, tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.parametrize("kind", [0, 8], ids=["F32", "Q8_0"])
 def test_each_architecture_loads_mapped_and_computes_the_file_s_model(gguf_of, tmp_path: Path, family: str, kind: int):
     """Against the same file dequantized by transformers' own gguf loader and computed dense: its
-    configuration, tokenizer, tensor names, biases (Qwen2), head norms (Qwen3, Gemma 3), Gemma's
-    norm scales and Phi-3's fused projections read right. Float32 matrices differ by the order
+    configuration, tokenizer, tensor names, Llama's permuted q and k rows, biases (Qwen2), head
+    norms (Qwen3, Gemma 3), Gemma's norm scales and Phi-3's fused projections read right. Float32 matrices differ by the order
     of the sums alone; Q8_0's by the 8-bit rounding of the activations too."""
     path = gguf_of(family, kind)
     mapped = load(path, tmp_path)
@@ -318,7 +308,7 @@ def test_each_architecture_loads_mapped_and_computes_the_file_s_model(gguf_of, t
     assert (ours - theirs).abs().max() <= bound * theirs.abs().max(), (ours - theirs).abs().max()
 
 
-@pytest.mark.parametrize("family", ["llama", *ARCHITECTURES])
+@pytest.mark.parametrize("family", ARCHITECTURES)
 def test_on_each_architecture_a_mapped_gguf_s_streams_in_a_batch_and_prompts_cut_anyhow_get_their_own_numbers(
     gguf_of, tmp_path: Path, family: str
 ):

@@ -108,12 +108,15 @@ class TransformersBackend:
         blocks = _gguf_blocks(model, _gguf_source(params.model, path), data_dir) if quantization == "gguf" and mapped is None else {}
         if quantization == "gguf" and mapped is None and not blocks:
             quantization = "int8"  # nothing of the file's own to keep: the rule for the other linears
-        identity = _identity(path, model, tokenizer, dtype, quantization, device, data_dir / "digests")
+        from worker.backends.transformers.native_forward import llama_cpp_arithmetic
+
+        llama_cpp = llama_cpp_arithmetic(model.config, quantization, mapped=mapped is not None)
+        identity = _identity(path, model, tokenizer, dtype, quantization, device, data_dir / "digests", llama_cpp)
         if quantization != "none" and mapped is None:
             from worker.backends.transformers.fast_weights import quantize
 
             quantize(model, "int8" if quantization == "gguf" else quantization, blocks)
-        return TransformersModel(params, path, model, tokenizer, identity, device, dtype, quantization, started)
+        return TransformersModel(params, path, model, tokenizer, identity, device, dtype, quantization, started, llama_cpp)
 
 
 def _mappable_gguf(params: LoadParams, path: Path, dtype: str, data_dir: Path):
@@ -251,8 +254,9 @@ def resolve_weights(params: LoadParams) -> tuple[str, str]:
 class TransformersModel:
     def __init__(
         self, params: LoadParams, path: Path, model: PreTrainedModel, tokenizer, identity: Identity, device: str,
-        dtype: str, quantization: str, started: float,
+        dtype: str, quantization: str, started: float, llama_cpp: bool = False,
     ):
+        """``llama_cpp``: the native pass in llama.cpp's arithmetic (native_forward.llama_cpp_arithmetic)."""
         import torch
 
         from worker.backends.transformers import decode_step, native_forward
@@ -260,7 +264,7 @@ class TransformersModel:
         self._model: PreTrainedModel | None = model  # None once closed
         self._decode_step: decode_step.Passes | None = None
         if native_forward.applies(model.config, dtype, quantization):
-            self._decode_step = native_forward.NativeForward(model, quantization)
+            self._decode_step = native_forward.NativeForward(model, quantization, llama_cpp)
         elif decode_step.supports(model.config):
             self._decode_step = decode_step.DecodeStep(model)
         # A step computes its sequences in one pass, a prompt chunk with them.
@@ -619,7 +623,9 @@ _TOKENIZER_FILES = frozenset(
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 
 
-def _identity(path: Path, model, tokenizer, dtype: str, quantization: str, device: str, memo_dir: Path) -> Identity:
+def _identity(
+    path: Path, model, tokenizer, dtype: str, quantization: str, device: str, memo_dir: Path, llama_cpp: bool = False
+) -> Identity:
     """Everything that decides what the model computes for a token: every byte of the
     weights and tokenizer files (a .gguf file holds both), the chat template, and the
     whole configuration. Digests of big files are remembered (worker.fingerprint)."""
@@ -646,7 +652,7 @@ def _identity(path: Path, model, tokenizer, dtype: str, quantization: str, devic
         config_sha256=hf_compat.config_digest(
             config,
             fast_weights.int8_products() if quantization != "none" else None,
-            native_forward.forward_name(config, dtype, quantization),
+            native_forward.forward_name(config, dtype, quantization, llama_cpp),
             _arithmetic_device(device, native=native_forward.applies(config, dtype, quantization)),
         ),
         layers=config.num_hidden_layers,

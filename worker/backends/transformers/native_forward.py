@@ -140,17 +140,25 @@ def applies(config: PretrainedConfig, dtype: str, quantization: str) -> bool:
     return exact_attention.Kernel.takes_heads(heads, kv_heads, dim)
 
 
-def forward_name(config: PretrainedConfig, dtype: str, quantization: str) -> str | None:
-    """What the cache identity calls the passes' arithmetic: llama.cpp's for a Llama model on a
-    gguf file's own blocks, the worker's own for the others here, None where it does not apply."""
+def forward_name(config: PretrainedConfig, dtype: str, quantization: str, llama_cpp: bool) -> str | None:
+    """What the cache identity calls the passes' arithmetic (``llama_cpp``: llama_cpp_arithmetic's
+    answer), None where the native pass does not apply."""
     if not applies(config, dtype, quantization):
         return None
-    return FORWARD_LLAMA_CPP if _llama_cpp(config, quantization) else FORWARD
+    return FORWARD_LLAMA_CPP if llama_cpp else FORWARD
 
 
-def _llama_cpp(config: PretrainedConfig, quantization: str) -> bool:
+def llama_cpp_arithmetic(config: PretrainedConfig, quantization: str, *, mapped: bool) -> bool:
+    """Whether the passes are computed in llama.cpp's arithmetic: a Llama model on the gguf blocks
+    of a converted directory (the shipped default loaded with quantization gguf), so that its
+    greedy output is llama.cpp's token for token. A mapped gguf's passes are the worker's own:
+    the attention llama.cpp computes for batches under 64 rows takes one key at a time (a
+    2,048-token prompt of SmolLM2 took 20 times as long, decode after it 30 times)."""
     scaling = getattr(config, "rope_scaling", None) or {}
-    return quantization == "gguf" and config.model_type == "llama" and scaling.get("rope_type", "default") == "default"
+    return (
+        not mapped and quantization == "gguf" and config.model_type == "llama"
+        and scaling.get("rope_type", "default") == "default"
+    )
 
 
 class _LlamaCppRopes:
@@ -247,7 +255,8 @@ class _Places:
 class NativeForward(Passes):
     """A Llama or Gemma 3 model's passes, each one call of native_forward.c."""
 
-    def __init__(self, model: PreTrainedModel, quantization: str) -> None:
+    def __init__(self, model: PreTrainedModel, quantization: str, llama_cpp: bool = False) -> None:
+        """``llama_cpp``: in llama.cpp's arithmetic (llama_cpp_arithmetic), else the worker's own."""
         assert _forward is not None, "load_kernel() first"
         model = cast("LlamaForCausalLM | Gemma3ForCausalLM", model)
         inner, config = model.model, model.config
@@ -255,7 +264,7 @@ class NativeForward(Passes):
         self._heads = config.num_attention_heads
         self._kv_heads = config.num_key_value_heads or self._heads
         self._dim = getattr(config, "head_dim", None) or config.hidden_size // self._heads
-        llama_cpp = self._llama_cpp = _llama_cpp(config, quantization)
+        self._llama_cpp = llama_cpp
         self._embed = inner.embed_tokens
         self._ropes = _LlamaCppRopes(cast("LlamaForCausalLM", model), self._dim) if llama_cpp else decode_step.Ropes(model)
         self._like = torch.empty(1, self._kv_heads, 1, self._dim)  # a layer's positions to come, for its buffers
