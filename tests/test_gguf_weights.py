@@ -122,18 +122,14 @@ def test_the_kernel_built_for_narrower_processors_multiplies_as_llama_cpp_does(k
             assert np.array_equal(out, llama_cpp_product(kind, blocks, x)), (kind, n)
 
 
-def test_each_row_gets_the_numbers_it_gets_alone_and_joined_linears_their_own(kernel):
+def test_each_row_gets_the_numbers_it_gets_alone(kernel):
     rng = np.random.default_rng(1)
-    linears = [
-        kernel.GgufLinear(int(Q4_1), torch.from_numpy(gguf.quants.quantize(rng.standard_normal((rows, 576)).astype(np.float32), Q4_1)), 576)
-        for rows in (576, 192, 192)
-    ]
+    blocks = gguf.quants.quantize(rng.standard_normal((576, 576)).astype(np.float32), Q4_1)
+    linear = kernel.GgufLinear(int(Q4_1), torch.from_numpy(blocks), 576)
     x = torch.randn(300, 576)
-    together = linears[0](x)
+    together = linear(x)
     for start, count in ((0, 1), (17, 3), (100, 156), (299, 1)):
-        assert torch.equal(linears[0](x[start : start + count]), together[start : start + count])
-    joined = kernel.joined(linears)
-    assert torch.equal(joined(x[:5]), torch.cat([linear(x[:5]) for linear in linears], dim=-1))
+        assert torch.equal(linear(x[start : start + count]), together[start : start + count])
 
 
 def llama_cpp_permuted(weights: np.ndarray, heads: int) -> np.ndarray:
@@ -251,25 +247,6 @@ def test_gguf_weights_keep_a_position_s_logits_however_its_prompt_was_cut_and_ba
     assert torch.equal(logits([37, 64, 91], 100), whole)
     assert torch.equal(logits([50], 80)[20:], whole)
     assert_a_batch_steps_as_each_alone(model, [ids[:9], ids[20:51]])
-
-
-def test_the_gguf_header_reader_finds_what_gguf_s_own_reader_finds(tiny_model_dir: Path, tmp_path: Path, tiny_gguf):
-    from worker.backends.transformers import gguf_weights
-
-    path = tmp_path / "tiny.gguf"
-    theirs = {t.name: (int(t.tensor_type), [int(n) for n in t.shape], int(t.data_offset)) for t in gguf.GGUFReader(path).tensors}
-    assert gguf_weights._tensor_table(gguf_weights._mapped(path)) == theirs
-
-
-def test_a_fifo_under_the_gguf_s_name_is_refused_not_waited_on(tmp_path: Path):
-    import os
-
-    from worker.backends.transformers import gguf_weights
-
-    fifo = tmp_path / "model.gguf"
-    os.mkfifo(fifo)
-    with pytest.raises(OSError, match="not a regular file"):
-        gguf_weights._mapped(fifo)
 
 
 # --- the shipped SmolLM2 (slow) -----------------------------------------------------------------
