@@ -399,12 +399,11 @@ class EnginePrefill:
                 "prompt into the server's prefix cache.",
                 field=field,
             )
-        source = PromptSource(params.prompt, params.tokens, params.messages)
-        check_source(source)
         one = GenerateParams(
             prompt=params.prompt, tokens=params.tokens, messages=params.messages, tools=params.tools,
             add_special_tokens=params.add_special_tokens, max_tokens=1, stream=False,
         )
+        check_engine_request(model, one)  # what is known bad (an empty prompt, one past the context) is not sent
         decoding = model.submit(one, add_generation_prompt=params.add_generation_prompt)
         generation = Generation(
             model, one, [], request_id=request_id, is_cancelled=is_cancelled, send_chunk=lambda chunk: None,

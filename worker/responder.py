@@ -20,6 +20,7 @@ import msgspec
 from protocol.envelope import RequestId
 from protocol.errors import ErrorKind, RpcError
 from protocol.methods import Params
+from worker import stopping
 from worker.generation import cancelled_before_start
 from worker.handlers import Context
 from worker.locked_session import LockedSession
@@ -62,7 +63,8 @@ class Responder:
                 if policy.cancelled_result:
                     return cancelled_before_start(_ms_since(job.queued_at))
                 raise RpcError(ErrorKind.REQUEST_CANCELLED, f"Request {job.id!r} was cancelled before it ran.")
-            return self._routes[job.method](self._context(job), job.params)
+            with stopping.scope(job.stop):  # a wait on a server in it stops with a cancel
+                return self._routes[job.method](self._context(job), job.params)
 
         self._answer(job.id, job.method, run, job)
 

@@ -32,6 +32,7 @@ from protocol.errors import ErrorKind, RpcError
 from protocol.methods import CancelResult, Params
 from worker.admission import Admission
 from worker.policy import POLICY, Lane, waits_behind
+from worker.stopping import Stop
 
 
 class Job(msgspec.Struct):
@@ -43,6 +44,7 @@ class Job(msgspec.Struct):
     cancelled: threading.Event = msgspec.field(default_factory=threading.Event)
     running: bool = False
     withdrawn: bool = False  # cancelled while queued and taken off its queue, to be answered at once
+    stop: Stop = msgspec.field(default_factory=Stop)  # stops it while it runs, where it waits on a server
     acked: int = -1  # the last generate/chunk the host acknowledged (generate/ack)
 
     def is_cancelled(self) -> bool:
@@ -98,8 +100,8 @@ class Session:
         if job is None:
             return CancelResult(cancelled=False, state="unknown")
         job.cancelled.set()
-        if job.running:  # a running load or unload cannot stop halfway; it answers as usual
-            return CancelResult(cancelled=POLICY[job.method].stoppable, state="running")
+        if job.running:  # a running load or unload cannot stop halfway, unless it waits on a server
+            return CancelResult(cancelled=POLICY[job.method].stoppable or job.stop.stop(), state="running")
         self._withdraw(job)
         return CancelResult(cancelled=True, state="queued")
 

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import msgspec
 
@@ -54,12 +54,22 @@ from worker.tool_calls import template_dict
 if TYPE_CHECKING:
     from worker.constraints import GrammarTokenizer, OutputConstraint
 
+T = TypeVar("T")
+
 # A step waits until a stream receives something or the lane is woken (a new request, a cancel,
 # an ack); at most this long, so that a wake that never comes costs a pause, not a hang. Rounds
 # every few ms while the streams are quiet between the engine's steps took CPU that an engine on
 # the same cores lost (bench/README.md).
 STEP_WAIT_S = 0.05
 CONNECT_TIMEOUT_S = 10.0
+# A model /v1/models does not serve is refused naming at most this many of those it does (a
+# server may list a million), each cut to NAME_CHARS, with their count.
+NAMES_QUOTED = 5
+NAME_CHARS = 100
+
+# What the protocol can pass on of a server's answers (PROTOCOL 22): a token id or a count is
+# an integer 0 ... 2^31-1 (a host's JSON numbers hold it exactly), a context length too.
+EngineInt = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 
 
 class OpenAIBackend:
@@ -115,7 +125,7 @@ class ServedModel(msgspec.Struct):
     """An entry of /v1/models (fields beyond the id are vLLM's and llama.cpp's)."""
 
     id: str
-    max_model_len: int | None = None
+    max_model_len: EngineInt | None = None
 
 
 class ModelList(msgspec.Struct):
@@ -124,7 +134,7 @@ class ModelList(msgspec.Struct):
 
 def _served_models(engine: Engine) -> list[ServedModel]:
     try:
-        answer = engine.get("/models")
+        return engine.get("/models", ModelList).data
     except EngineStatusError as exc:
         if exc.status != 404:
             raise
@@ -134,27 +144,21 @@ def _served_models(engine: Engine) -> list[ServedModel]:
             "is base_url the OpenAI API root (it usually ends in /v1)?",
             field="params.base_url",
         ) from None
-    try:
-        return msgspec.convert(answer, ModelList).data
-    except msgspec.ValidationError as exc:
-        raise RpcError(
-            ErrorKind.ENGINE_ERROR,
-            f"The server at {engine.address} answered /models with something that is not a model list ({exc}); "
-            "is base_url the OpenAI API root (it usually ends in /v1)?",
-            field="params.base_url",
-        ) from None
 
 
 def _choose(listed: list[ServedModel], wanted: str, engine: Engine) -> ServedModel:
-    names = ", ".join(repr(m.id) for m in listed) or "none"
     if wanted == "default" and len(listed) == 1:  # the one model the server serves
         return listed[0]
     for served in listed:
         if served.id == wanted:
             return served
+    names = ", ".join(repr(engine.quote(m.id, NAME_CHARS)) for m in listed[:NAMES_QUOTED])
+    if len(listed) > NAMES_QUOTED:
+        names = f"{len(listed)} models, among them {names}, …"
     raise RpcError(
         ErrorKind.MODEL_NOT_SERVED,
-        f"The server at {engine.address} does not serve {wanted!r}; it serves {names}. Load one of those "
+        f"The server at {engine.address} does not serve {engine.quote(wanted, NAME_CHARS)!r}; it serves "
+        f"{names or 'none'}. Load one of those "
         "(the name the server was started with, e.g. vLLM's --served-model-name).",
         field="params.model",
     )
@@ -187,7 +191,7 @@ class OpenAIModel:
         self._arrived = threading.Condition()  # notified whenever a stream receives something, and by wake
         self._woken = False
         self.info = ModelInfo(
-            model=served.id,
+            model=engine.quote.redact(served.id),  # the key never crosses the protocol, even as a name
             backend="openai",
             path=str(engine.address),
             vocab_size=0,  # not told by the API: the engine checks token ids
@@ -205,14 +209,11 @@ class OpenAIModel:
     # --- text, through the engine's tokenizer endpoints ----------------------------------
 
     def tokenize(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        answer = self._tokenizer_call(
-            "/tokenize", {"model": self._name, "prompt": text, "add_special_tokens": add_special_tokens}
-        )
-        return list(answer["tokens"])
+        body = {"model": self._name, "prompt": text, "add_special_tokens": add_special_tokens}
+        return self._tokenizer_call("/tokenize", body, _Tokens).tokens
 
     def detokenize(self, tokens: Sequence[int], *, skip_special_tokens: bool = False) -> str:
-        answer = self._tokenizer_call("/detokenize", {"model": self._name, "tokens": list(tokens)})
-        return str(answer["prompt"])
+        return self._tokenizer_call("/detokenize", {"model": self._name, "tokens": list(tokens)}, _Text).prompt
 
     def render(
         self, messages: Sequence[ChatMessage], *, tools: Sequence[Tool], add_generation_prompt: bool
@@ -224,12 +225,12 @@ class OpenAIModel:
         }
         if tools:
             body["tools"] = [msgspec.to_builtins(t) for t in tools]
-        tokens = list(self._tokenizer_call("/tokenize", body)["tokens"])
+        tokens = self._tokenizer_call("/tokenize", body, _Tokens).tokens
         return self.detokenize(tokens), tokens
 
-    def _tokenizer_call(self, path: str, body: dict[str, Any]) -> Any:
+    def _tokenizer_call(self, path: str, body: dict[str, Any], answer: type[T]) -> T:
         try:
-            answer = self._engine.post(path, body, root=True)
+            return self._engine.post(path, body, answer, root=True)
         except EngineStatusError as exc:
             if exc.status == 404 and exc.kind is not ErrorKind.MODEL_NOT_SERVED:
                 raise RpcError(
@@ -238,9 +239,6 @@ class OpenAIModel:
                     f"tokenize, detokenize and render need it. Send text or messages to generate instead.",
                 ) from None
             raise
-        if not isinstance(answer, dict) or ("tokens" not in answer and "prompt" not in answer):
-            raise RpcError(ErrorKind.ENGINE_ERROR, f"The server's {path} answered {str(answer)[:200]!r}, not tokens.")
-        return answer
 
     # --- generation -------------------------------------------------------------------
 
@@ -309,10 +307,26 @@ class OpenAIModel:
         pass  # each request's connection closes with it
 
 
+class _Tokens(msgspec.Struct):
+    """vLLM's /tokenize answer (its other fields unused)."""
+
+    tokens: list[EngineInt]
+
+
+class _Text(msgspec.Struct):
+    """vLLM's /detokenize answer."""
+
+    prompt: str
+
+
+class _PromptDetails(msgspec.Struct):
+    cached_tokens: EngineInt | None = None
+
+
 class _Usage(msgspec.Struct):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    prompt_tokens_details: dict[str, Any] | None = None
+    prompt_tokens: EngineInt = 0
+    completion_tokens: EngineInt = 0
+    prompt_tokens_details: _PromptDetails | None = None
 
 
 class _FunctionDelta(msgspec.Struct):
@@ -321,7 +335,7 @@ class _FunctionDelta(msgspec.Struct):
 
 
 class _ToolCallDelta(msgspec.Struct):
-    index: int = 0
+    index: EngineInt = 0
     id: str | None = None
     function: _FunctionDelta | None = None
 
@@ -332,11 +346,11 @@ class _Delta(msgspec.Struct):
 
 
 class _Choice(msgspec.Struct):
-    index: int = 0
+    index: EngineInt = 0
     text: str | None = None  # /completions
     delta: _Delta | None = None  # /chat/completions
-    token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None  # /completions: in the first event's choice
+    token_ids: list[EngineInt] | None = None
+    prompt_token_ids: list[EngineInt] | None = None  # /completions: in the first event's choice
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -351,7 +365,7 @@ class _Event(msgspec.Struct):
 
     choices: list[_Choice] = []
     usage: _Usage | None = None
-    prompt_token_ids: list[int] | None = None  # /chat/completions: in the first event
+    prompt_token_ids: list[EngineInt] | None = None  # /chat/completions: in the first event
     error: _ServerError | str | None = None  # a request the server refused after its stream began
 
 
@@ -385,8 +399,10 @@ class EngineDecoding:
         self, engine: Engine, path: str, body: dict[str, Any], arrived: threading.Condition, params: GenerateParams
     ) -> None:
         self._arrived = arrived
+        self._engine = engine
         self._deltas: collections.deque[EngineDelta] = collections.deque()
         self._tools = {tool.function.name for tool in params.tools or []}
+        self._stops = set(params.stop)
         self._response_format = params.response_format is not None
         self._calls: dict[int, _CallParts] = {}
         self.prompt_tokens = 0
@@ -446,16 +462,21 @@ class EngineDecoding:
             grammar = self._response_format and "grammar" in said.lower()
             raise RpcError(
                 ErrorKind.INVALID_PARAMS,
-                f"The server refused the request after its stream began: {said[:1000]}",
+                f"The server refused the request after its stream began: {self._engine.quote(said)}",
                 field="params.response_format" if grammar else None,
             )
         if event.prompt_token_ids is not None:
             self.prompt_tokens = len(event.prompt_token_ids)
         if event.usage is not None:
             self.prompt_tokens = event.usage.prompt_tokens or self.prompt_tokens
-            details = event.usage.prompt_tokens_details or {}
-            if isinstance(details.get("cached_tokens"), int):
-                self.cached_tokens = details["cached_tokens"]
+            details = event.usage.prompt_tokens_details
+            cached = details.cached_tokens if details is not None else None
+            if cached is not None and cached > self.prompt_tokens:
+                raise self._engine.error(
+                    f"reported {cached} cached tokens (usage.prompt_tokens_details.cached_tokens) of a prompt of "
+                    f"{self.prompt_tokens}"
+                )
+            self.cached_tokens = cached if cached is not None else self.cached_tokens
         for choice in event.choices:
             self._choice(choice)
 
@@ -480,7 +501,8 @@ class EngineDecoding:
         # The last delta waits for the usage that follows it (cached tokens come only there), so
         # that its chunk carries the final counts.
         self._last = delta
-        stop = choice.stop_reason if isinstance(choice.stop_reason, str) else None
+        # A stop string is one of the request's (the worker sends none: the server's own is its end)
+        stop = choice.stop_reason if isinstance(choice.stop_reason, str) and choice.stop_reason in self._stops else None
         self._finish = StreamEnd(reason=choice.finish_reason, stop=stop)
 
     def _tool_call_parts(self, parts: list[_ToolCallDelta] | None) -> list[ToolCall]:
