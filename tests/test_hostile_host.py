@@ -1,4 +1,5 @@
-"""A hostile host, third round (issue 27): each case through a real worker over real pipes.
+"""A hostile host, third and fourth rounds (issues 27 and 47; a hostile server behind the openai
+backend: tests/test_hostile_engine.py): each case through a real worker over real pipes.
 Whatever a host sends or leaves in the data directory, the worker answers precisely, loses
 no result, never hangs, and keeps serving."""
 
