@@ -92,6 +92,9 @@ class ModelInfo(Result):
     quantization: str  # "none", "int8", "int4" or "gguf": how the linear layers' weights are held
     tool_calls: ToolCallSupport
     load_time_ms: float
+    # the worker process's resident memory just after the load, in bytes (None where the system
+    # does not say): what the model takes, with the worker's own and its libraries'
+    resident_bytes: int | None = None
 
 
 class CapabilitiesResult(Result):

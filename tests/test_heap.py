@@ -105,3 +105,17 @@ async def test_a_spawned_worker_keeps_a_loaded_models_objects_out_of_full_collec
     assert found and int(found.group(1)) > 50_000, host.stderr_tail()
     result = await host.call("generate", {"prompt": "hello", "max_tokens": 4, "temperature": 0}, timeout=60)
     assert len(result["tokens"]) == 4  # and it serves as before
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="resident memory is read from Linux's /proc")
+async def test_a_load_reports_the_worker_s_resident_memory_which_a_model_makes_grow(spawn_worker: SpawnWorker, tiny_gguf: Path):
+    """What a host plans a machine's memory with: the process's resident bytes just after the load."""
+    import os
+
+    host = await spawn_worker(process=True)
+    echo = await host.call("load", {"backend": "echo"})
+    model = await host.call("load", {"model": str(tiny_gguf)}, timeout=120)
+    resident = int(Path(f"/proc/{host.process.pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < echo["resident_bytes"] < model["resident_bytes"]  # torch and the model came since
+    assert abs(model["resident_bytes"] - resident) < 0.25 * resident
+    assert (await host.call("capabilities"))["model"]["resident_bytes"] == model["resident_bytes"]

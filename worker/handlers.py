@@ -132,6 +132,7 @@ class Handlers:
             self._prepare_restores(model)
         self._model = model
         heap.settle()
+        model.info.resident_bytes = heap.resident_bytes()
         log.info(
             "loaded %s with backend %s in %.0f ms", params.model, params.backend, (time.perf_counter() - started) * 1e3
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import weakref
 from collections.abc import Callable
 
@@ -46,3 +47,12 @@ def thaw(*, collect: bool) -> None:
     gc.unfreeze()
     if collect:
         gc.collect()
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory in bytes (/proc/self/statm), None where there is none."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None

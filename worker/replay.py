@@ -24,7 +24,7 @@ from protocol.framing import Framing, encode_frame
 from worker import transcript
 from worker.host import Host
 
-VOLATILE_KEYS = frozenset({"timings", "load_time_ms", "time_ms", "last_used", "pid", "worker_version"})
+VOLATILE_KEYS = frozenset({"timings", "load_time_ms", "resident_bytes", "time_ms", "last_used", "pid", "worker_version"})
 
 
 def normalize(value: Any) -> Any:

@@ -38,6 +38,8 @@ export interface ModelInfo {
     quantization: string;
     tool_calls: ToolCallSupport;
     load_time_ms: number;
+    /** Default `null`. */
+    resident_bytes?: number | null;
 }
 export interface SpecialToken {
     role: string;
