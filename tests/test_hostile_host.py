@@ -650,3 +650,91 @@ async def test_a_library_without_the_kernel_under_its_name_is_built_again_and_th
     await host.close()
     stderr = host.stderr.decode()
     assert "float64" not in stderr and "building it again" in stderr and "lmw_attention" in stderr
+
+
+# --- issue 47 items 1 and 2: chat templates that never end or build a huge string ----------------------
+
+
+def with_template(tiny_model_dir: Path, target: Path, template: str) -> Path:
+    """The tiny model with ``template`` as its chat template."""
+    shutil.copytree(tiny_model_dir, target)
+    (target / "chat_template.jinja").write_text(template)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    return target
+
+
+HUGE_TEMPLATES = {
+    "doubled 40 times": "{% set ns = namespace(v='x') %}{% for i in range(40) %}{% set ns.v = ns.v ~ ns.v %}"
+                        "{% endfor %}{{ ns.v }}",
+    "100 MB of text to tokenize": "{{ 'x' * 100000000 }}",
+    "the tools 100,000 times": "{% for i in range(100000) %}{{ tools | tojson }}{% endfor %}",
+}
+NEVER_ENDS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+TOOLS = [{"type": "function", "function": {"name": "f", "description": "a tool " * 20}}]
+
+
+@pytest.mark.parametrize("template", HUGE_TEMPLATES)
+async def test_a_chat_template_that_builds_a_huge_string_is_refused_naming_the_template_and_memory_stays_bounded(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, tmp_path: Path, template: str
+):
+    """The worker grew until the OOM killer ended it: the template's string, then its tokens."""
+    model = with_template(tiny_model_dir, tmp_path / "huge", HUGE_TEMPLATES[template])
+    host = await tiny_worker(spawn_worker, model, tmp_path / "data", load=DENSE)
+    asked = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+    for method, params in [("render", asked), ("generate", {**asked, "max_tokens": 2})]:
+        with pytest.raises(WorkerError) as caught:
+            await host.call(method, params, timeout=60)
+        assert (caught.value.code, caught.value.data["field"]) == (-32602, "params.messages"), caught.value.message
+        assert "chat template" in caught.value.message
+    peak = int(re.search(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{host.process.pid}/status").read_text())[1]) << 10
+    assert (await host.call("generate", {"prompt": "the cat", "max_tokens": 2}))["usage"]["completion_tokens"] == 2
+    assert peak < 1536 << 20, peak
+
+
+async def test_a_chat_template_that_never_ends_holds_only_its_own_request_and_a_cancel_ends_it_at_once(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, tmp_path: Path
+):
+    """It rendered on the cache I/O thread, which every generate needs to start and finish: the
+    running stream never got its result, later requests never started, and its cancel answered
+    cancelled true with nothing after."""
+    model = with_template(tiny_model_dir, tmp_path / "never", NEVER_ENDS)
+    host = await spawn_worker()
+    await host.call("load", {"model": str(model), **DENSE}, timeout=300)
+    messages = [{"role": "user", "content": "hi"}]
+    streaming_id, streaming = host.start("generate", {"prompt": "the cat", "max_tokens": 40})
+    await host.wait_until(lambda: host.chunks[streaming_id])
+    stuck_id, stuck = host.start("generate", {"messages": messages, "max_tokens": 4})
+    rendering_id, rendering = host.start("render", {"messages": messages})
+    await asyncio.sleep(0.5)  # both templates are rendering
+    assert (await asyncio.wait_for(streaming, 30))["result"]["usage"]["completion_tokens"] == 40
+    later = await host.call("generate", {"prompt": "the dog", "max_tokens": 4}, timeout=30)
+    assert later["usage"]["completion_tokens"] == 4
+    started = time.perf_counter()
+    assert await host.call("cancel", {"id": stuck_id}) == {"cancelled": True, "state": "running"}
+    assert await host.call("cancel", {"id": rendering_id}) == {"cancelled": True, "state": "running"}
+    stuck_answer, rendering_answer = await asyncio.wait_for(asyncio.gather(stuck, rendering), 5)
+    assert time.perf_counter() - started < 1.0
+    assert stuck_answer["result"]["finish_reason"] == "cancelled"
+    assert rendering_answer["error"]["data"]["kind"] == "request_cancelled"
+    assert (await host.call("tokenize", {"text": "still here"}))["count"] > 0
+
+
+async def test_a_chat_template_past_its_deadline_is_refused_naming_the_template(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from worker import chat_template
+
+    monkeypatch.setattr(chat_template, "RENDER_TIMEOUT_S", 1.0)  # the worker runs in this process
+    model = with_template(tiny_model_dir, tmp_path / "never", NEVER_ENDS)
+    host = await spawn_worker()
+    await host.call("load", {"model": str(model), **DENSE}, timeout=300)
+    for method in ("render", "generate", "prefill"):
+        params = {"messages": [{"role": "user", "content": "hi"}], **({"cache": "memory://x"} if method == "prefill" else {})}
+        started = time.perf_counter()
+        with pytest.raises(WorkerError) as caught:
+            await host.call(method, params, timeout=30)
+        assert time.perf_counter() - started < 5.0
+        assert (caught.value.code, caught.value.data["field"]) == (-32602, "params.messages")
+        assert "chat template did not finish rendering these messages within 1 s" in caught.value.message

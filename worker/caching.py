@@ -25,7 +25,7 @@ from protocol.methods import (
     SkippedCache,
 )
 from worker.backends.base import CachingDecoding, CachingModel, Decoding, Model
-from worker.generation import CacheReport, PromptSource, check_context, resolve_prompt
+from worker.generation import CacheReport, prefill_prompt
 from worker.kvcache.container import Identity, TensorEntry, cut_point
 from worker.kvcache.store import MEMORY, Candidate, CacheStore, StorableCache
 
@@ -80,6 +80,7 @@ class Prefill:
         model: Model,
         params: PrefillParams,
         *,
+        prompt: list[int] | None = None,
         request_id: int | str,
         is_cancelled: Callable[[], bool],
         send_progress: Callable[[PrefillProgress], None],
@@ -94,15 +95,7 @@ class Prefill:
                 f"another name, or prefill with cache: \"auto\".",
                 field="params.cache",
             )
-        source = PromptSource(params.prompt, params.tokens, params.messages)
-        tokens = resolve_prompt(
-            model,
-            source,
-            add_special_tokens=params.add_special_tokens,
-            tools=params.tools or [],
-            add_generation_prompt=params.add_generation_prompt,
-        )
-        check_context(model, len(tokens), 0)
+        tokens = prompt if prompt is not None else prefill_prompt(model, params)
         if params.trim_to_tokens is not None and params.base is None:
             raise RpcError(
                 ErrorKind.INVALID_PARAMS, "trim_to_tokens trims the 'base' cache; give 'base' too.", field="params.base"

@@ -7,8 +7,9 @@ worker/transport.py). It validates params, registers each request with the sessi
 (``capabilities``, ``cancel``, and ``cache/*`` with nothing ahead); the rest wait on the
 session for their lane: the text lane (worker/text_lane.py, ``lm-worker-text``) or the model
 lane (worker/model_lane.py, ``lm-worker-model``), whose tasks are made and finished on the
-cache I/O thread (worker/cache_io.py, ``lm-worker-cache-io``). The dispatcher owns these
-three and the session. So ``cancel``, ``capabilities`` and ``tokenize`` are answered while
+cache I/O thread (worker/cache_io.py, ``lm-worker-cache-io``), after their messages were
+rendered on a render thread (worker/render_threads.py, ``lm-worker-render``). The dispatcher
+owns these and the session. So ``cancel``, ``capabilities`` and ``tokenize`` are answered while
 generations stream, and a cancel only sets an event that the model lane checks between
 decode steps. ``end`` may be called from any thread (a signal, the writer finding stdout
 closed).
@@ -38,6 +39,7 @@ from worker.cache_io import CacheIO
 from worker.handlers import Context, Handlers
 from worker.locked_session import LockedSession
 from worker.model_lane import ModelLane
+from worker.render_threads import RenderThreads
 from worker.responder import Replies, Responder, Route
 from worker.scheduler import DEFAULT_MAX_BATCH
 from worker.text_lane import TextLane
@@ -76,10 +78,11 @@ class Dispatcher:
         }
         assert self._routes.keys() == METHODS.keys(), "every protocol method needs a route"
         self._session = LockedSession(max_batch, wake_model=handlers.wake_model)
-        self._responder = Responder(self._routes, replies, self._session)
+        self._responder = Responder(self._routes, replies, self._session, handlers.prompt)
         self._cache_io = CacheIO(handlers.prepare_side_thread)
+        self._renders = RenderThreads()
         self._lanes = [
-            ModelLane(self._session, self._responder, self._cache_io).thread,
+            ModelLane(self._session, self._responder, self._cache_io, self._renders).thread,
             TextLane(self._session, self._responder).thread,
         ]
         self._ending = threading.Lock()  # one end at a time: the first one's exit code is set before `ended`
@@ -189,6 +192,7 @@ class Dispatcher:
             for lane in self._lanes:
                 lane.join(0.05)
             if not any(lane.is_alive() for lane in self._lanes):
+                self._renders.shutdown()  # first: a render hands its request on to the cache I/O thread
                 self._cache_io.shutdown()
                 return True
             cancelled_at = self._cancelled_at

@@ -134,6 +134,17 @@ def prompt_tokens(model: Model, params: GenerateParams) -> list[int]:
     return prompt
 
 
+def prefill_prompt(model: Model, params: PrefillParams) -> list[int]:
+    """A prefill's prompt tokens, checked to fit the model's context."""
+    source = PromptSource(params.prompt, params.tokens, params.messages)
+    tokens = resolve_prompt(
+        model, source, add_special_tokens=params.add_special_tokens, tools=params.tools or [],
+        add_generation_prompt=params.add_generation_prompt,
+    )
+    check_context(model, len(tokens), 0)
+    return tokens
+
+
 def check_context(model: Model, prompt_length: int, max_tokens: int) -> None:
     if prompt_length == 0:
         raise RpcError(

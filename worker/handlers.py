@@ -52,6 +52,7 @@ from worker.generation import (
     check_draft,
     check_engine_request,
     check_vocabulary,
+    prefill_prompt,
     prompt_tokens,
     render_messages,
 )
@@ -67,6 +68,7 @@ class Context(msgspec.Struct, frozen=True):
     queued_ms: float
     send_notification: Callable[[str, msgspec.Struct], None]
     acked: Callable[[], int] = lambda: -1  # the last generate/chunk index the host acknowledged
+    prompt: list[int] | None = None  # a generate's or prefill's messages, rendered already (Handlers.prompt)
 
 
 class WireInfo(msgspec.Struct, frozen=True):
@@ -184,6 +186,17 @@ class Handlers:
         )
         return RenderResult(text=text, tokens=tokens, count=len(tokens))
 
+    def prompt(self, ctx: Context, params: GenerateParams | PrefillParams) -> list[int] | None:
+        """The prompt of a generate or prefill with messages, rendered before its task is made
+        (on a render thread: a chat template may take its whole deadline); None where the model
+        renders nothing itself (an engine's server renders them)."""
+        model = self._loaded()
+        if isinstance(model, EngineModel):
+            return None
+        if isinstance(params, GenerateParams):
+            return prompt_tokens(model, params)
+        return prefill_prompt(model, params)
+
     def generate(self, ctx: Context, params: GenerateParams) -> Generation:
         """The generation, ready for the scheduler to feed and step (nothing computed yet; on
         an engine, the request is sent)."""
@@ -200,7 +213,7 @@ class Handlers:
                 model, params, [], request_id=ctx.id, is_cancelled=ctx.cancelled.is_set, send_chunk=send_chunk,
                 acked=ctx.acked, queued_ms=ctx.queued_ms, started=started, streamed=model.submit(params),
             )
-        prompt = prompt_tokens(model, params)
+        prompt = ctx.prompt if ctx.prompt is not None else prompt_tokens(model, params)
         constraint = output_constraint(model, params)
         check_draft(model, params)
         return Generation(
@@ -228,7 +241,7 @@ class Handlers:
         if isinstance(model, EngineModel):
             return EnginePrefill.start(model, params, request_id=ctx.id, is_cancelled=ctx.cancelled.is_set)
         return Prefill(
-            self._store(), model, params,
+            self._store(), model, params, prompt=ctx.prompt,
             request_id=ctx.id, is_cancelled=ctx.cancelled.is_set, send_progress=send_progress,
         )
 

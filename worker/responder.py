@@ -1,8 +1,9 @@
 """Running a request's handler and sending its answer: a result, or one precise error.
 
 Threads: whichever thread calls it, on that thread. The reader answers inline requests
-(``answer_now``); the text lane and the model lane run queued jobs (``run``); the cache I/O
-thread makes tasks (``make_task``) and answers with them (``finish``). Answers go out through
+(``answer_now``); the text lane and the model lane run queued jobs (``run``); a render thread
+renders a task's messages (``render_prompt``); the cache I/O thread makes tasks
+(``make_task``) and answers with them (``finish``). Answers go out through
 the transport's sending half (:class:`Replies`). A queued job's id is freed in the session
 just before its answer is sent, so that the host, once it has the answer, may use the id again.
 """
@@ -44,10 +45,12 @@ class Replies(Protocol):
 
 
 class Responder:
-    def __init__(self, routes: Mapping[str, Route], replies: Replies, session: LockedSession) -> None:
+    def __init__(self, routes: Mapping[str, Route], replies: Replies, session: LockedSession, prompt: Route) -> None:
+        """``prompt``: a generate's or prefill's prompt rendered from its messages (Handlers.prompt)."""
         self._routes = routes
         self._replies = replies
         self._session = session
+        self._prompt = prompt
 
     def answer_now(self, request_id: RequestId, method: str, params: Params) -> None:
         """A request that is not queued: run its handler on this thread and answer."""
@@ -68,6 +71,21 @@ class Responder:
 
         self._answer(job.id, job.method, run, job)
 
+    def render_prompt(self, job: Job) -> bool:
+        """Render a generate's or prefill's messages into its prompt (``job.prompt``), before its
+        task is made; False when that failed or the request was cancelled meanwhile (answered then)."""
+        try:
+            with stopping.scope(job.stop):  # a cancel ends the template's rendering at once
+                job.prompt = self._prompt(self._context(job), job.params)
+            return True
+        except BaseException as exc:  # a library's BaseException too (_answer says why)
+            if job.is_cancelled():
+                self.run(job)  # as a request cancelled before it started
+            else:
+                self._session.release(job)
+                self._replies.send_error(job.id, _as_rpc_error(job.method, exc))
+            return False
+
     def make_task(self, job: Job) -> Task | None:
         """The task of a generate or prefill; None when making it failed (answered then)."""
         try:
@@ -87,7 +105,8 @@ class Responder:
 
     def _context(self, job: Job) -> Context:
         return Context(
-            job.id, job.cancelled, _ms_since(job.queued_at), self._replies.send_notification, lambda: job.acked
+            job.id, job.cancelled, _ms_since(job.queued_at), self._replies.send_notification, lambda: job.acked,
+            job.prompt,
         )
 
     def _answer(self, msg_id: RequestId, method: str, run: Callable[[], Any], job: Job | None = None) -> None:

@@ -44,7 +44,8 @@ class Job(msgspec.Struct):
     cancelled: threading.Event = msgspec.field(default_factory=threading.Event)
     running: bool = False
     withdrawn: bool = False  # cancelled while queued and taken off its queue, to be answered at once
-    stop: Stop = msgspec.field(default_factory=Stop)  # stops it while it runs, where it waits on a server
+    stop: Stop = msgspec.field(default_factory=Stop)  # stops it while it runs, where it waits on another program
+    prompt: list[int] | None = None  # a generate's or prefill's messages, rendered before its task is made
     acked: int = -1  # the last generate/chunk the host acknowledged (generate/ack)
 
     def is_cancelled(self) -> bool:
@@ -84,7 +85,7 @@ class Session:
         )
         job = None
         if behind or lane is Lane.TEXT:
-            job = Job(request_id, method, params, now, text_lane=not behind)
+            job = Job(request_id, method, params, now, text_lane=not behind, stop=Stop(sticky=POLICY[method].stoppable))
             self.jobs[request_id] = job
             if behind:
                 self.admission.add(job)
@@ -100,8 +101,9 @@ class Session:
         if job is None:
             return CancelResult(cancelled=False, state="unknown")
         job.cancelled.set()
-        if job.running:  # a running load or unload cannot stop halfway, unless it waits on a server
-            return CancelResult(cancelled=POLICY[job.method].stoppable or job.stop.stop(), state="running")
+        if job.running:  # a running load or unload cannot stop halfway, unless it waits on another program
+            stopped = job.stop.stop()
+            return CancelResult(cancelled=POLICY[job.method].stoppable or stopped, state="running")
         self._withdraw(job)
         return CancelResult(cancelled=True, state="queued")
 
@@ -111,7 +113,9 @@ class Session:
         for job in self.jobs.values():
             if job is not but:
                 job.cancelled.set()
-                if withdraw and not job.running:
+                if job.running:  # a wait on another program (a server, a chat template) ends now
+                    job.stop.stop()
+                elif withdraw:
                     self._withdraw(job)
 
     def _withdraw(self, job: Job) -> None:

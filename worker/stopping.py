@@ -1,9 +1,11 @@
 """Stopping a running request where it waits on another program.
 
 Most running requests cannot stop halfway (a load of local weights, a tokenize); one that
-waits on a server's answer (the openai backend's ``load``, ``tokenize``, ``detokenize``,
-``render``) can: letting go of the connection ends the wait at once. The responder runs each
-queued job's handler inside ``scope(job.stop)``; code deep below it marks such a wait with
+waits on another program can: on a server's answer (the openai backend's ``load``,
+``tokenize``, ``detokenize``, ``render``) letting go of the connection ends the wait at once,
+and on a chat template's rendering process (worker/chat_template.py) killing it does. The
+responder runs each queued job's handler, and a generate's or prefill's rendering of its
+messages, inside ``scope(job.stop)``; code deep below it marks such a wait with
 ``while_waiting(let_go)``; a cancel calls ``Stop.stop``, which lets go of the wait in
 progress and says whether there was one (the cancel then answers ``cancelled: true``, and
 the request answers -32800). The Backend and Model contracts stay as they are: the scope
@@ -20,16 +22,23 @@ from typing import ContextManager
 
 
 class Stop:
-    """One request's way to be stopped while it runs. Any thread."""
+    """One request's way to be stopped while it runs. Any thread.
 
-    def __init__(self) -> None:
+    ``sticky``: the request stops whenever it is cancelled (a generate or prefill, whose cancel
+    always answers ``cancelled: true``), so a wait that begins after the cancel is let go of
+    as it begins."""
+
+    def __init__(self, *, sticky: bool = False) -> None:
         self._lock = threading.Lock()
         self._let_go: Callable[[], None] | None = None
+        self._sticky = sticky
+        self._stopped = False
 
     def stop(self) -> bool:
         """Let go of the wait in progress; True when there was one. Under the lock, so that a
         wait that ends meanwhile has either been let go of or is over (``waiting``'s end)."""
         with self._lock:
+            self._stopped = self._sticky
             if self._let_go is None:
                 return False
             self._let_go()
@@ -38,6 +47,8 @@ class Stop:
     @contextmanager
     def waiting(self, let_go: Callable[[], None]) -> Iterator[None]:
         with self._lock:
+            if self._stopped:
+                let_go()
             self._let_go = let_go
         try:
             yield

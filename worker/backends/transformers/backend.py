@@ -27,7 +27,7 @@ import msgspec
 
 from protocol.errors import ErrorKind, RpcError
 from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo, SpecialToken, Tool
-from worker import prompt_lookup, reasoning, tool_calls
+from worker import chat_template, prompt_lookup, reasoning, tool_calls
 from worker.files import is_regular
 from worker.backends.base import PREFILL_CHUNK_TOKENS, Decoding
 from worker.backends.transformers.torch_threads import CoreShare
@@ -306,6 +306,8 @@ class TransformersModel:
         )
         self.grammar_tokenizer: GrammarTokenizer | None = GrammarTokenizer(tokenizer, self.eos_token_ids)
         self.reasoning_markers = reasoning.markers(getattr(tokenizer, "chat_template", None))
+        # What transformers' apply_chat_template passes a template beside the messages: bos_token and the like.
+        self._template_variables = msgspec.to_builtins(dict(tokenizer.special_tokens_map))
         self._cache_tensors = self._one_position_cache()
 
     @property
@@ -360,19 +362,16 @@ class TransformersModel:
                 "send 'prompt' text or 'tokens' instead.",
                 field="params.messages",
             )
-        conversation = [tool_calls.template_dict(m) for m in messages]
+        conversation = chat_template.as_template_data([tool_calls.template_dict(m) for m in messages])
         described = [msgspec.to_builtins(tool) for tool in tools] or None
+        # Rendered in a process of its own, bounded (worker/chat_template.py), as transformers'
+        # apply_chat_template renders it; the tokenizer's lock is taken only to tokenize.
+        text = chat_template.render(
+            self._tokenizer.get_chat_template(None, described), conversation, described,
+            add_generation_prompt=add_generation_prompt, variables=self._template_variables,
+            context_length=self.info.context_length,
+        )
         with self._lock:
-            try:
-                text = self._tokenizer.apply_chat_template(
-                    conversation, tools=described, add_generation_prompt=add_generation_prompt, tokenize=False
-                )
-            except Exception as exc:  # a template may raise on roles or tools it does not know
-                raise RpcError(
-                    ErrorKind.INVALID_PARAMS,
-                    f"The model's chat template refused these messages: {exc}",
-                    field="params.messages",
-                ) from exc
             ids = list(self._tokenizer(text, add_special_tokens=False).input_ids)
         if self._adds_bos and ids[:1] != [self._bos]:
             ids.insert(0, self._bos)
