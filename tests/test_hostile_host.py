@@ -738,3 +738,69 @@ async def test_a_chat_template_past_its_deadline_is_refused_naming_the_template(
         assert time.perf_counter() - started < 5.0
         assert (caught.value.code, caught.value.data["field"]) == (-32602, "params.messages")
         assert "chat template did not finish rendering these messages within 1 s" in caught.value.message
+
+
+# --- issue 47 item 17: a model's files that say what the worker cannot use ------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_mamba(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Mamba with the tiny model's tokenizer: its mixer multiplies by dt_proj.weight itself."""
+    import torch
+    from transformers import MambaConfig, MambaForCausalLM
+
+    model = tmp_path_factory.mktemp("tiny-mamba")
+    torch.manual_seed(0)
+    config = MambaConfig(vocab_size=512, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
+                         time_step_rank=8, bos_token_id=1, eos_token_id=3, pad_token_id=0)
+    MambaForCausalLM(config).save_pretrained(model)
+    for file in tiny_model_dir.iterdir():
+        if file.name.startswith("tokenizer") or file.name == "chat_template.jinja":
+            shutil.copy(file, model / file.name)
+    return model
+
+
+async def test_a_linear_whose_module_reads_its_weight_stays_dense_and_the_log_says_so(
+    spawn_worker: SpawnWorker, tiny_mamba: Path, tmp_path: Path
+):
+    """It loaded as int8 and every pass failed: 'Int8Linear' object has no attribute 'weight'."""
+    host = await tiny_worker(spawn_worker, tiny_mamba, tmp_path / "data")
+    assert (await host.call("generate", {"prompt": "the cat", "max_tokens": 4}))["usage"]["completion_tokens"] == 4
+    await host.close()
+    [logged] = [line for line in host.stderr.decode().splitlines() if "kept dense" in line]
+    assert "since each one's module's code reads the weight itself: " in logged
+    assert "backbone.layers.0.mixer.dt_proj" in logged and "in_proj" not in logged
+
+
+@pytest.mark.parametrize(("file", "value"), [("generation_config.json", 1 << 40), ("generation_config.json", -5),
+                                             ("generation_config.json", "3"), ("config.json", [3, 512])])
+async def test_an_eos_id_that_is_no_token_of_the_model_is_refused_at_load_naming_the_file_and_value(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, tmp_path: Path, file: str, value
+):
+    """The tokenizer could not convert it: every request failed with -32603."""
+    model = tmp_path / "tiny"
+    shutil.copytree(tiny_model_dir, model)
+    settings = json.loads((model / file).read_text())
+    (model / file).write_text(json.dumps({**settings, "eos_token_id": value}))
+    host = await spawn_worker()
+    with pytest.raises(WorkerError) as caught:
+        await host.call("load", {"model": str(model), **DENSE}, timeout=300)
+    bad = value[-1] if isinstance(value, list) else value
+    assert (caught.value.code, caught.value.kind, caught.value.data["field"]) == (-32002, "model_load_failed", "params.model")
+    assert caught.value.message.startswith(f"{file} names the EOS token {bad!r}, which is no token of this model")
+
+
+@pytest.mark.parametrize("value", [-1, 0, 1 << 31])
+async def test_a_context_length_that_is_no_number_of_tokens_is_refused_at_load_naming_config_json(
+    spawn_worker: SpawnWorker, tiny_model_dir: Path, tmp_path: Path, value
+):
+    """It loaded, and load answered context_length -1."""
+    model = tmp_path / "tiny"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": value}))
+    host = await spawn_worker()
+    with pytest.raises(WorkerError) as caught:
+        await host.call("load", {"model": str(model), **DENSE}, timeout=300)
+    assert (caught.value.code, caught.value.data["field"]) == (-32002, "params.model")
+    assert f"config.json gives the context length (max_position_embeddings) as {value!r}" in caught.value.message

@@ -285,7 +285,7 @@ class TransformersModel:
         self._lock = threading.Lock()
         config = model.config
         self._vocab_size = max(len(tokenizer), config.vocab_size)
-        self.eos_token_ids = frozenset(_eos_ids(model, tokenizer))
+        self.eos_token_ids = frozenset(_eos_ids(model, tokenizer, path, self._vocab_size))
         self._bos = tokenizer.bos_token_id
         self._adds_bos = self._bos is not None and tokenizer("a").input_ids[:1] == [self._bos]
         self._identity = identity
@@ -295,7 +295,7 @@ class TransformersModel:
             backend="transformers",
             path=str(path),
             vocab_size=self._vocab_size,
-            context_length=int(getattr(config, "max_position_embeddings", 0) or tokenizer.model_max_length),
+            context_length=_context_length(config, tokenizer, path),
             special_tokens=_special_tokens(tokenizer, self.eos_token_ids),
             has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
             device=device,
@@ -803,12 +803,48 @@ def _load_pretrained(path: Path, dtype: str, device: str, trust_remote_code: boo
     return model.eval(), tokenizer
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
+# The largest context length and token id the protocol carries (a JSON integer every host reads).
+_MAX_INT32 = (1 << 31) - 1
+
+
+def _eos_ids(model, tokenizer, path: Path, vocab_size: int) -> set[int]:
+    """Every EOS id the generation config, the model config and the tokenizer name; one that is
+    not a token of the vocabulary (2^40, -5, "3") is a load error naming the file and the value:
+    the tokenizer cannot convert it, so every request failed with -32603."""
     ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+    sources = [(getattr(model, "generation_config", None), "generation_config.json"), (model.config, "config.json"),
+               (tokenizer, "the tokenizer")]
+    for source, name in sources:
         value = getattr(source, "eos_token_id", None)
-        ids.update([value] if isinstance(value, int) else (value or []))
+        for token in value if isinstance(value, (list, tuple)) else [] if value is None else [value]:
+            if type(token) is not int or not 0 <= token < vocab_size:
+                where = name if path.is_dir() or name == "the tokenizer" else f"the metadata of {path.name}"
+                raise RpcError(
+                    ErrorKind.MODEL_LOAD_FAILED,
+                    f"{where} names the EOS token {token!r}, which is no token of this model (its ids are 0 to "
+                    f"{vocab_size - 1}); fix eos_token_id there.",
+                    field="params.model",
+                )
+            ids.add(token)
     return ids
+
+
+def _context_length(config, tokenizer, path: Path) -> int:
+    """``max_position_embeddings``, which must be 1 to 2^31-1 tokens (a load error naming the file
+    and value otherwise: -1 was reported as the context); without it, the tokenizer's
+    ``model_max_length``, at most 2^31-1 (transformers' 10^30 says there is no limit)."""
+    value = getattr(config, "max_position_embeddings", None)
+    if value is None:
+        return max(1, min(int(tokenizer.model_max_length), _MAX_INT32))
+    if type(value) is not int or not 1 <= value <= _MAX_INT32:
+        where = "config.json" if path.is_dir() else f"the metadata of {path.name}"
+        raise RpcError(
+            ErrorKind.MODEL_LOAD_FAILED,
+            f"{where} gives the context length (max_position_embeddings) as {value!r}; it must be 1 to "
+            f"{_MAX_INT32} tokens. Fix it there.",
+            field="params.model",
+        )
+    return value
 
 
 def _special_tokens(tokenizer, eos_ids: frozenset[int]) -> list[SpecialToken]:

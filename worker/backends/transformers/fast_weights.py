@@ -35,12 +35,19 @@ greedy output without one (seen on SmolLM2).
 Every ``nn.Linear`` of the model is replaced, the output projection (``lm_head``)
 included; embeddings stay as they are. A linear whose shape the int4 kernel does not
 take (inputs not a multiple of 32, outputs not of 16) gets 8-bit rows: a dense product
-would not give each row the numbers it gets alone.
+would not give each row the numbers it gets alone. A linear whose module's own code reads
+its ``weight`` (Mamba's mixer multiplies by ``dt_proj.weight`` itself) stays dense, and the
+log says so: a quantized one has no ``weight``, and the model's first pass failed.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dis
+import functools
+import inspect
+import logging
+import types
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -66,6 +73,7 @@ _ITEM_ROWS = 64  # rows of one of its work items (ITEM · PANEL): the rows are p
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, ctypes.c_int]
 _int8_matmul: CFunction | None = None
+log = logging.getLogger(__name__)
 
 
 def load_int8_kernel(data_dir: Path) -> None:
@@ -225,9 +233,15 @@ def quantize(model: torch.nn.Module, scheme: str, gguf_blocks: dict | None = Non
         for name, child in list(parent.named_children())
         if type(child) is torch.nn.Linear
     ]
+    dense = [qualified for qualified, parent, name, _ in linears if _reads_weight(parent, name)]
+    if dense:
+        log.warning("%d linear%s kept dense, since %s module's code reads the weight itself: %s", len(dense),
+                    "s" if len(dense) > 1 else "", "each one's" if len(dense) > 1 else "its", ", ".join(dense))
     report = load_progress.stage("quantizing", len(linears), "tensors")
     for replaced, (qualified, parent, name, child) in enumerate(linears, 1):
-        if qualified in blocks:
+        if qualified in dense:
+            pass
+        elif qualified in blocks:
             kind, rows = blocks[qualified]
             setattr(parent, name, GgufLinear(kind, rows, child.in_features))
         else:
@@ -235,7 +249,44 @@ def quantize(model: torch.nn.Module, scheme: str, gguf_blocks: dict | None = Non
             kind = Int4Linear if scheme == "int4" and _fits_int4(child) else int8
             setattr(parent, name, kind(child, dtype))
         report(replaced)
-    return len(linears)
+    return len(linears) - len(dense)
+
+
+def _reads_weight(parent: torch.nn.Module, name: str) -> bool:
+    """Whether ``parent``'s own code reads its child ``name``'s weight (``self.<name>.weight``)."""
+    return name in _weights_read(type(parent))
+
+
+@functools.cache
+def _weights_read(kind: type) -> frozenset[str]:
+    """The attributes whose ``weight`` a module class's methods read, PyTorch's own classes left
+    out; found in their bytecode (reading their source parses whole files: seconds a load)."""
+    found: set[str] = set()
+    for klass in kind.__mro__:
+        if klass.__module__.split(".")[0] in ("torch", "builtins"):
+            continue
+        for value in vars(klass).values():
+            function = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+            function = inspect.unwrap(function) if callable(function) else function  # under its decorators
+            if isinstance(code := getattr(function, "__code__", None), types.CodeType):
+                found |= _read_in(code)
+    return frozenset(found)
+
+
+def _read_in(code: types.CodeType) -> set[str]:
+    """``name`` of each ``self.<name>.weight`` in ``code`` and the code nested in it."""
+    found = set()
+    if "weight" in code.co_names:
+        steps = list(dis.get_instructions(code))
+        for first, second, third in zip(steps, steps[1:], steps[2:]):
+            if (first.argval == "self" and first.opname.startswith(("LOAD_FAST", "LOAD_DEREF"))
+                    and second.opname == "LOAD_ATTR" and third.argval == "weight"
+                    and third.opname in ("LOAD_ATTR", "LOAD_METHOD")):
+                found.add(second.argval)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            found |= _read_in(constant)
+    return found
 
 
 def fused(linears: list[torch.nn.Module]):
