@@ -804,3 +804,75 @@ async def test_a_context_length_that_is_no_number_of_tokens_is_refused_at_load_n
         await host.call("load", {"model": str(model), **DENSE}, timeout=300)
     assert (caught.value.code, caught.value.data["field"]) == (-32002, "params.model")
     assert f"config.json gives the context length (max_position_embeddings) as {value!r}" in caught.value.message
+
+
+# --- issue 47 items 3, 4 and 9: a gguf or directory through transformers' loader ------------------------
+
+
+def gguf_with_array(path: Path, items: int) -> Path:
+    """A gguf of no tensors whose one metadata entry is an array of ``items`` bytes."""
+    key = b"x.big"
+    path.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little") + (1).to_bytes(8, "little")
+                     + len(key).to_bytes(8, "little") + key + (9).to_bytes(4, "little") + (0).to_bytes(4, "little")
+                     + items.to_bytes(8, "little") + bytes(items))
+    return path
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize(("items", "says"), [(20_000_000, "is an array of 20000000 items, more than 16777216"),
+                                             (3_000_000, "metadata arrays hold 3000000 items, more than the 2097152")])
+async def test_a_gguf_header_is_read_by_the_bounded_reader_before_transformers_loader_whatever_the_quantization(
+    spawn_worker: SpawnWorker, tmp_path: Path, quantization: str, items: int, says: str
+):
+    """gguf-py's reader, under transformers' gguf loader, made a Python object of each of the
+    20,000,000 items: 9 GB."""
+    model = gguf_with_array(tmp_path / "big.gguf", items)
+    host = await spawn_worker("--data-dir", str(tmp_path / "data"), env=TORCH_ENV, process=True)
+    with pytest.raises(WorkerError) as caught:
+        await host.call("load", {"model": str(model), "quantization": quantization}, timeout=120)
+    peak = int(re.search(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{host.process.pid}/status").read_text())[1]) << 10
+    assert (caught.value.code, caught.value.data["field"]) == (-32002, "params.model")
+    assert says in caught.value.message
+    assert peak < 1536 << 20, peak
+
+
+@pytest.fixture
+def tiny_missing_and_extra(tiny_model_dir: Path, tmp_path: Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "tiny-missing"
+    shutil.copytree(tiny_model_dir, model)
+    tensors = load_file(model / "model.safetensors")
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    tensors["model.extra.weight"] = tensors["model.norm.weight"].clone()
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    return model
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+async def test_a_model_directory_with_a_weight_missing_or_left_over_is_refused_naming_them(
+    spawn_worker: SpawnWorker, tiny_missing_and_extra: Path, quantization: str
+):
+    """transformers made up the missing weight at random, and the model answered nonsense."""
+    host = await spawn_worker()
+    with pytest.raises(WorkerError) as caught:
+        await host.call("load", {"model": str(tiny_missing_and_extra), "quantization": quantization}, timeout=300)
+    assert (caught.value.code, caught.value.data["field"]) == (-32002, "params.model")
+    assert "tensors 1 missing (model.layers.0.mlp.up_proj.weight); 1 not used by the model (model.extra.weight)" in (
+        caught.value.message
+    )
+
+
+async def test_a_gguf_loaded_by_transformers_with_a_tensor_missing_is_refused_naming_it(
+    spawn_worker: SpawnWorker, tiny_gguf: Path, tmp_path: Path
+):
+    from tests.test_gguf_model import rewritten
+
+    model = rewritten(tiny_gguf, tmp_path / "missing.gguf", drop="blk.0.ffn_up.weight")
+    host = await spawn_worker()
+    with pytest.raises(WorkerError) as caught:
+        await host.call("load", {"model": str(model), **DENSE}, timeout=300)
+    assert (caught.value.code, caught.value.data["field"]) == (-32002, "params.model")
+    assert "tensors 1 missing (model.layers.0.mlp.up_proj.weight)" in caught.value.message
+    info = await host.call("load", {"model": str(tiny_gguf), **DENSE}, timeout=300)  # the whole file still loads
+    assert info["quantization"] == "none"

@@ -123,33 +123,62 @@ def _mappable_gguf(params: LoadParams, path: Path, dtype: str, data_dir: Path):
     """The gguf file mapped where the model is computed on its own blocks: a .gguf path on the
     CPU in float32, ``quantization`` auto or gguf, an architecture gguf_model builds, and the
     gguf kernel built; else None (transformers' loader takes the file, and the log says why).
-    A file that is not a gguf the reader takes is a load error naming what is wrong."""
+    Every .gguf path's header is read first, by the worker's bounded reader: a file it refuses,
+    or one whose metadata transformers' loader cannot take (_for_transformers), is a load error
+    naming what is wrong."""
     from worker.backends.transformers import exact_attention, gguf_model, gguf_weights
     from worker.gguf.reader import GgufError, read
 
-    if not (path.is_file() and path.suffix == ".gguf") or params.quantization not in ("auto", "gguf"):
-        return None
-    if params.device.split(":")[0] != "cpu" or dtype != "float32":
+    if not (path.is_file() and path.suffix == ".gguf"):
         return None
     try:
         file = read(path)
     except GgufError as exc:
         raise RpcError(ErrorKind.MODEL_LOAD_FAILED, f"Could not load the model: {exc}",
                        field="params.model") from exc
+    if params.quantization not in ("auto", "gguf") or params.device.split(":")[0] != "cpu" or dtype != "float32":
+        return _for_transformers(file)
     arch = gguf_model.architecture(file)
     if arch is None:
         log.warning("%s: a %r model is loaded by transformers' gguf loader (every tensor dequantized, then int8): "
                     "lm-worker computes on a gguf's own blocks for %s", path, file.get("general.architecture", str, "?"),
                     ", ".join(gguf_model.ARCHITECTURES))
-        file.close()
-        return None
+        return _for_transformers(file)
     try:
         gguf_weights.load_kernel(data_dir)
     except exact_attention.KernelUnavailable as exc:
         log.warning("%s is dequantized by transformers' loader (the gguf kernel cannot be built): %s", path, exc)
-        file.close()
-        return None
+        return _for_transformers(file)
     return file
+
+
+# transformers' gguf loader reads the metadata with gguf-py's reader, which makes Python objects
+# of every array item (about a kilobyte each): at most this many in all (a vocabulary of 262,144
+# tokens has about 800,000 in its tokens, scores, types and merges).
+MAX_TRANSFORMERS_GGUF_ITEMS = 1 << 21
+
+
+def _for_transformers(file) -> None:
+    """Close ``file``, checked for transformers' gguf loader: -32002 where its metadata arrays
+    hold more than MAX_TRANSFORMERS_GGUF_ITEMS items (20,000,000 took 9 GB)."""
+    from worker.gguf.reader import Strings
+
+    def items(value) -> int:
+        if isinstance(value, Strings):
+            return value.count
+        return len(value) + sum(items(item) for item in value if isinstance(item, list)) if isinstance(value, list) else 0
+
+    held = sum(items(value) for value in file.metadata.values())
+    file.close()
+    if held > MAX_TRANSFORMERS_GGUF_ITEMS:
+        raise RpcError(
+            ErrorKind.MODEL_LOAD_FAILED,
+            f"Could not load the model: {file.path}'s metadata arrays hold {held} items, more than the "
+            f"{MAX_TRANSFORMERS_GGUF_ITEMS} transformers' gguf loader is given (it makes a Python object of each); "
+            "load it with quantization 'auto' or 'gguf' on the CPU if its architecture is one lm-worker maps.",
+            field="params.model",
+        )
+    return None
 
 
 def _load_mapped(file, attention: str, data_dir: Path):
@@ -790,17 +819,47 @@ def _load_pretrained(path: Path, dtype: str, device: str, trust_remote_code: boo
     try:
         with LOADING:
             tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **extra)
-            model = AutoModelForCausalLM.from_pretrained(
+            loaded = AutoModelForCausalLM.from_pretrained(
                 location, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code,
-                attn_implementation=attention, **extra,
-            ).to(device)  # pyright: ignore[reportArgumentType]  # transformers types to() as the unbound Module.to it wraps
-    except Exception as exc:  # corrupt, truncated or foreign files, a device that fails: say which and why
+                attn_implementation=attention, output_loading_info=True, **extra,
+            )
+        model, loading = cast("tuple[PreTrainedModel, dict]", loaded)  # a pair, with output_loading_info
+    except Exception as exc:  # corrupt, truncated or foreign files: say which and why
+        raise RpcError(
+            ErrorKind.MODEL_LOAD_FAILED,
+            f"Could not load the model at {str(path)!r}: {type(exc).__name__}: {exc}",
+            field="params.model",
+        ) from exc
+    _check_weights(path, loading)
+    try:
+        model = model.to(device)  # pyright: ignore[reportArgumentType]  # transformers types to() as the unbound Module.to it wraps
+    except Exception as exc:  # a device that fails
         raise RpcError(
             ErrorKind.MODEL_LOAD_FAILED,
             f"Could not load the model at {str(path)!r}: {type(exc).__name__}: {exc}",
             field="params.model",
         ) from exc
     return model.eval(), tokenizer
+
+
+def _check_weights(path: Path, loading: dict) -> None:
+    """-32002 naming the tensors where the files' weights are not the model's: transformers makes
+    up a weight the files lack (random numbers), and leaves out one the model does not use or of
+    another shape. A tied output layer is not missing (transformers ties it)."""
+    found = []
+    for key, what in (("missing_keys", "missing"), ("unexpected_keys", "not used by the model"),
+                      ("mismatched_keys", "of another shape than the model's")):
+        names = sorted(str(entry[0] if isinstance(entry, tuple) else entry) for entry in loading.get(key) or ())
+        if names:
+            listed = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            found.append(f"{len(names)} {what} ({listed})")
+    if found:
+        raise RpcError(
+            ErrorKind.MODEL_LOAD_FAILED,
+            f"The weights at {str(path)!r} are not the model its configuration describes: tensors "
+            f"{'; '.join(found)}. Fix or replace the files; nothing is made up for them.",
+            field="params.model",
+        )
 
 
 # The largest context length and token id the protocol carries (a JSON integer every host reads).
