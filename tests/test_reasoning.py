@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from worker.reasoning import Markers, ReasoningSplitter, markers, opens_thinking
@@ -107,3 +109,40 @@ async def test_a_prompt_that_closed_the_thinking_and_a_model_without_markers_giv
     assert answered["usage"]["reasoning_tokens"] == 0
     assert plain["content"] == plain["text"] and plain["reasoning"] == "" and plain["usage"]["reasoning_tokens"] == 0
     assert thinking["tokens"] == plain["tokens"] and thinking["reasoning"] == plain["text"].lstrip()
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+    "additionalProperties": False}}}
+THINKING_JSON = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+    "type": "object", "properties": {"says": {"enum": ["<think> in a string", "</think> too"]}}, "required": ["says"],
+    "additionalProperties": False}}}
+
+
+async def test_a_constrained_output_is_the_answer_even_where_the_prompt_opens_the_thinking(spawn_worker, tiny_thinking_model):
+    """Issue 47 item 11: the forced call was written inside the thinking the generation prompt
+    opened, so the result had no tool calls and finish "stop"; JSON was all reasoning."""
+    host = await spawn_worker()
+    await host.call("load", {"model": str(tiny_thinking_model)})
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    called = await host.call("generate", {"messages": messages, "tools": [WEATHER], "tool_choice": "required",
+                                          "parallel_tool_calls": False, "max_tokens": 150})
+    assert called["finish_reason"] == "tool_calls" and called["tool_calls"][0]["name"] == "get_weather"
+    assert (called["reasoning"], called["usage"]["reasoning_tokens"]) == ("", 0)
+    request_id, answer = host.start("generate", {"messages": messages, "response_format": THINKING_JSON, "max_tokens": 40})
+    answered = (await answer)["result"]
+    assert answered["finish_reason"] == "stop" and json.loads(answered["content"]) == json.loads(answered["text"])
+    assert (answered["reasoning"], answered["usage"]["reasoning_tokens"]) == ("", 0)
+    assert "".join(chunk["content"] for chunk in host.chunks[request_id]) == answered["content"]
+
+
+async def test_a_marker_inside_a_constrained_answer_after_a_closed_thinking_stays_in_the_content(
+    spawn_worker, tiny_thinking_model
+):
+    closed = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    host = await spawn_worker()
+    await host.call("load", {"model": str(tiny_thinking_model)})
+    opening = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"const": "a <think> b"}}}
+    answered = await host.call("generate", {"prompt": closed, "response_format": opening, "max_tokens": 40})
+    assert json.loads(answered["content"]) == "a <think> b"
+    assert answered["content"] == answered["text"] and answered["reasoning"] == ""

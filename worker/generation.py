@@ -249,9 +249,12 @@ class Generation:
         self._cache = cache
         self._started = started or time.perf_counter()
         detokenizer = None if streamed is not None else IncrementalDetokenizer(model.detokenize, prompt)
+        # A constrained output is the answer the grammar asked for, never thinking: after a prompt
+        # that opens the thinking too, and a marker inside it (a JSON string's "<think>") is text.
+        answer_only = streamed is not None or constraint is not None
         self._stream = _Stream(
             model, params, request_id, len(prompt), cache.reused if cache else 0, send_chunk, acked, detokenizer,
-            None if streamed is not None else splitter_for(model, prompt),
+            None if answer_only else splitter_for(model, prompt),
         )
         self._first_token_at: float | None = None
         self._stop: StopReason | None = None

@@ -8,7 +8,9 @@ is held back until it is known, as stop strings are (worker/streaming.py). The w
 right after a marker (a template's own line breaks) is dropped.
 
 A prompt may end inside the thinking (templates that open it in the generation prompt);
-then the generation starts there. Torch-free; the splitting itself is pure.
+then the generation starts there. A constrained output (``response_format``, a forcing
+``tool_choice``) is not split: the grammar wrote the answer (generation.py). Torch-free; the
+splitting itself is pure.
 """
 
 from __future__ import annotations
