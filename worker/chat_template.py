@@ -17,6 +17,7 @@ template at a time, so requests that render at once each get their own. Torch-fr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import subprocess
@@ -83,9 +84,7 @@ class _Child:
     def __init__(self) -> None:
         code = (f"import sys; sys.path.insert(0, {str(_ROOT)!r}); from worker.template_process import serve; "
                 f"serve({os.getpid()}, {RENDER_MEMORY_BYTES})")
-        self.process = subprocess.Popen(
-            [sys.executable, "-I", "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0
-        )
+        self.process = subprocess.Popen([sys.executable, "-I", "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.killed = False  # by a cancel
 
     def kill(self) -> None:
@@ -99,6 +98,7 @@ class _Child:
         with stopping.while_waiting(self.kill):  # a cancel kills the child: its output ends at once
             try:
                 self.process.stdin.write(frame(request))
+                self.process.stdin.flush()
                 length = int.from_bytes(self._read(4, deadline), "little")
                 return msgspec.msgpack.decode(self._read(length, deadline), type=RenderReply)
             except TimeoutError:
@@ -113,7 +113,8 @@ class _Child:
                 raise RuntimeError(f"the chat template's renderer ended without an answer ({exc})") from exc
 
     def _read(self, count: int, deadline: float) -> bytes:
-        """``count`` bytes of the child's output; EOFError where it ends, TimeoutError at the deadline."""
+        """``count`` bytes of the child's output (from its descriptor: the buffered pipe object is
+        never read); EOFError where it ends, TimeoutError at the deadline."""
         assert self.process.stdout is not None
         fd, out = self.process.stdout.fileno(), bytearray()
         poller = select.poll()
@@ -135,7 +136,8 @@ class _Child:
         self.process.wait()
         for pipe in (self.process.stdin, self.process.stdout):
             if pipe is not None:
-                pipe.close()
+                with contextlib.suppress(OSError):  # what a killed child left unread is let go
+                    pipe.close()
 
 
 class _Children:
