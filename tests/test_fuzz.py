@@ -35,6 +35,7 @@ from protocol.methods import METHODS, GenerateChunk
 from worker.backends import BUILTIN, Registry
 from worker.dispatcher import Dispatcher
 from worker.handlers import Handlers, WireInfo
+from worker.replay import VOLATILE_KEYS  # what legitimately differs between two runs of one session
 from worker.scheduler import DEFAULT_MAX_BATCH
 from worker.transport import StdioTransport
 from worker.writer import DEFAULT_OUTBOX_MESSAGES, Writer
@@ -263,13 +264,10 @@ def check_against_oracle(messages: list[dict[str, Any]], expected: Expected, dat
     assert not chunks, f"chunks after (or without) their generate response: {chunks}"
 
 
-_VOLATILE = ("timings", "load_time_ms")
-
-
 def normalized(message: Any) -> Any:
     """The message without what legitimately varies between runs."""
     if isinstance(message, dict):
-        out = {k: normalized(v) for k, v in message.items() if k not in _VOLATILE}
+        out = {k: normalized(v) for k, v in message.items() if k not in VOLATILE_KEYS}
         if isinstance(out.get("result"), dict) and "protocol_version" in out["result"]:
             out["result"].pop("model", None)  # capabilities answers inline, racing a queued load
             out["result"].pop("pid", None)
