@@ -1,18 +1,19 @@
 // lm-worker beside llama.cpp (node-llama-cpp), driven from one Node process, on the same
 // model (SmolLM2-135M-Instruct: llama.cpp on the shipped Q4_1 gguf, the worker on its
 // conversion of it, with int8 weights (the default on the CPU) and dense; with --model
-// gemma3-270m, Gemma 3 270M and its Q4_K_M gguf), the same prompt tokens, greedy,
+// gemma3-270m, Gemma 3 270M and its Q4_K_M gguf; with --model PATH.gguf, any gguf: llama.cpp
+// loads the file and the worker loads {model: PATH}), the same prompt tokens, greedy,
 // interleaved round by round.
 //
 //   node bench/llama_cpp_bench.mjs [--quick] [--rounds N] [--json FILE] [--workers int8,gguf,none,int4] [--decode-only]
-//                                  [--model default|gemma3-270m]
+//                                  [--model default|gemma3-270m|qwen2.5-coder-0.5b|PATH.gguf]
 //
 // bench/README.md says what each figure is. Needs `make setup` and `npm run build`;
 // node-llama-cpp is installed on first use into bench/llama-cpp (exact pins, lock file).
 import { spawn } from "node:child_process";
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { availableParallelism, loadavg, tmpdir } from "node:os";
-import { join } from "node:path";
+import { join, resolve } from "node:path";
 import { parseArgs } from "node:util";
 
 import { cpuLlama, lmWorkerClient, python, root, shippedGguf, THREADS } from "./llama_cpp_setup.mjs";
@@ -36,7 +37,10 @@ const LONG_PROMPT_TOKENS = 2048;
 // --- the two contestants -------------------------------------------------------------
 
 const scratch = mkdtempSync(join(tmpdir(), "lm-bench-"));
-const gguf = shippedGguf(options.model, scratch);
+// A .gguf path is loaded as it is by both; a name is a shipped model, the worker loads the name.
+const isPath = options.model.endsWith(".gguf");
+const gguf = isPath ? resolve(options.model) : shippedGguf(options.model, scratch);
+const workerModel = isPath ? gguf : options.model;
 const LmWorker = await lmWorkerClient();
 const llama = await cpuLlama();
 const llamaModel = await llama.loadModel({ modelPath: gguf });
@@ -44,7 +48,7 @@ let llamaContext = await llamaModel.createContext({ contextSize: 4096, threads: 
 
 async function startWorker(loadParams) {
   const worker = await LmWorker.start({ python, cwd: root, args: ["--log-level", "warning"] });
-  const info = await worker.load({ model: options.model, ...loadParams });
+  const info = await worker.load({ model: workerModel, ...loadParams });
   return { worker, info };
 }
 
