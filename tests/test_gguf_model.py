@@ -331,3 +331,15 @@ def test_on_each_architecture_a_mapped_gguf_s_streams_in_a_batch_and_prompts_cut
 
 
 TEXT = "the history of the city of rome begins with a small settlement by the river, and so it grew " * 2
+
+
+def test_protocol_md_states_the_reader_s_bounds_as_the_code_has_them():
+    from worker.backends.transformers import gguf_model
+
+    text = " ".join((Path(__file__).parent.parent / "docs" / "PROTOCOL.md").read_text().split())
+    stated = (
+        f"at most {reader.MAX_KEYS:,} metadata entries and {reader.MAX_TENSORS:,} tensors, a string of at most "
+        f"{reader.MAX_STRING >> 20} MiB, an array of at most {reader.MAX_ARRAY:,} numbers or {reader.MAX_STRINGS:,} "
+        f"strings, at most {gguf_model.MAX_LAYERS:,} layers"
+    )
+    assert stated in text, stated
