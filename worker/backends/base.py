@@ -15,13 +15,13 @@ them one after another, and the requests still take turns, step by step.
 What a backend may do beyond that is a capability of its own, a ``runtime_checkable``
 Protocol the worker tests with ``isinstance``: :class:`CachingModel` (KV caches the
 worker stores and reuses), :class:`DraftingModel` (``draft``), :class:`EngineModel`
-(another program computes the model), :class:`SideThreadModel` and
-:class:`CheckingBackend`.
+(another program computes the model), :class:`SideThreadModel`, :class:`CheckingBackend`
+and :class:`LocalModelBackend` (``model`` names files on this machine).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
@@ -297,4 +297,17 @@ class CheckingBackend(Backend, Protocol):
         """Raises ``RpcError`` for load params that cannot work, found cheaply (a model path
         that does not exist, an unknown device). The worker calls it before it unloads the
         model it has, so that a typo leaves that model working."""
+        ...
+
+
+@runtime_checkable
+class LocalModelBackend(Backend, Protocol):
+    """A backend whose ``model`` names files on this machine. The worker resolves the references
+    of models other tools keep (``ollama:NAME``, ``hf:ORG/NAME``, a gguf's name in the models
+    directories: worker/model_refs.py) to a path before ``check`` and ``load`` see ``model``;
+    anything else reaches the backend as the host wrote it."""
+
+    def own_model_names(self) -> Collection[str]:
+        """The names ``model`` takes that are no path (shipped models): never looked up as
+        references, whatever the models directories hold. Cheap: no heavy import."""
         ...

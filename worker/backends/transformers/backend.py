@@ -55,6 +55,11 @@ class TransformersBackend:
             return f"{' and '.join(missing)} not installed; run `make setup` (or pip install lm-worker)"
         return None
 
+    def own_model_names(self) -> tuple[str, ...]:
+        from worker.backends.transformers.shipped import SHIPPED
+
+        return SHIPPED
+
     def check(self, params: LoadParams, *, data_dir: Path) -> None:
         """The mistakes found without loading anything: the worker makes these checks before
         it unloads the model it has, so a typo leaves that model working."""
@@ -800,7 +805,10 @@ def _local_model_path(model: str) -> Path:
             f"{model!r} is a file but not a .gguf file; give a .gguf file or a model directory.",
             field="params.model",
         )
-    return path.resolve()
+    resolved = path.resolve()
+    # a link named .gguf to a file named otherwise (a Hugging Face snapshot's link to its blob, the
+    # worker's link to an Ollama blob) keeps its own name: the name says the file is a gguf
+    return resolved if resolved.suffix == path.suffix or path.is_dir() else path.absolute()
 
 
 def _irregular_files(directory: Path) -> list[str]:
@@ -813,9 +821,12 @@ def _load_pretrained(path: Path, dtype: str, device: str, trust_remote_code: boo
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from worker.backends.transformers.hf_compat import LOADING
+    from worker.backends.transformers.hf_compat import LOADING, register_attention, report_gguf_dequantizing
 
+    register_attention()
     location, extra = (path.parent, {"gguf_file": path.name}) if path.is_file() else (path, {})
+    if extra:
+        report_gguf_dequantizing()
     try:
         with LOADING:
             tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **extra)
@@ -921,9 +932,12 @@ def _special_tokens(tokenizer, eos_ids: frozenset[int]) -> list[SpecialToken]:
 
 
 if TYPE_CHECKING:  # the registry finds backends by import path: these hold the classes to the boundary
-    from worker.backends.base import CachingModel, CheckingBackend, DraftingModel, ReasoningModel, SideThreadModel
+    from worker.backends.base import (
+        CachingModel, CheckingBackend, DraftingModel, LocalModelBackend, ReasoningModel, SideThreadModel,
+    )
 
     _backend: type[CheckingBackend] = TransformersBackend
+    _local: type[LocalModelBackend] = TransformersBackend
     _caching: type[CachingModel[TorchCache]] = TransformersModel
     _drafting: type[DraftingModel] = TransformersModel
     _reasoning: type[ReasoningModel] = TransformersModel
