@@ -304,6 +304,8 @@ def test_each_architecture_loads_mapped_and_computes_the_file_s_model(gguf_of, t
     with torch.inference_mode():
         ours = mapped.forward_chunk(mapped.new_cache(), ids)
         theirs = dense.forward_chunk(dense.new_cache(), ids)
+    # the shell where the native pass computes every pass; Phi-3 goes through transformers' forward
+    assert (type(mapped._model).__name__ == "ShellModel") == (family != "phi3")
     bound = 1e-5 if kind == 0 else 0.1
     assert (ours - theirs).abs().max() <= bound * theirs.abs().max(), (ours - theirs).abs().max()
 
@@ -335,6 +337,24 @@ TEXT = "the history of the city of rome begins with a small settlement by the ri
 
 def test_protocol_md_states_the_reader_s_bounds_as_the_code_has_them():
     from worker.backends.transformers import gguf_model
+
+def test_a_mapped_gguf_loads_without_importing_transformers_modeling_code(gguf_of, tmp_path: Path):
+    """In a fresh process, as a worker loads one: transformers' modeling code imports torch's
+    compiler, a second of every load, and the native pass never runs that code."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+from pathlib import Path
+from protocol.methods import LoadParams
+from worker.backends.transformers.backend import TransformersBackend
+model = TransformersBackend().load(LoadParams(model={str(gguf_of("qwen2", 8))!r}), data_dir=Path({str(tmp_path)!r}))
+print(type(model._model).__name__, sorted(m for m in ("torch._dynamo", "transformers.modeling_utils") if m in sys.modules))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout.split("\n")[-2] == "ShellModel []", done.stdout + done.stderr
+
 
     text = " ".join((Path(__file__).parent.parent / "docs" / "PROTOCOL.md").read_text().split())
     stated = (

@@ -138,12 +138,10 @@ def build(file: GgufFile, config: PretrainedConfig, attention: str) -> PreTraine
     """The model of ``config`` with the file's tensors in place; GgufError for a tensor missing,
     left over, misshapen or of a type no kernel here multiplies."""
     import gguf
-    from transformers import AutoModelForCausalLM
 
     arch = file.architecture
     config._attn_implementation = attention  # pyright: ignore[reportAttributeAccessIssue]
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+    model = _modules(config, attention)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     used: set[str] = set()
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -179,6 +177,21 @@ def build(file: GgufFile, config: PretrainedConfig, attention: str) -> PreTraine
         raise GgufError(f"{file.path}: the file holds tensors a {arch} model of this configuration does not use: "
                         + ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else ""))
     return model.eval()
+
+
+def _modules(config: PretrainedConfig, attention: str) -> Any:
+    """The model's modules, their weights on the meta device: the shell (shell_model) where the native pass
+    computes every pass, else transformers' own classes (Phi-3, and any model when the native
+    pass cannot be built here)."""
+    from worker.backends.transformers import native_forward, shell_model
+
+    if config.model_type in shell_model.MODEL_TYPES and native_forward.applies(config, "float32", "gguf"):
+        return shell_model.ShellModel(config)
+    from transformers import AutoModelForCausalLM
+
+    hf_compat.register_attention()
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attention)
 
 
 def _gguf_name(names, module_name: str, suffix: str) -> str:

@@ -18,10 +18,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # gguf conversion draws raw tqdm bar
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from transformers import DynamicCache, cache_utils, modeling_gguf_pytorch_utils  # noqa: E402
-from transformers.integrations import sdpa_attention  # noqa: E402
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
-from transformers.modeling_utils import AttentionInterface  # noqa: E402
+from transformers import DynamicCache, cache_utils  # noqa: E402
 
 from worker import load_progress  # noqa: E402
 from worker.kvcache.container import LayerKind  # noqa: E402
@@ -44,9 +41,6 @@ LOADING = threading.Lock()
 CACHE_KWARG = "cache" if VERSION >= (5, 24) else "past_key_values"
 
 
-_stock_use_gqa_in_sdpa = sdpa_attention.use_gqa_in_sdpa
-
-
 def _use_gqa_in_sdpa(attention_mask: torch.Tensor | None, key: torch.Tensor, *rest: torch.Tensor) -> bool:
     """Whether SDPA serves each group of query heads from its key/value head in place.
 
@@ -56,10 +50,9 @@ def _use_gqa_in_sdpa(attention_mask: torch.Tensor | None, key: torch.Tensor, *re
     equal bit for bit. One query position (a decode step) keeps transformers' own path, which
     differs from this one in the last bit. The signature's tail changed between versions."""
     several_queries = attention_mask is not None and attention_mask.shape[-2] > 1
-    return (key.device.type == "cpu" and several_queries) or _stock_use_gqa_in_sdpa(attention_mask, key, *rest)
-
-
-sdpa_attention.use_gqa_in_sdpa = _use_gqa_in_sdpa
+    stock = _stock_use_gqa_in_sdpa
+    assert stock is not None, "register_attention() puts this in place of the stock rule"
+    return (key.device.type == "cpu" and several_queries) or stock(attention_mask, key, *rest)
 
 # The attention implementations lm-worker loads models with: transformers' SDPA, but for one
 # query position on the CPU (a decode step), one_query_attention. decode_step.py computes
@@ -206,6 +199,8 @@ def _sdpa(
 ) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention; with ``wide`` (on the CPU) computed in float64 and given
     back in the query's dtype."""
+    from transformers.integrations import sdpa_attention
+
     if not wide or query.device.type != "cpu":
         return sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     out, weights = sdpa_attention.sdpa_attention_forward(
@@ -246,9 +241,30 @@ def _attention_as(implementation: str):
     return attention
 
 
-for _name in (ATTENTION, WIDE_ATTENTION, EXACT_ATTENTION):
-    AttentionInterface.register(_name, _attention_as(_name))
-    AttentionMaskInterface.register(_name, sdpa_mask)
+_stock_use_gqa_in_sdpa: Callable[..., bool] | None = None
+
+
+def register_attention() -> None:
+    """Make lm-worker's attention implementations known to transformers' modeling code, before
+    a model of transformers' classes is made (idempotent). Not at import: that code imports
+    much of torch (its compiler with it), a second of every load a model the native pass
+    computes (gguf_model's shell) never needs."""
+    global _stock_use_gqa_in_sdpa
+    with _REGISTERING:
+        if _stock_use_gqa_in_sdpa is not None:
+            return
+        from transformers.integrations import sdpa_attention
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.modeling_utils import AttentionInterface
+
+        _stock_use_gqa_in_sdpa = sdpa_attention.use_gqa_in_sdpa
+        sdpa_attention.use_gqa_in_sdpa = _use_gqa_in_sdpa
+        for name in (ATTENTION, WIDE_ATTENTION, EXACT_ATTENTION):
+            AttentionInterface.register(name, _attention_as(name))
+            AttentionMaskInterface.register(name, sdpa_mask)
+
+
+_REGISTERING = threading.Lock()
 
 
 # transformers' cache layer classes that lm-worker's own extend (cache_layers.py); their
@@ -395,9 +411,14 @@ def _gguf_tensors(tensors, **tqdm_options):
         report(done)
 
 
-# Where a version's gguf loading loops otherwise, its load shows no dequantizing stage.
-if getattr(modeling_gguf_pytorch_utils, "tqdm", None) is not None:
-    setattr(modeling_gguf_pytorch_utils, "tqdm", _gguf_tensors)  # a name that module imports, not its own
+def report_gguf_dequantizing() -> None:
+    """Make transformers' gguf loader report its "dequantizing" stage (idempotent): before
+    from_pretrained reads a gguf file. Where a version's loader loops otherwise, its load shows
+    no such stage."""
+    from transformers import modeling_gguf_pytorch_utils
+
+    if getattr(modeling_gguf_pytorch_utils, "tqdm", None) is not None:
+        setattr(modeling_gguf_pytorch_utils, "tqdm", _gguf_tensors)  # a name that module imports, not its own
 
 
 def gguf_config_keys(architecture: str) -> dict[str, str | None]:

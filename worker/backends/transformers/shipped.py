@@ -142,6 +142,7 @@ def _convert(gguf: Path, out: Path) -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    hf_compat.report_gguf_dequantizing()
     with hf_compat.LOADING:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
