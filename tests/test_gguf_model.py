@@ -71,9 +71,15 @@ def key(name: str) -> bytes:
         (header(key("a") + struct.pack("<I", 77)), "value type 77"),
         (header(key("a") + struct.pack("<IQ", 8, 10)), "more than the file holds"),
         (header(key("a") + struct.pack("<I", 4)), "truncated"),
+        (header(key("a") + struct.pack("<IIQ", 9, 8, 3) + struct.pack("<Q", 1) + b"x" + bytes(4)),
+         "the file ends inside a string of the array a: truncated"),
+        (header(key("a") + struct.pack("<IIQ", 9, 8, 2) + struct.pack("<Q", 1) + b"x" + struct.pack("<Q", 5) + b"ab"),
+         "a string of the array a is 5 bytes long, more than the file holds"),
+        (header(key("a") + struct.pack("<IIQ", 9, 8, 1) + struct.pack("<Q", 1 << 40)),
+         "a string of the array a is 1099511627776 bytes long, more than 67108864"),
     ],
     ids=["magic", "version", "keys", "tensors", "array-past-the-end", "array-count", "key-length", "value-type",
-         "string-past-the-end", "truncated"],
+         "string-past-the-end", "truncated", "strings-truncated", "strings-past-the-end", "strings-too-long"],
 )
 def test_a_hostile_header_is_refused_at_once_naming_what_is_wrong(tmp_path: Path, content: bytes, says: str):
     path = tmp_path / "hostile.gguf"
@@ -298,14 +304,14 @@ def test_each_architecture_loads_mapped_and_computes_the_file_s_model(gguf_of, t
     mapped = load(path, tmp_path)
     dense = load(path, tmp_path, quantization="none")
     assert mapped.info.quantization == "gguf"
+    # the shell where the native pass computes every pass; Phi-3 goes through transformers' forward
+    assert (type(mapped._model).__name__ == "ShellModel") == (family != "phi3")
     text = "the quick brown fox jumps over the lazy dog"
     ids = mapped.tokenize(text, add_special_tokens=True)
     assert ids == dense.tokenize(text, add_special_tokens=True)
     with torch.inference_mode():
         ours = mapped.forward_chunk(mapped.new_cache(), ids)
         theirs = dense.forward_chunk(dense.new_cache(), ids)
-    # the shell where the native pass computes every pass; Phi-3 goes through transformers' forward
-    assert (type(mapped._model).__name__ == "ShellModel") == (family != "phi3")
     bound = 1e-5 if kind == 0 else 0.1
     assert (ours - theirs).abs().max() <= bound * theirs.abs().max(), (ours - theirs).abs().max()
 
@@ -332,12 +338,6 @@ def test_on_each_architecture_a_mapped_gguf_s_streams_in_a_batch_and_prompts_cut
     assert torch.equal(whole, last)
 
 
-TEXT = "the history of the city of rome begins with a small settlement by the river, and so it grew " * 2
-
-
-def test_protocol_md_states_the_reader_s_bounds_as_the_code_has_them():
-    from worker.backends.transformers import gguf_model
-
 def test_a_mapped_gguf_loads_without_importing_transformers_modeling_code(gguf_of, tmp_path: Path):
     """In a fresh process, as a worker loads one: transformers' modeling code imports torch's
     compiler, a second of every load, and the native pass never runs that code."""
@@ -355,6 +355,12 @@ print(type(model._model).__name__, sorted(m for m in ("torch._dynamo", "transfor
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
     assert done.stdout.split("\n")[-2] == "ShellModel []", done.stdout + done.stderr
 
+
+TEXT = "the history of the city of rome begins with a small settlement by the river, and so it grew " * 2
+
+
+def test_protocol_md_states_the_reader_s_bounds_as_the_code_has_them():
+    from worker.backends.transformers import gguf_model
 
     text = " ".join((Path(__file__).parent.parent / "docs" / "PROTOCOL.md").read_text().split())
     stated = (

@@ -33,6 +33,7 @@ MAX_STRINGS = 1 << 22  # strings of one array (a vocabulary of 262,144 tokens, i
 MAX_DIMS = 4
 DEFAULT_ALIGNMENT = 32
 
+_LENGTH = struct.Struct("<Q")
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 
@@ -175,8 +176,11 @@ class _Header:
     def length(self, what: str, most: int) -> int:
         length = self.take("Q", what)
         if length > most or self.at + length > self.end:
-            raise self.fail(f"{what} is {length} bytes long, more than {'the file holds' if length <= most else most}")
+            raise self.too_long(what, length, most)
         return length
+
+    def too_long(self, what: str, length: int, most: int) -> GgufError:
+        return self.fail(f"{what} is {length} bytes long, more than {'the file holds' if length <= most else most}")
 
     def text(self, what: str) -> str:
         length = self.length(what, MAX_STRING)
@@ -204,13 +208,27 @@ class _Header:
             if count > MAX_STRINGS:
                 raise self.fail(f"metadata {key} is an array of {count} strings, more than {MAX_STRINGS}")
             start = self.at
-            for _ in range(count):  # walked (each length checked), read when asked for
-                length = self.length(f"a string of the array {key}", MAX_STRING)
-                self.at += length  # (not `self.at += self.length(...)`: that adds to the old place)
+            self.at = self.walk_strings(count, key)
             return Strings(count, start)
         if item == _ARRAY and depth == 0:
             return [self.value(_ARRAY, key, 1) for _ in range(count)]
         raise self.fail(f"metadata {key} is an array of value type {item}, which this reader does not take")
+
+    def walk_strings(self, count: int, key: str) -> int:
+        """Where ``count`` strings from here end, each length checked (read when asked for): the
+        loop of a vocabulary's 300,000 strings, its steps kept few."""
+        data, end, at, unpack = self.data, self.end, self.at, _LENGTH.unpack_from
+        for _ in range(count):
+            if at + 8 > end:
+                self.at = at
+                raise self.fail(f"the file ends inside a string of the array {key}: truncated")
+            length = unpack(data, at)[0]
+            at += 8
+            if length > MAX_STRING or at + length > end:
+                self.at = at
+                raise self.too_long(f"a string of the array {key}", length, MAX_STRING)
+            at += length
+        return at
 
     def read(self) -> GgufFile:
         magic = bytes(self.data[:4])
