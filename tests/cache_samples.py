@@ -1,4 +1,4 @@
-"""Small, sound KVC2 files for tests of the container and the store, made without a model."""
+"""Small, sound KVC3 (and KVC2) files for tests of the container and the store, made without a model."""
 
 from __future__ import annotations
 
@@ -37,9 +37,10 @@ def contents(tokens: list[int] = TOKENS, identity: container.Identity = IDENTITY
     return container.Contents(identity=identity, tokens=tokens, layers=layers, **extra)
 
 
-def write_small_cache(path: Path, tokens: list[int] = TOKENS, seed: int = 0, **extra) -> int:
+def write_small_cache(path: Path, tokens: list[int] = TOKENS, seed: int = 0, format: str | None = None, **extra) -> int:
+    """``format``: KVC3 (CRC-32C) or KVC2 (CRC-32); None: what a writer here writes."""
     tensors = [(spec, memoryview(data)) for spec, data in full_attention_tensors(tokens, seed=seed)]
-    return container.write(path, contents(tokens, **extra), tensors)
+    return container.write(path, contents(tokens, **extra), tensors, format=format)
 
 
 def write_kvc1_file(path: Path, tokens: list[int], model_id: str = "tiny") -> None:

@@ -83,7 +83,7 @@ async def test_auto_skips_a_damaged_cache_says_why_and_replaces_it(tiny_model_di
     use = damaged["cache"]
     assert use["ref"] is None and use["reused_tokens"] == 0
     reasons = {s["ref"]: s["reason"] for s in use["skipped"]}
-    assert "checksum mismatch" in reasons[stored] and "not a KVC2 cache file" in reasons["foreign"]
+    assert "checksum mismatch" in reasons[stored] and "not a KVC3 cache file" in reasons["foreign"]
     assert use["reason"] == "the caches sharing a prefix with this prompt could not be used (see skipped)"
     assert use["stored"] == stored  # the damaged file was rewritten whole
     assert healed["cache"]["ref"] == stored, healed["cache"]

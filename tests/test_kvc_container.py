@@ -1,4 +1,5 @@
-"""The KVC2 container: what is written reads back bit for bit, and any damage is refused."""
+"""The KVC3 container (and KVC2, the format before, which still reads): what is written reads
+back bit for bit, and any damage is refused."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from tests.cache_samples import (
     IDENTITY, TOKENS, contents, forge, full_attention_tensors, header_edit, write_kvc1_file, write_small_cache,
 )
-from worker.kvcache import container
+from worker.kvcache import checksum, container
 from worker.kvcache.container import (
     ALIGNMENT,
     CacheFormatError,
@@ -31,10 +32,11 @@ def tensors(seed: int = 0):
     return full_attention_tensors(seed=seed)
 
 
-@pytest.fixture
-def cache_file(tmp_path: Path) -> Path:
+@pytest.fixture(params=["KVC3", "KVC2"])
+def cache_file(tmp_path: Path, request: pytest.FixtureRequest) -> Path:
+    """A small cache of each format: KVC3 (CRC-32C) and KVC2 (CRC-32) are held to the same checks."""
     path = tmp_path / "prefix.kvc"
-    write_small_cache(path, prefix_offsets=[2], prefix_hashes=["h1"])
+    write_small_cache(path, format=request.param, prefix_offsets=[2], prefix_hashes=["h1"])
     return path
 
 
@@ -69,11 +71,14 @@ def test_a_cache_of_another_model_is_refused_naming_the_field(cache_file: Path, 
     assert (caught.value.field, caught.value.found, caught.value.expected) == (field, value, other)
 
 
-def test_tensor_checksums_are_zlibs_crc32(cache_file: Path):
-    """The format's CRC-32, whichever library computes it."""
+def test_tensor_checksums_are_crc32c_in_kvc3_and_zlibs_crc32_in_kvc2(cache_file: Path):
+    """The format's CRC, whichever code computes it."""
     data = cache_file.read_bytes()
-    for entry in load(cache_file).header.tensors:
-        assert entry.crc32 == zlib.crc32(data[entry.offset : entry.offset + entry.nbytes])
+    header = load(cache_file).header
+    crc = {"KVC3": checksum.crc32c_numpy, "KVC2": zlib.crc32}[header.format]
+    assert data[:8] == header.format.encode() + b"\r\n\x1a\n"
+    for entry in header.tensors:
+        assert entry.crc32 == crc(data[entry.offset : entry.offset + entry.nbytes])
 
 
 def heads_of(view, shape, positions: int) -> list[bytes]:

@@ -1,8 +1,8 @@
-"""KVC2: the file format of a persistent KV prompt cache. Torch-free.
+"""KVC3: the file format of a persistent KV prompt cache. Torch-free.
 
 Layout (docs/CACHE_FORMAT.md is the byte-level specification)::
 
-    magic            8 bytes   b"KVC2\\r\\n\\x1a\\n"
+    magic            8 bytes   b"KVC3\\r\\n\\x1a\\n" (KVC2: b"KVC2\\r\\n\\x1a\\n")
     header_length    8 bytes   unsigned little-endian
     header_sha256   32 bytes   of the header bytes
     header           JSON, UTF-8, header_length bytes
@@ -11,7 +11,9 @@ Layout (docs/CACHE_FORMAT.md is the byte-level specification)::
 
 The header describes every layer of the model (full attention, sliding window,
 linear-attention state, or none) and names every tensor with its offset, size
-and CRC-32. Every field a reader uses is checked against the others before a
+and CRC: CRC-32C in KVC3 (checksum.py, the processor's instructions), CRC-32 in
+KVC2, the format before, which is read as well (and written where CRC-32C cannot be
+computed fast). Every field a reader uses is checked against the others before a
 tensor is handed out, and any damaged byte is found: the header by its SHA-256, padding by being zero,
 tensors by their CRC, and the file by its exact expected size. Reading reads
 the tensors into memory of the reader's own, where a reader may ask for room to
@@ -43,13 +45,22 @@ import msgspec
 
 from worker.files import NotRegularFile, open_regular
 
+from worker.kvcache import checksum
+
 try:  # ISA-L's CRC-32 is zlib's, computed several times as fast (carry-less multiplies)
     from isal.isal_zlib import crc32  # pyright: ignore[reportUnknownVariableType] (its stub leaves data untyped)
 except ImportError:  # a platform without its wheels
     from zlib import crc32
 
-MAGIC = b"KVC2\r\n\x1a\n"
-FORMAT = "KVC2"
+MAGIC = b"KVC3\r\n\x1a\n"
+FORMAT = "KVC3"
+# The formats read and written, by magic: KVC3 checksums tensors with CRC-32C, KVC2 (the same
+# layout) with CRC-32; a writer takes KVC2 where CRC-32C has no fast kernel (checksum.py).
+FORMATS = {MAGIC: FORMAT, b"KVC2\r\n\x1a\n": "KVC2"}
+CHECKSUMS: dict[str, Callable[[memoryview, int], int]] = {
+    "KVC3": checksum.crc32c,
+    "KVC2": crc32,  # pyright: ignore[reportUnknownArgumentType]
+}
 # Files of earlier formats are recognised, listed and refused as written for another identity.
 OLD_MAGICS = {b"KVC1\r\n\x1a\n": "KVC1"}
 ALIGNMENT = 64
@@ -65,12 +76,14 @@ DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 # Reads and the CRC let go of the GIL on large buffers, so tensors are checked on several threads;
 # beyond a few, memory bandwidth is the limit.
 CHECK_THREADS = min(8, os.cpu_count() or 1)
+# Bytes read and then checked at a time: small enough to stay in a core's own cache in between.
+READ_PIECE = 256 << 10
 # Buffers one preadv may take (POSIX promises at least 16).
 IOV_MAX = max(16, os.sysconf("SC_IOV_MAX")) if "SC_IOV_MAX" in os.sysconf_names else 16
 
 
 class CacheFormatError(Exception):
-    """The file is not a sound KVC2 cache. ``reason`` says what is wrong, for a person."""
+    """The file is not a sound KVC3 (or KVC2) cache. ``reason`` says what is wrong, for a person."""
 
     def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
         super().__init__(f"{os.fspath(path)}: {reason}")
@@ -149,7 +162,7 @@ class TensorEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     offset: int  # from the start of the file
     nbytes: int
     dtype: str
-    crc32: int
+    crc32: int  # the format's CRC of the tensor's bytes: CRC-32C in KVC3, CRC-32 in KVC2
 
 
 class Header(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -175,7 +188,7 @@ class Header(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
 
 class UnsupportedCache(Exception):
-    """A cache whose layers a KVC2 file cannot represent."""
+    """A cache whose layers a KVC3 file cannot represent."""
 
 
 def cut_point(resume_points: list[int] | None, tokens: int) -> int:
@@ -252,16 +265,25 @@ class Contents(msgspec.Struct, frozen=True, kw_only=True):
     created_by: str = "lm-worker"
 
 
-def write(path: str | os.PathLike[str], contents: Contents, tensors: list[tuple[TensorSpec, memoryview]]) -> int:
+def write(
+    path: str | os.PathLike[str], contents: Contents, tensors: list[tuple[TensorSpec, memoryview]], *,
+    format: str | None = None,
+) -> int:
     """Write a cache atomically; returns the file size. Tensors are written one by one.
     A cache whose header would not pass the reader's checks is refused (ValueError; one too
-    large for a reader: UnsupportedCache)."""
+    large for a reader: UnsupportedCache). ``format``: KVC3 where CRC-32C has its kernel
+    (checksum.writes_crc32c), else KVC2; either may be asked for."""
+    if format is None:
+        format = FORMAT if checksum.writes_crc32c() else "KVC2"
+    if format not in CHECKSUMS:
+        raise ValueError(f"cannot write format {format!r}, only {sorted(CHECKSUMS)}")
+    magic = next(magic for magic, name in FORMATS.items() if name == format)
     views = [memoryview(buffer).cast("B") for _, buffer in tensors]
     # Offsets depend on the header's length, which depends on the offsets: first lay out a
     # header whose numbers are as long as they can get, and put the data after it.
-    longest = _layout(contents, tensors, views, data_start=10**15)
+    longest = _layout(contents, tensors, views, data_start=10**15, format=format)
     data_start = _align(_PREFIX.size + len(msgspec.json.encode(longest)))
-    header = _layout(contents, tensors, views, data_start=data_start)
+    header = _layout(contents, tensors, views, data_start=data_start, format=format)
     problem = manifest_problem(header)
     if problem is not None:
         raise ValueError(f"not a sound cache: {problem}")
@@ -278,7 +300,7 @@ def write(path: str | os.PathLike[str], contents: Contents, tensors: list[tuple[
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # as open() would: others sharing the directory can read it
         with os.fdopen(fd, "wb") as file:
-            file.write(_PREFIX.pack(MAGIC, len(header_bytes), hashlib.sha256(header_bytes).digest()))
+            file.write(_PREFIX.pack(magic, len(header_bytes), hashlib.sha256(header_bytes).digest()))
             file.write(header_bytes)
             position = _PREFIX.size + len(header_bytes)
             for entry, view in zip(header.tensors, views, strict=True):
@@ -347,9 +369,11 @@ def remove_stale_temporaries(directory: str | os.PathLike[str], target_suffix: s
 
 
 def _layout(
-    contents: Contents, tensors: list[tuple[TensorSpec, memoryview]], views: list[memoryview], *, data_start: int
+    contents: Contents, tensors: list[tuple[TensorSpec, memoryview]], views: list[memoryview], *, data_start: int,
+    format: str,
 ) -> Header:
     entries: list[TensorEntry] = []
+    crc = CHECKSUMS[format]
     offset = data_start
     for (spec, _), view in zip(tensors, views, strict=True):
         itemsize = DTYPE_SIZES[spec.dtype]
@@ -367,12 +391,12 @@ def _layout(
                 offset=offset,
                 nbytes=view.nbytes,
                 dtype=spec.dtype,
-                crc32=crc32(view) if data_start < 10**15 else 0xFFFFFFFF,
+                crc32=crc(view, 0) if data_start < 10**15 else 0xFFFFFFFF,
             )
         )
         offset = _align(offset + view.nbytes)
     return Header(
-        format=FORMAT,
+        format=format,
         identity=contents.identity,
         sequence_start=contents.sequence_start,
         sequence_length=len(contents.tokens),
@@ -624,8 +648,11 @@ def _read_and_check(
     path: str | os.PathLike[str], fd: int, header: Header, buffer: mmap.mmap, regions: list[Region], header_end: int
 ) -> None:
     """Read each tensor (with the padding before it) and check it: its place in file order,
-    the padding, its CRC-32. Tensors are read and checked on several threads (reads and the
-    CRC let go of the GIL); the first failure in file order is the one reported."""
+    the padding, its CRC (the format's). The tensors are cut into as many runs of neighbours
+    as there are threads, of about as many bytes each, and each thread reads its run in file
+    order a piece at a time, checking each piece as soon as it is read, while its bytes are
+    still in the processor's caches: memory is crossed once, by the read's copy (reads and
+    the CRCs let go of the GIL). The first failure in file order is the one reported."""
     position, failure = header_end, None
     placed: list[tuple[int, TensorEntry, Region]] = []
     for entry, region in zip(header.tensors, regions):
@@ -635,30 +662,70 @@ def _read_and_check(
         placed.append((position, entry, region))
         position = entry.offset + entry.nbytes
     view = memoryview(buffer)
+    crc = CHECKSUMS[header.format]
+    in_kernel = header.format == "KVC3" and checksum.writes_crc32c()  # read and checked by one call a span
 
     def read_and_sum(item: tuple[int, TensorEntry, Region]) -> tuple[bytearray, int] | None:
         start, entry, region = item
         padding = bytearray(entry.offset - start)
-        spans = [view[at : at + size] for at, size in region.spans]
-        if _read_into(path, fd, [memoryview(padding), *spans], start) != entry.offset + entry.nbytes - start:
+        if _read_into(path, fd, [memoryview(padding)], start) != len(padding):
             return None
-        crc = 0
-        for span in spans:
-            crc = crc32(span, crc)
-        return padding, crc
+        value, at_file = 0, entry.offset
+        for at, size in region.spans:
+            if in_kernel:
+                try:
+                    read = checksum.read_crc32c(fd, at_file, view[at : at + size], value, READ_PIECE)
+                except OSError as exc:
+                    raise CacheFormatError(path, f"cannot be read: {exc.strerror or exc}") from exc
+                assert read is not None, "the kernel is loaded"
+                count, value = read
+                if count != size:
+                    return None
+                at_file += size
+                continue
+            for piece_start in range(at, at + size, READ_PIECE):
+                piece = view[piece_start : min(piece_start + READ_PIECE, at + size)]
+                if _read_into(path, fd, [piece], at_file) != piece.nbytes:
+                    return None
+                value = crc(piece, value)
+                at_file += piece.nbytes
+        return padding, value
 
-    with ThreadPoolExecutor(CHECK_THREADS) as pool:
-        checked = list(pool.map(read_and_sum, placed))
-    for (_, entry, _), result in zip(placed, checked):
+    def read_run(run: list[tuple[int, TensorEntry, Region]]) -> list[tuple[bytearray, int] | None]:
+        return [read_and_sum(item) for item in run]
+
+    runs = _runs(placed, CHECK_THREADS)
+    if len(runs) > 1:
+        with ThreadPoolExecutor(len(runs)) as pool:
+            checked = [result for results in pool.map(read_run, runs) for result in results]
+    else:
+        checked = read_run(placed)
+    for (_, entry, _), result in zip(placed, checked, strict=True):
         if result is None:
             raise CacheFormatError(path, "changed while being read (it is shorter than when it was opened)")
-        padding, crc = result
+        padding, value = result
         if padding.count(0) != len(padding):
             raise CacheFormatError(path, f"damaged padding before tensor {entry.name}")
-        if crc != entry.crc32:
+        if value != entry.crc32:
             raise CacheFormatError(path, f"tensor {entry.name}: checksum mismatch, the data is damaged")
     if failure is not None:
         raise CacheFormatError(path, failure)
+
+
+def _runs(placed: list[tuple[int, TensorEntry, Region]], count: int) -> list[list[tuple[int, TensorEntry, Region]]]:
+    """``placed`` cut into at most ``count`` runs of neighbours of about equal bytes (padding
+    and tensor), in file order: one thread reads a run from one place on, without crossing
+    another's (reading neighbouring pieces by turns is slower)."""
+    total = sum(entry.offset + entry.nbytes - start for start, entry, _ in placed)
+    runs: list[list[tuple[int, TensorEntry, Region]]] = [[]]
+    done = 0
+    for item in placed:
+        start, entry, _ = item
+        if runs[-1] and done >= total * len(runs) / count:
+            runs.append([])
+        runs[-1].append(item)
+        done += entry.offset + entry.nbytes - start
+    return runs
 
 
 def layout_problem(header: Header, tensors: Iterable[TensorSpec] | None, max_positions: int) -> str | None:
@@ -694,7 +761,7 @@ def _check_prefix(path: str | os.PathLike[str], prefix: bytes) -> int:
     if len(prefix) < _PREFIX.size:
         raise CacheFormatError(path, f"truncated: {len(prefix)} bytes is shorter than the fixed prefix")
     magic, header_length, _ = _PREFIX.unpack(prefix)
-    if magic != MAGIC and magic not in OLD_MAGICS:
+    if magic not in FORMATS and magic not in OLD_MAGICS:
         raise CacheFormatError(path, f"not a {FORMAT} cache file (wrong magic bytes)")
     if header_length > MAX_HEADER_BYTES:
         raise CacheFormatError(
@@ -718,8 +785,8 @@ def _parse_header(path: str | os.PathLike[str], prefix: bytes, header_bytes: byt
     try:
         header = msgspec.json.decode(header_bytes, type=Header)
     except msgspec.DecodeError as exc:  # a sound checksum over an unreadable header: a foreign writer
-        raise CacheFormatError(path, f"header is not a {FORMAT} header: {exc}") from exc
-    if header.format != FORMAT or header.identity.layout != LAYOUT:
+        raise CacheFormatError(path, f"header is not a {FORMATS[magic]} header: {exc}") from exc
+    if header.format != FORMATS[magic] or header.identity.layout != LAYOUT:
         raise CacheFormatError(path, f"unsupported format {header.format!r} / layout {header.identity.layout!r}")
     problem = manifest_problem(header)
     if problem is not None:
