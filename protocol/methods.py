@@ -453,6 +453,43 @@ class CacheDeleteResult(Result):
     deleted: bool
 
 
+# --- models/list -----------------------------------------------------------------
+
+
+class ModelEntry(Result):
+    """A model found on this machine, described from its headers and manifests (no weights read)."""
+
+    reference: str  # what load's model takes to load it
+    source: Literal["ollama", "huggingface", "node-llama-cpp", "models-dir"]
+    path: str  # the file (a gguf) or directory (a transformers model) the reference resolves to
+    format: Literal["gguf", "transformers"]
+    architecture: str | None  # gguf's general.architecture, or a directory's model_type
+    parameters: int | None  # the numbers in its tensors
+    quantization: str | None  # a gguf's file type ("Q4_K_M"), or a directory's dtype ("bfloat16")
+    size_bytes: int  # on disk: the file, or the directory's files
+    context_length: int | None
+    has_chat_template: bool
+    tool_calls: ToolCallSupport | None  # as load would report it; null without a chat template
+    loadable: bool  # false: load refuses it, for the reason given
+    reason: str | None  # why not loadable, or how it loads where that is not the usual way
+
+
+class SearchedPlace(Result):
+    """A directory models/list looked in."""
+
+    source: Literal["ollama", "huggingface", "node-llama-cpp", "models-dir"]
+    path: str
+    exists: bool
+    models: int  # entries it gave
+    note: str | None  # what was passed over there (entries past the bound, unreadable files)
+
+
+class ModelsListResult(Result):
+    models: list[ModelEntry]
+    searched: list[SearchedPlace]
+    truncated: bool  # more models were there than the answer holds
+
+
 # --- cancel / shutdown -------------------------------------------------------
 
 
@@ -491,6 +528,7 @@ METHODS: dict[str, MethodSpec] = {
     "cache/list": MethodSpec(NoParams, CacheListResult, "The stored caches, most recently used first."),
     "cache/info": MethodSpec(CacheRefParams, CacheInfo, "One cache's header, without loading its tensors."),
     "cache/delete": MethodSpec(CacheRefParams, CacheDeleteResult, "Delete a cache."),
+    "models/list": MethodSpec(NoParams, ModelsListResult, "The models on this machine that load can name."),
     "cancel": MethodSpec(CancelParams, CancelResult, "Cancel a queued or running request."),
     "shutdown": MethodSpec(NoParams, None, "Finish up; answers after every earlier request."),
 }

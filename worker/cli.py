@@ -93,6 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"where converted models are kept (default: $LM_WORKER_DATA_DIR, else {default_data_dir()})",
     )
     parser.add_argument(
+        "--models-dir",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder of gguf files (and model directories) that load finds by name and models/list "
+        "lists, after node-llama-cpp's (~/.node-llama-cpp/models); repeatable",
+    )
+    parser.add_argument(
         "--cache-dir",
         type=Path,
         default=None,
@@ -210,6 +219,7 @@ class Worker:
             cache_max_bytes=args.cache_max_bytes,
             memory_cache_max_bytes=args.memory_cache_max_bytes,
             restore_reserve_max_bytes=args.restore_reserve_max_bytes,
+            models_dirs=args.models_dir,
         )
         self.transport = StdioTransport(self.writer, max_message_bytes=args.max_message_bytes, recorder=self.recorder)
         self.dispatcher = Dispatcher(self.handlers, self.transport, drain_on_eof=args.drain, max_batch=args.max_batch)

@@ -73,6 +73,7 @@ class Dispatcher:
             "cache/list": handlers.cache_list,
             "cache/info": handlers.cache_info,
             "cache/delete": handlers.cache_delete,
+            "models/list": handlers.models_list,
             "cancel": self._cancel,
             "shutdown": lambda ctx, params: None,
         }

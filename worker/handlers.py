@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 import msgspec
 
 from protocol.envelope import RequestId
@@ -30,6 +30,7 @@ from protocol.methods import (
     Limits,
     LoadParams,
     ModelInfo,
+    ModelsListResult,
     NoParams,
     RenderParams,
     RenderResult,
@@ -38,9 +39,16 @@ from protocol.methods import (
     UnloadResult,
 )
 from protocol.framing import Framing
-from worker import __version__, heap, load_progress
+from worker import __version__, heap, load_progress, model_refs
 from worker.backends import Registry
-from worker.backends.base import CachingModel, CheckingBackend, EngineModel, Model, SideThreadModel
+from worker.backends.base import (
+    CachingModel,
+    CheckingBackend,
+    EngineModel,
+    LocalModelBackend,
+    Model,
+    SideThreadModel,
+)
 
 if TYPE_CHECKING:
     from worker.caching import Prefill
@@ -93,8 +101,11 @@ class Handlers:
         cache_max_bytes: int | None = None,
         memory_cache_max_bytes: int | None = None,
         restore_reserve_max_bytes: int = 0,
+        models_dirs: Sequence[Path] = (),
     ) -> None:
         self._registry = registry
+        # read once: what load's references and models/list see stays the same for the worker's life
+        self._places = model_refs.ModelPlaces.from_environment(models_dirs)
         self._wire = wire
         self._data_dir = data_dir
         self._cache_dir = cache_dir or data_dir / "caches"
@@ -123,6 +134,11 @@ class Handlers:
 
     def load(self, ctx: Context, params: LoadParams) -> ModelInfo:
         backend = self._registry.get(params.backend)
+        resolved = None
+        if isinstance(backend, LocalModelBackend):  # ollama:, hf: and names in the models directories
+            resolved = model_refs.resolve(params.model, self._places, self._data_dir, backend.own_model_names())
+            if resolved is not None:
+                params = msgspec.structs.replace(params, model=str(resolved.path))
         if isinstance(backend, CheckingBackend):  # before unloading: a typo leaves the current model working
             backend.check(params, data_dir=self._data_dir)
         self.unload(ctx, NoParams())
@@ -130,6 +146,8 @@ class Handlers:
         send = (lambda progress: ctx.send_notification("load/progress", progress)) if params.progress else None
         with load_progress.reporting(send, ctx.id):
             model = backend.load(params, data_dir=self._data_dir)
+        if resolved is not None:  # the host's own words, and the model's own file (not a link to it)
+            model.info.model, model.info.path = resolved.reference, str(resolved.file)
         if isinstance(model, CachingModel):
             self._prepare_restores(model)
         self._model = model
@@ -256,6 +274,17 @@ class Handlers:
 
     def cache_delete(self, ctx: Context, params: CacheRefParams) -> CacheDeleteResult:
         return CacheDeleteResult(deleted=self._store().delete(params.cache))
+
+    def models_list(self, ctx: Context, params: NoParams) -> ModelsListResult:
+        own: list[str] = []
+        for name in self._registry.names():  # the names a reference never shadows
+            try:
+                backend = self._registry.get(name)
+            except RpcError:
+                continue
+            if isinstance(backend, LocalModelBackend):
+                own += backend.own_model_names()
+        return model_refs.list_models(self._places, own)
 
     def prepare_side_thread(self) -> None:
         """Before the loaded model's work on a thread other than the model thread."""

@@ -73,6 +73,8 @@ POLICY: dict[str, Policy] = {
     "cache/list": Policy(Lane.AFTER_CACHE_USE, uses_cache=_always),
     "cache/info": Policy(Lane.AFTER_CACHE_USE, uses_cache=_always),
     "cache/delete": Policy(Lane.AFTER_CACHE_USE, uses_cache=_always),
+    # reads directories and headers other programs wrote: off the reader thread, like tokenize
+    "models/list": Policy(Lane.TEXT),
 }
 assert POLICY.keys() == METHODS.keys(), "every protocol method needs a policy"
 

@@ -384,6 +384,38 @@ export interface CacheDeleteResult {
   deleted: boolean;
 }
 
+export interface ModelsListResult {
+  models: ModelEntry[];
+  searched: SearchedPlace[];
+  truncated: boolean;
+}
+
+/** A model found on this machine, described from its headers and manifests (no weights read). */
+export interface ModelEntry {
+  reference: string;
+  source: "huggingface" | "models-dir" | "node-llama-cpp" | "ollama";
+  path: string;
+  format: "gguf" | "transformers";
+  architecture: string | null;
+  parameters: number | null;
+  quantization: string | null;
+  size_bytes: number;
+  context_length: number | null;
+  has_chat_template: boolean;
+  tool_calls: ToolCallSupport | null;
+  loadable: boolean;
+  reason: string | null;
+}
+
+/** A directory models/list looked in. */
+export interface SearchedPlace {
+  source: "huggingface" | "models-dir" | "node-llama-cpp" | "ollama";
+  path: string;
+  exists: boolean;
+  models: number;
+  note: string | null;
+}
+
 export interface CancelParams {
   id: number | string;
 }
@@ -457,6 +489,8 @@ export interface Methods {
   "cache/info": { params: CacheRefParams; result: CacheInfo };
   /** Delete a cache. */
   "cache/delete": { params: CacheRefParams; result: CacheDeleteResult };
+  /** The models on this machine that load can name. */
+  "models/list": { params: NoParams; result: ModelsListResult };
   /** Cancel a queued or running request. */
   "cancel": { params: CancelParams; result: CancelResult };
   /** Finish up; answers after every earlier request. */
