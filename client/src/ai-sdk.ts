@@ -86,7 +86,11 @@ export interface LmWorkerCallOptions {
 }
 
 export interface LmWorkerProvider extends ProviderV4 {
-  /** The language model that `load` names `modelId` ("default", a model directory, a .gguf file). */
+  /**
+   * The language model that `load` names `modelId`: "default", a model directory, a .gguf file, or
+   * a model another tool keeps ("ollama:qwen2.5-coder:0.5b", "hf:Qwen/Qwen2.5-0.5B-Instruct", a
+   * gguf's name in node-llama-cpp's folder: PROTOCOL §24; `LmWorker.listModels` names them).
+   */
   (modelId?: string): LanguageModelV4;
   languageModel(modelId?: string): LanguageModelV4;
   /** The worker, started if the provider starts its own. */

@@ -121,6 +121,13 @@ export declare class LmWorker {
     tokenize(params: Params<"tokenize">, options?: CallOptions): Promise<Result<"tokenize">>;
     detokenize(params: Params<"detokenize">, options?: CallOptions): Promise<Result<"detokenize">>;
     render(params: Params<"render">, options?: CallOptions): Promise<Result<"render">>;
+    /**
+     * The models on this machine that `load` can name, each with its reference (the `model` that
+     * loads it: `ollama:NAME:TAG`, `hf:ORG/NAME`, a gguf's name), described from its headers:
+     * Ollama's, the Hugging Face cache's, node-llama-cpp's folder's and each `--models-dir`'s
+     * (PROTOCOL §6.14, §24).
+     */
+    listModels(options?: CallOptions): Promise<Result<"models/list">>;
     cacheList(options?: CallOptions): Promise<Result<"cache/list">>;
     cacheInfo(params: Params<"cache/info">, options?: CallOptions): Promise<Result<"cache/info">>;
     cacheDelete(params: Params<"cache/delete">, options?: CallOptions): Promise<Result<"cache/delete">>;

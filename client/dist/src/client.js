@@ -100,6 +100,15 @@ export class LmWorker {
     render(params, options) {
         return this.call("render", params, options);
     }
+    /**
+     * The models on this machine that `load` can name, each with its reference (the `model` that
+     * loads it: `ollama:NAME:TAG`, `hf:ORG/NAME`, a gguf's name), described from its headers:
+     * Ollama's, the Hugging Face cache's, node-llama-cpp's folder's and each `--models-dir`'s
+     * (PROTOCOL §6.14, §24).
+     */
+    listModels(options) {
+        return this.call("models/list", undefined, options);
+    }
     cacheList(options) {
         return this.call("cache/list", undefined, options);
     }
