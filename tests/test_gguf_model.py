@@ -167,6 +167,30 @@ def test_the_tokenizer_is_built_once_and_kept_in_the_data_directory(tiny_gguf: P
     assert second.info.has_chat_template and second.info.special_tokens == first.info.special_tokens
 
 
+def test_the_kept_tokenizer_s_config_holds_its_added_tokens_and_one_kept_without_them_gets_them(
+    tiny_gguf: Path, tmp_path: Path
+):
+    """Held in tokenizer_config.json, transformers reads the added tokens there instead of parsing
+    the whole tokenizer.json in Python at every load; a copy kept without them gets them at its
+    next load, and loads to the same tokenizer either way."""
+    import json
+
+    first = load(tiny_gguf, tmp_path)
+    config_path = next((tmp_path / "gguf").iterdir()) / "tokenizer_config.json"
+    written = json.loads(config_path.read_text())["added_tokens_decoder"]
+    assert {int(i): token["content"] for i, token in written.items()} == {
+        i: token.content for i, token in first._tokenizer.added_tokens_decoder.items()
+    }
+    config = json.loads(config_path.read_text())
+    del config["added_tokens_decoder"]
+    config_path.write_text(json.dumps(config))
+    again = load(tiny_gguf, tmp_path)
+    assert json.loads(config_path.read_text())["added_tokens_decoder"] == written
+    text = "a red sun over <|im_end|> the sea"
+    assert again.tokenize(text, add_special_tokens=True) == first.tokenize(text, add_special_tokens=True)
+    assert again._tokenizer.added_tokens_decoder == first._tokenizer.added_tokens_decoder
+
+
 def rewritten(source: Path, out: Path, *, drop: str = "", add: str = "", block_count: int | None = None,
               reshape: str = "", kind: dict[str, int] | None = None) -> Path:
     """``source`` written again with a tensor dropped, one added, one of another shape or type, or

@@ -99,14 +99,21 @@ def tokenizer_of(file: GgufFile, kept: Path):
 
     if is_regular(kept / "tokenizer_config.json"):
         try:
-            return AutoTokenizer.from_pretrained(kept)
+            tokenizer = AutoTokenizer.from_pretrained(kept)
         except Exception as exc:  # a damaged copy: build it again over it
             log.warning("the kept tokenizer in %s does not load (%s: %s): built again", kept, type(exc).__name__, exc)
+        else:
+            try:
+                _keep_added_tokens(kept, tokenizer)  # a copy kept before they were written there
+            except OSError as exc:
+                log.warning("the added tokens of the tokenizer kept in %s are not written there (%s)", kept, exc)
+            return tokenizer
     tokenizer = hf_compat.gguf_tokenizer(file)
     try:
         kept.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=kept.parent))
         tokenizer.save_pretrained(staging)
+        _keep_added_tokens(staging, tokenizer)
         try:
             os.replace(staging, kept)
         except OSError:  # another worker kept it first, or a file is in the way
@@ -116,6 +123,27 @@ def tokenizer_of(file: GgufFile, kept: Path):
     except OSError as exc:
         log.warning("the tokenizer of %s is not kept in %s (%s): it is built again at each load", file.path, kept, exc)
     return tokenizer
+
+
+def _keep_added_tokens(directory: Path, tokenizer) -> None:
+    """The tokenizer's added tokens written into its tokenizer_config.json in ``directory`` (beside
+    it and renamed into place), where they are not yet: without them transformers finds them by
+    parsing the whole tokenizer.json in Python at every load, a vocabulary's megabytes."""
+    import json
+
+    path = directory / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(config, dict) or "added_tokens_decoder" in config:
+        return
+    config["added_tokens_decoder"] = {str(i): token.__getstate__() for i, token in tokenizer.added_tokens_decoder.items()}
+    handle, partial = tempfile.mkstemp(dir=directory, prefix=".tokenizer_config-", suffix=".json")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            json.dump(config, out, indent=2, ensure_ascii=False)
+        os.replace(partial, path)
+    except BaseException:
+        os.unlink(partial)
+        raise
 
 
 class GgufEmbedding(torch.nn.Module):
