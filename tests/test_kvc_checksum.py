@@ -89,6 +89,11 @@ def test_without_a_compiler_crc32c_is_computed_by_numpy_and_a_writer_writes_kvc2
     write_small_cache(written)
     assert written.read_bytes()[:8] == KVC2_MAGIC and load(written, IDENTITY).header.format == "KVC2"
     assert [bytes(t) for t in load(kvc3, IDENTITY).tensors] == [d for _, d in full_attention_tensors()]
+    damaged = bytearray(kvc3.read_bytes())
+    damaged[load(kvc3).header.tensors[1].offset + 3] ^= 4
+    kvc3.write_bytes(damaged)
+    with pytest.raises(CacheFormatError, match="tensor layers.0.value: checksum mismatch"):
+        load(kvc3, IDENTITY)
 
 
 def test_a_cache_is_written_with_crc32c_where_the_kernel_computes_it(tmp_path: Path):

@@ -15,6 +15,7 @@ computes as fast (``writes_crc32c``), and reads KVC3 files all the same.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import hashlib
@@ -75,6 +76,13 @@ class _Kernel:
         self.read.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                               ctypes.POINTER(ctypes.c_uint32)]
         self.read.restype = ctypes.c_int64
+        try:
+            self.run = self._library.lmw_read_check_run
+        except AttributeError as exc:
+            raise KernelUnavailable(f"could not load {library}: {exc}") from exc
+        self.run.argtypes = [ctypes.c_int, ctypes.c_int64, *[ctypes.c_void_p] * 4, ctypes.c_int64, ctypes.c_void_p,
+                             ctypes.c_void_p]
+        self.run.restype = ctypes.c_int64
         path.restype = ctypes.c_int
         self.path = PATHS.get(path(), "tables")
 
@@ -155,6 +163,31 @@ def read_crc32c(fd: int, offset: int, into: memoryview, value: int, piece: int) 
     if count < 0:
         raise OSError(-count, os.strerror(-count))
     return count, crc.value
+
+
+def read_check_run(
+    fd: int, offsets: array.array[int], into: array.array[int], lengths: array.array[int], fresh: bytearray, piece: int
+) -> tuple[array.array[int], bytearray] | None:
+    """A reader thread's run of a file in one call of the kernel (lmw_read_check_run): item i
+    is ``lengths[i]`` bytes from ``offsets[i]``, read to the address ``into[i]`` and its CRC-32C
+    continued from the item before's (from 0 where ``fresh[i]``), or where ``into[i]`` is 0,
+    padding checked to be zero. Returns each item's CRC after it and its state (1 whole, 0
+    the file ended first, 2 padding that is not zero; the run stops at the first that is not
+    1, and those after it stay 3); None without the kernel. Raises OSError where a read fails."""
+    kernel = _loaded()
+    if kernel is None:
+        return None
+    count = len(offsets)
+    assert len(into) == len(lengths) == len(fresh) == count, "one of each for every item"
+    crcs, states = array.array("I", bytes(4 * count)), bytearray(b"\3" * count)
+    status = kernel.run(
+        fd, count, offsets.buffer_info()[0], into.buffer_info()[0], lengths.buffer_info()[0],
+        (ctypes.c_char * count).from_buffer(fresh) if count else None, piece, crcs.buffer_info()[0],
+        (ctypes.c_char * count).from_buffer(states) if count else None,
+    )
+    if status < 0:
+        raise OSError(-status, os.strerror(-status))
+    return crcs, states
 
 
 def crc32c_kernels(data: Buffer, value: int = 0) -> dict[str, int]:

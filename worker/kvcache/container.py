@@ -27,6 +27,7 @@ left behind by a killed writer can be recognised and removed
 
 from __future__ import annotations
 
+import array
 import contextlib
 import hashlib
 import math
@@ -37,7 +38,7 @@ import struct
 import threading
 import weakref
 from collections.abc import Callable, Generator, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -651,8 +652,9 @@ def _read_and_check(
     the padding, its CRC (the format's). The tensors are cut into as many runs of neighbours
     as there are threads, of about as many bytes each, and each thread reads its run in file
     order a piece at a time, checking each piece as soon as it is read, while its bytes are
-    still in the processor's caches: memory is crossed once, by the read's copy (reads and
-    the CRCs let go of the GIL). The first failure in file order is the one reported."""
+    still in the processor's caches: memory is crossed once, by the read's copy. With the
+    CRC-32C kernel a run is one call of it, the interpreter out of the way (reads and CRCs
+    let go of the GIL either way). The first failure in file order is the one reported."""
     position, failure = header_end, None
     placed: list[tuple[int, TensorEntry, Region]] = []
     for entry, region in zip(header.tensors, regions):
@@ -661,55 +663,117 @@ def _read_and_check(
             break
         placed.append((position, entry, region))
         position = entry.offset + entry.nbytes
-    view = memoryview(buffer)
-    crc = CHECKSUMS[header.format]
-    in_kernel = header.format == "KVC3" and checksum.writes_crc32c()  # read and checked by one call a span
-
-    def read_and_sum(item: tuple[int, TensorEntry, Region]) -> tuple[bytearray, int] | None:
-        start, entry, region = item
-        padding = bytearray(entry.offset - start)
-        if _read_into(path, fd, [memoryview(padding)], start) != len(padding):
-            return None
-        value, at_file = 0, entry.offset
-        for at, size in region.spans:
-            if in_kernel:
-                try:
-                    read = checksum.read_crc32c(fd, at_file, view[at : at + size], value, READ_PIECE)
-                except OSError as exc:
-                    raise CacheFormatError(path, f"cannot be read: {exc.strerror or exc}") from exc
-                assert read is not None, "the kernel is loaded"
-                count, value = read
-                if count != size:
-                    return None
-                at_file += size
-                continue
-            for piece_start in range(at, at + size, READ_PIECE):
-                piece = view[piece_start : min(piece_start + READ_PIECE, at + size)]
-                if _read_into(path, fd, [piece], at_file) != piece.nbytes:
-                    return None
-                value = crc(piece, value)
-                at_file += piece.nbytes
-        return padding, value
-
-    def read_run(run: list[tuple[int, TensorEntry, Region]]) -> list[tuple[bytearray, int] | None]:
-        return [read_and_sum(item) for item in run]
-
-    runs = _runs(placed, CHECK_THREADS)
-    if len(runs) > 1:
-        with ThreadPoolExecutor(len(runs)) as pool:
-            checked = [result for results in pool.map(read_run, runs) for result in results]
+    if header.format == "KVC3" and checksum.writes_crc32c():
+        read_run = _kernel_reader(path, fd, buffer)
     else:
-        checked = read_run(placed)
+        read_run = _python_reader(path, fd, buffer, CHECKSUMS[header.format])
+    runs = _runs(placed, CHECK_THREADS)
+    others = [_pool().submit(read_run, run) for run in runs[1:]]
+    try:
+        checked = read_run(runs[0])  # this thread reads the first run itself
+    except BaseException:
+        wait(others)  # none still writing into the buffer once it is let go
+        raise
+    for other in others:
+        checked += other.result()
     for (_, entry, _), result in zip(placed, checked, strict=True):
-        if result is None:
+        if result == "short":
             raise CacheFormatError(path, "changed while being read (it is shorter than when it was opened)")
-        padding, value = result
-        if padding.count(0) != len(padding):
+        if result == "padding":
             raise CacheFormatError(path, f"damaged padding before tensor {entry.name}")
-        if value != entry.crc32:
+        if result != entry.crc32:
             raise CacheFormatError(path, f"tensor {entry.name}: checksum mismatch, the data is damaged")
     if failure is not None:
         raise CacheFormatError(path, failure)
+
+
+# What a reader found of one tensor: its CRC, or that the file ended first or its padding is not zero.
+_Checked = int | Literal["short", "padding"]
+_Run = list[tuple[int, TensorEntry, Region]]
+_pool_lock = threading.Lock()
+_reader_pool: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    """Threads kept for the runs a restore reads besides its own (starting threads anew at each
+    restore cost milliseconds: each waits for the GIL)."""
+    global _reader_pool
+    with _pool_lock:
+        if _reader_pool is None:
+            _reader_pool = ThreadPoolExecutor(8, thread_name_prefix="kvc-read")
+        return _reader_pool
+
+
+def _kernel_reader(path: str | os.PathLike[str], fd: int, buffer: mmap.mmap) -> Callable[[_Run], list[_Checked]]:
+    """Reads a run in one call of the CRC-32C kernel (checksum.read_check_run)."""
+    import numpy as np
+
+    base = int(np.frombuffer(buffer, dtype=np.uint8).ctypes.data)  # the export ends with the array
+
+    def read_run(run: _Run) -> list[_Checked]:
+        offsets, into, lengths, fresh = array.array("q"), array.array("Q"), array.array("q"), bytearray()
+        last: list[int] = []  # each tensor's last item
+        for start, entry, region in run:
+            offsets.append(start)
+            into.append(0)
+            lengths.append(entry.offset - start)
+            fresh.append(1)
+            at_file = entry.offset
+            for at, size in region.spans:
+                offsets.append(at_file)
+                into.append(base + at)
+                lengths.append(size)
+                fresh.append(0)
+                at_file += size
+            last.append(len(offsets) - 1)
+        try:
+            read = checksum.read_check_run(fd, offsets, into, lengths, fresh, READ_PIECE)
+        except OSError as exc:
+            raise CacheFormatError(path, f"cannot be read: {exc.strerror or exc}") from exc
+        assert read is not None, "the kernel is loaded"
+        crcs, states = read
+        out: list[_Checked] = []
+        first = 0
+        for end in last:  # the first item of the tensor that is not whole says what is wrong
+            result: _Checked = crcs[end]
+            for state in states[first : end + 1]:
+                if state != 1:
+                    result = "padding" if state == 2 else "short"  # 3: a run stopped before (an earlier failure)
+                    break
+            out.append(result)
+            first = end + 1
+        return out
+
+    return read_run
+
+
+def _python_reader(
+    path: str | os.PathLike[str], fd: int, buffer: mmap.mmap, crc: Callable[[memoryview, int], int]
+) -> Callable[[_Run], list[_Checked]]:
+    """Reads a run with preadv and ``crc``, a piece at a time."""
+    view = memoryview(buffer)
+
+    def read_and_sum(item: tuple[int, TensorEntry, Region]) -> _Checked:
+        start, entry, region = item
+        padding = bytearray(entry.offset - start)
+        if _read_into(path, fd, [memoryview(padding)], start) != len(padding):
+            return "short"
+        if padding.count(0) != len(padding):
+            return "padding"
+        value, at_file = 0, entry.offset
+        for at, size in region.spans:
+            for piece_start in range(at, at + size, READ_PIECE):
+                piece = view[piece_start : min(piece_start + READ_PIECE, at + size)]
+                if _read_into(path, fd, [piece], at_file) != piece.nbytes:
+                    return "short"
+                value = crc(piece, value)
+                at_file += piece.nbytes
+        return value
+
+    def read_run(run: _Run) -> list[_Checked]:
+        return [read_and_sum(item) for item in run]
+
+    return read_run
 
 
 def _runs(placed: list[tuple[int, TensorEntry, Region]], count: int) -> list[list[tuple[int, TensorEntry, Region]]]:

@@ -305,3 +305,54 @@ int64_t lmw_read_crc32c(int fd, int64_t offset, void *into, int64_t length, int6
     *crc = value;
     return done;
 }
+
+/* A reader thread's whole run of a cache file in one call, without the interpreter: item i is
+ * ``lengths[i]`` bytes of the file from ``offsets[i]``, read into ``into[i]`` and checked
+ * piece by piece as lmw_read_crc32c does, the CRC continuing from item i - 1's unless
+ * ``fresh[i]`` (a tensor's first span); where ``into[i]`` is 0 the bytes are padding, read
+ * into a scratch buffer and checked to be zero. ``crcs[i]``: the CRC after item i.
+ * ``states[i]``: 1 read whole (and zero, for padding), 0 the file ended before it did, 2
+ * padding that is not zero; the run stops at the first item that is not 1 (those after it
+ * stay as they were). Returns 0, or -errno where a read failed. */
+int64_t lmw_read_check_run(int fd, int64_t count, const int64_t *offsets, const uint64_t *into,
+                           const int64_t *lengths, const uint8_t *fresh, int64_t piece, uint32_t *crcs,
+                           uint8_t *states) {
+    unsigned char scratch[1 << 16];
+    uint32_t crc = 0;
+    for (int64_t i = 0; i < count; i++) {
+        if (fresh[i]) crc = 0;
+        if (into[i] == 0) {
+            int64_t done = 0;
+            states[i] = 1;
+            while (done < lengths[i]) {
+                int64_t want = lengths[i] - done < (int64_t)sizeof scratch ? lengths[i] - done : (int64_t)sizeof scratch;
+                ssize_t got = pread(fd, scratch, (size_t)want, (off_t)(offsets[i] + done));
+                if (got < 0) {
+                    if (errno == EINTR) continue;
+                    return -errno;
+                }
+                if (got == 0) {
+                    states[i] = 0;
+                    break;
+                }
+                for (ssize_t k = 0; k < got; k++) {
+                    if (scratch[k]) {
+                        states[i] = 2;
+                        break;
+                    }
+                }
+                if (states[i] == 2) break;
+                done += got;
+            }
+        } else {
+            uint32_t value = crc;
+            int64_t done = lmw_read_crc32c(fd, offsets[i], (void *)(uintptr_t)into[i], lengths[i], piece, &value);
+            if (done < 0) return done;
+            crc = value;
+            states[i] = done == lengths[i];
+        }
+        crcs[i] = crc;
+        if (states[i] != 1) return 0;
+    }
+    return 0;
+}
