@@ -214,15 +214,18 @@ async def test_a_generate_queued_past_max_batch_answers_cancelled_at_once_withou
     assert (await first)["result"]["finish_reason"] == "cancelled"
 
 
-async def test_cancel_of_a_running_load_says_it_cannot_stop_and_the_load_completes(
-    spawn_worker: SpawnWorker, tmp_path
-):
+async def test_cancel_of_a_running_load_ends_it_when_its_backend_returns(spawn_worker: SpawnWorker, tmp_path):
+    """A backend that reports no stage and waits on no other program (PROTOCOL 9): the cancel
+    answers cancelled: true, the load -32800 once the backend returns, its model let go."""
     env = install_plugin(tmp_path, "slow_backend", SLOW_LOADING_BACKEND, {"slow": "slow_backend:Slow"})
     host = await spawn_worker(env=env)
+    await host.call("load", {"backend": "echo"})
     load_id, load = host.start("load", {"backend": "slow"})
     await host.wait_until(lambda: b"slow load started" in host.stderr)  # it then sleeps for a second
-    assert await host.call("cancel", {"id": load_id}) == {"cancelled": False, "state": "running"}
-    assert (await load)["result"]["backend"] == "echo"
+    assert await host.call("cancel", {"id": load_id}) == {"cancelled": True, "state": "running"}
+    error = (await load)["error"]
+    assert (error["code"], error["data"]["kind"]) == (-32800, "request_cancelled")
+    assert (await host.call("capabilities"))["model"] is None  # the echo model was unloaded as the load began
 
 
 async def test_cancel_of_unknown_id_says_so(echo_worker: Host):

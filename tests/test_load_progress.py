@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
+import pytest
+
+from protocol.errors import ErrorKind, RpcError
 from protocol.methods import LoadProgress
 from tests.conftest import TORCH_ENV
-from worker import load_progress
+from worker import load_progress, stopping
+from worker.stopping import Stop
 from worker.host import Host
 
 
@@ -94,3 +99,46 @@ def test_a_stage_between_its_first_and_last_report_sends_at_most_one_per_interva
     assert [p.done for p in sent] == [0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100]
     assert {(p.id, p.stage, p.total, p.unit) for p in sent} == {(7, "hashing", 100, "bytes")}
     assert load_progress.stage("hashing", 5, "bytes")(5) is None  # outside a load: nothing, no error
+
+
+def test_a_cancelled_load_ends_at_its_next_stage_or_report_after_sending_it():
+    sent: list[LoadProgress] = []
+    cancelled = [False]
+    with load_progress.reporting(sent.append, 7, is_cancelled=lambda: cancelled[0]):
+        report = load_progress.stage("quantizing", 3, "tensors")
+        report(1)
+        cancelled[0] = True
+        assert load_progress.cancelled()
+        with pytest.raises(RpcError) as caught:
+            report(3)
+        assert caught.value.kind is ErrorKind.REQUEST_CANCELLED
+        with pytest.raises(RpcError):
+            load_progress.stage("hashing", 5, "bytes")
+    assert [(p.stage, p.done) for p in sent] == [("quantizing", 0), ("quantizing", 3)]  # 1: within INTERVAL_S
+    with load_progress.reporting(None, 8, is_cancelled=lambda: True):  # a load that reports nothing: checked all the same
+        with pytest.raises(RpcError):
+            load_progress.stage("hashing", 5, "bytes")
+    assert not load_progress.cancelled()  # outside a load
+
+
+def test_what_a_loads_steps_share_lives_as_long_as_the_load():
+    with load_progress.reporting(None, 1):
+        first = load_progress.shared("k", list)
+        first.append(1)
+        assert load_progress.shared("k", list) is first
+    with load_progress.reporting(None, 2):
+        assert load_progress.shared("k", list) == []
+    assert load_progress.shared("k", list) is not load_progress.shared("k", list)
+
+
+def test_a_cancel_lets_go_of_every_wait_in_progress_and_waits_nest():
+    """A load's handler marks its whole course as a wait; a server's or a compiler's nests in it."""
+    stop = Stop()
+    outer, inner = threading.Event(), threading.Event()
+    with stopping.scope(stop), stopping.while_waiting(outer.set):
+        with stopping.while_waiting(inner.set):
+            pass
+        assert stop.stop() and outer.is_set() and not inner.is_set()  # the inner wait was over
+        with stopping.while_waiting(inner.set):
+            assert stop.stop() and inner.is_set()
+    assert not stop.stop()

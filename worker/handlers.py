@@ -39,7 +39,7 @@ from protocol.methods import (
     UnloadResult,
 )
 from protocol.framing import Framing
-from worker import __version__, heap, load_progress, model_refs
+from worker import __version__, heap, load_progress, model_refs, stopping
 from worker.backends import Registry
 from worker.backends.base import (
     CachingModel,
@@ -77,6 +77,18 @@ class Context(msgspec.Struct, frozen=True):
     send_notification: Callable[[str, msgspec.Struct], None]
     acked: Callable[[], int] = lambda: -1  # the last generate/chunk index the host acknowledged
     prompt: list[int] | None = None  # a generate's or prefill's messages, rendered already (Handlers.prompt)
+
+
+def _load_cancelled() -> RpcError:
+    return RpcError(ErrorKind.REQUEST_CANCELLED, "The load was cancelled; no model is loaded.")
+
+
+def _let_go(model: Model) -> None:
+    """Close a model that a cancelled load made, as unload closes one."""
+    model.close()
+    alive = heap.outlives(model)
+    del model
+    heap.thaw(collect=alive())
 
 
 class WireInfo(msgspec.Struct, frozen=True):
@@ -133,6 +145,10 @@ class Handlers:
         )
 
     def load(self, ctx: Context, params: LoadParams) -> ModelInfo:
+        """A cancel from the unloading of the model before until the backend's load returns ends
+        the load (PROTOCOL 9): at once where it waits on another program (a compiler, a server),
+        at its next stage or report (load_progress), at the latest when the backend returns; the
+        model it made is let go, and none is loaded."""
         backend = self._registry.get(params.backend)
         resolved = None
         if isinstance(backend, LocalModelBackend):  # ollama:, hf: and names in the models directories
@@ -141,11 +157,23 @@ class Handlers:
                 params = msgspec.structs.replace(params, model=str(resolved.path))
         if isinstance(backend, CheckingBackend):  # before unloading: a typo leaves the current model working
             backend.check(params, data_dir=self._data_dir)
-        self.unload(ctx, NoParams())
         started = time.perf_counter()
         send = (lambda progress: ctx.send_notification("load/progress", progress)) if params.progress else None
-        with load_progress.reporting(send, ctx.id):
-            model = backend.load(params, data_dir=self._data_dir)
+        # Set by the cancel itself (stopping.Stop, under its lock): a cancel that came before this
+        # wait began answered "cancelled": false, and the load goes on.
+        stopped = threading.Event()
+        try:
+            with stopping.while_waiting(stopped.set), load_progress.reporting(send, ctx.id, is_cancelled=stopped.is_set):
+                self.unload(ctx, NoParams())
+                model = backend.load(params, data_dir=self._data_dir)
+        except Exception as exc:
+            cancelled = isinstance(exc, RpcError) and exc.kind is ErrorKind.REQUEST_CANCELLED
+            if stopped.is_set() and not cancelled:  # whatever the backend or a library made of the cancel
+                raise _load_cancelled() from exc
+            raise
+        if stopped.is_set():
+            _let_go(model)
+            raise _load_cancelled()
         if resolved is not None:  # the host's own words, and the model's own file (not a link to it)
             model.info.model, model.info.path = resolved.reference, str(resolved.file)
         if isinstance(model, CachingModel):

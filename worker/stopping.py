@@ -1,9 +1,11 @@
 """Stopping a running request where it waits on another program.
 
-Most running requests cannot stop halfway (a load of local weights, a tokenize); one that
-waits on another program can: on a server's answer (the openai backend's ``load``,
-``tokenize``, ``detokenize``, ``render``) letting go of the connection ends the wait at once,
-and on a chat template's rendering process (worker/chat_template.py) killing it does. The
+Most running requests cannot stop halfway (a tokenize); one that waits on another program
+can: on a server's answer (the openai backend's ``load``, ``tokenize``, ``detokenize``,
+``render``) letting go of the connection ends the wait at once, and on a chat template's
+rendering process (worker/chat_template.py) killing it does. A ``load`` marks its whole
+course as such a wait (Handlers.load: the cancel sets the flag that load_progress's checks
+and a kernel's compiler read), so waits nest: a cancel lets go of every one in progress. The
 responder runs each queued job's handler, and a generate's or prefill's rendering of its
 messages, inside ``scope(job.stop)``; code deep below it marks such a wait with
 ``while_waiting(let_go)``; a cancel calls ``Stop.stop``, which lets go of the wait in
@@ -30,7 +32,7 @@ class Stop:
 
     def __init__(self, *, sticky: bool = False) -> None:
         self._lock = threading.Lock()
-        self._let_go: Callable[[], None] | None = None
+        self._let_go: list[Callable[[], None]] = []  # the waits in progress, outermost first (they nest)
         self._sticky = sticky
         self._stopped = False
 
@@ -39,22 +41,21 @@ class Stop:
         wait that ends meanwhile has either been let go of or is over (``waiting``'s end)."""
         with self._lock:
             self._stopped = self._sticky
-            if self._let_go is None:
-                return False
-            self._let_go()
-            return True
+            for let_go in reversed(self._let_go):
+                let_go()
+            return bool(self._let_go)
 
     @contextmanager
     def waiting(self, let_go: Callable[[], None]) -> Iterator[None]:
         with self._lock:
             if self._stopped:
                 let_go()
-            self._let_go = let_go
+            self._let_go.append(let_go)
         try:
             yield
         finally:
             with self._lock:
-                self._let_go = None
+                self._let_go.pop()  # this one: waits nest on the one thread that runs the request
 
 
 _current: ContextVar[Stop | None] = ContextVar("stopping", default=None)

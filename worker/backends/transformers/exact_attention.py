@@ -19,6 +19,12 @@ The file is compiled once per machine with the system's C compiler (``cc``, or `
 into ``<data dir>/kernels`` when a model with quantized weights is loaded, and loaded
 with ctypes: a file of a few hundred lines builds in about a second, and a build that
 fails leaves the worker on float64 attention, not without a model.
+
+The kernels a load builds (this one, int8_kernel.c, native_forward.c, gguf_kernel.c) share
+one bound on the compiler's time (COMPILE_TIMEOUT_S, kept in the load's context:
+load_progress.shared): a compiler that hangs is killed once it is spent, and the load's
+later kernels are not tried, each falling back as where there is no compiler; the next load
+tries again. A cancelled load kills the compiler at once (load_progress.cancelled).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,8 +64,13 @@ FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-s
 # (linked against libgomp.so.1, the OpenMP runtime torch has loaded, so the kernel's threads
 # are torch's own). Some compilers take neither.
 _OPTIONS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
-# A build takes about a second; a compiler that takes this long is hung, and the load waits on it.
+# A build takes about a second (the four kernels about 5 s together on a quiet 2-core machine): a
+# compiler that takes this long over one load's builds is hung, and the load waits on it. One bound
+# for all the builds of a load (_Budget).
 COMPILE_TIMEOUT_S = 30.0
+# For tests only: a worker process's bound in seconds, in place of COMPILE_TIMEOUT_S (PROTOCOL 13).
+TIMEOUT_ENV = "LM_WORKER_COMPILE_TIMEOUT_S"
+_POLL_S = 0.05  # how often a build looks whether its load was cancelled
 _MOST_GROUPS = 64  # query heads per key/value head the kernel takes (MOST_GROUPS there)
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -263,9 +275,12 @@ def _build(directory: Path, again: bool = False, source: Path = SOURCE) -> Path:
             raise KernelUnavailable(f"cannot write the kernel into {directory}: {exc.strerror or exc}") from exc
         try:
             built = _compile([compiler, *flags, "-o", partial, str(path)])
-        except (OSError, subprocess.TimeoutExpired) as exc:
+        except OSError as exc:
             os.unlink(partial)
             raise KernelUnavailable(f"no C compiler ({compiler!r}: {exc})") from exc
+        except BaseException:  # out of time (KernelUnavailable), or the load was cancelled
+            os.unlink(partial)
+            raise
         if built.returncode == 0:
             try:
                 os.replace(partial, library)
@@ -277,24 +292,72 @@ def _build(directory: Path, again: bool = False, source: Path = SOURCE) -> Path:
     raise KernelUnavailable(f"{compiler} could not build {path.name}: {built.stderr.strip()[-2000:]}")
 
 
-def _compile(command: list[str]) -> subprocess.CompletedProcess:
-    """Run the compiler in a process group of its own, all of which is killed at the timeout
-    (a compiler's own children, cc1 and as, would otherwise run on). A load sees it as a
-    stage of one step, over when the compiler is, whatever it said."""
-    report = load_progress.stage("building_kernel", 1, "steps")
+class _Budget:
+    """The compiler's time left to one load (load_progress.shared; outside a load, to one build):
+    each build takes from it, and once one has run past it no other is tried in that load."""
+
+    def __init__(self) -> None:
+        self.bound_s = _bound_s()
+        self.left_s = self.bound_s
+        self.spent: str | None = None  # why the load's later builds are not tried
+
+
+def _bound_s() -> float:
     try:
-        return _run_compiler(command)
+        bound = float(os.environ.get(TIMEOUT_ENV, COMPILE_TIMEOUT_S))
+    except ValueError:
+        return COMPILE_TIMEOUT_S
+    return bound if 0 < bound <= COMPILE_TIMEOUT_S else COMPILE_TIMEOUT_S
+
+
+def _compile(command: list[str]) -> subprocess.CompletedProcess:
+    """Run the compiler in a process group of its own, all of which is killed when the load's
+    time for builds is spent or the load is cancelled (a compiler's own children, cc1 and as,
+    would otherwise run on): KernelUnavailable then, or the load's -32800. A load sees it as a
+    stage of one step, over when the compiler is, whatever it said."""
+    budget = load_progress.shared("kernel builds", _Budget)
+    if budget.spent is not None:
+        raise KernelUnavailable(budget.spent)
+    report = load_progress.stage("building_kernel", 1, "steps")
+    started = time.monotonic()
+    try:
+        return _run_compiler(command, budget.left_s)
+    except subprocess.TimeoutExpired:
+        budget.left_s = 0.0
+        raise KernelUnavailable(
+            f"the C compiler ({command[0]!r}) timed out: still running when the {budget.bound_s:g} s that a load's "
+            "kernel builds share were spent, so it was killed (the next load tries again)"
+        ) from None
     finally:
+        budget.left_s -= time.monotonic() - started
+        if budget.left_s <= 0 and budget.spent is None:
+            budget.spent = (
+                f"not tried: the C compiler ({command[0]!r}) timed out earlier in this load, the {budget.bound_s:g} s "
+                "that a load's kernel builds share being spent (the next load tries again)"
+            )
         report(1)
 
 
-def _run_compiler(command: list[str]) -> subprocess.CompletedProcess:
+def _run_compiler(command: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    """The compiler's run; subprocess.TimeoutExpired after ``timeout_s``, and the load's -32800
+    as soon as it is cancelled (load_progress.check), the process group killed either way."""
+    deadline = time.monotonic() + timeout_s
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as process:
         try:
-            stdout, stderr = process.communicate(timeout=COMPILE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            while True:
+                try:  # retried after a timeout, communicate loses no output
+                    stdout, stderr = process.communicate(timeout=max(0.0, min(_POLL_S, deadline - time.monotonic())))
+                    break
+                except subprocess.TimeoutExpired:
+                    load_progress.check()
+                    if time.monotonic() >= deadline:
+                        raise subprocess.TimeoutExpired(command, timeout_s) from None
+        except BaseException:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:  # the group is gone already
+                pass
             process.communicate()
             raise
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
