@@ -258,7 +258,8 @@ def _linear(file: GgufFile, name: str, module: torch.nn.Linear, config, arch: st
         raise GgufError(f"{file.path}: the tensor {name} is {type_name(tensor.type)}, {_TAKEN}")
     if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
         heads = config.num_attention_heads if name.endswith("attn_q.weight") else config.num_key_value_heads
-        rows = rows[torch.from_numpy(gguf_weights._unpermuted_rows(module.out_features, heads))]
+        # numpy's gather (a copy of each row) where torch's indexing of bytes took milliseconds a matrix
+        rows = torch.from_numpy(rows.numpy()[gguf_weights._unpermuted_rows(module.out_features, heads)])
     return gguf_weights.GgufLinear(tensor.type, rows, module.in_features, bias)
 
 
