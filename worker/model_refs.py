@@ -55,6 +55,9 @@ MAX_CONFIG_BYTES = 4 << 20  # config.json
 MAX_TOKENIZER_CONFIG_BYTES = 16 << 20  # tokenizer_config.json (added tokens, a chat template)
 MAX_SAFETENSORS_HEADER = 16 << 20
 MAX_CANDIDATES = 8  # named in an ambiguous reference's error
+MAX_SHOWN = 200  # characters of a reference a message repeats (a host may send 100 KB of one)
+MAX_SHAPE = 8  # dimensions of a safetensors tensor counted (more: its parameters are not counted)
+MAX_PARAMETERS = (1 << 63) - 1  # a count past this is no model's: not counted
 
 OLLAMA_REGISTRY = "registry.ollama.ai"
 OLLAMA_NAMESPACE = "library"
@@ -79,9 +82,10 @@ FILE_TYPES = {
 _SEGMENT = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 _OLLAMA = re.compile(rf"^(?P<path>(?:{_SEGMENT}(?::[0-9]{{1,5}})?/)?(?:{_SEGMENT}/)?{_SEGMENT})(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9._-]{{0,127}}))?$(?!\n)")
 _HF = re.compile(
-    rf"^(?P<repo>{_SEGMENT}(?:/{_SEGMENT})?)(?:@(?P<revision>[A-Za-z0-9._-]{{1,128}}))?"
+    rf"^(?P<repo>{_SEGMENT}(?:/{_SEGMENT})?)(?:@(?P<revision>[A-Za-z0-9_][A-Za-z0-9._-]{{0,127}}))?"
     rf"(?::(?P<quant>[A-Za-z0-9_]{{1,32}})|/(?P<file>(?:{_SEGMENT}/){{0,{MAX_DEPTH}}}{_SEGMENT}))?$(?!\n)"
 )
+_REVISION = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$(?!\n)")  # a ref's name, as a reference spells it
 _COMMIT = re.compile(r"^[0-9a-f]{40}$(?!\n)")
 _DIGEST = re.compile(r"^sha256:(?P<hex>[0-9a-f]{64})$(?!\n)")
 _SPLIT = re.compile(r"-\d{5}-of-\d{5}$(?!\n)")  # llama.cpp's split files: NAME-00001-of-00003.gguf
@@ -104,11 +108,15 @@ class ModelPlaces(msgspec.Struct, frozen=True):
         if not hub:
             hf_home = environ.get("HF_HOME") or os.path.join(environ.get("XDG_CACHE_HOME") or home / ".cache", "huggingface")
             hub = os.path.join(hf_home, "hub")
+
+        def absolute(path: str | Path) -> Path:  # a relative one: from the directory the worker started in
+            return Path(os.path.abspath(os.path.expanduser(path)))
+
         return cls(
-            ollama=Path(ollama).expanduser() if ollama else home / ".ollama" / "models",
-            huggingface=Path(hub).expanduser(),
-            node_llama_cpp=home / ".node-llama-cpp" / "models",
-            models_dirs=tuple(Path(d).expanduser() for d in models_dirs),
+            ollama=absolute(ollama) if ollama else absolute(home / ".ollama" / "models"),
+            huggingface=absolute(hub),
+            node_llama_cpp=absolute(home / ".node-llama-cpp" / "models"),
+            models_dirs=tuple(absolute(d) for d in models_dirs),
         )
 
     def local(self) -> list[tuple[Source, Path]]:
@@ -149,8 +157,49 @@ def _failed(message: str) -> RpcError:
 
 
 def _listed(names: list[str]) -> str:
-    shown = ", ".join(repr(n) for n in names[:MAX_CANDIDATES])
+    shown = ", ".join(_shown(n) for n in names[:MAX_CANDIDATES])
     return shown + (f" and {len(names) - MAX_CANDIDATES} more" if len(names) > MAX_CANDIDATES else "")
+
+
+def _shown(text: str) -> str:
+    """``text`` quoted for a message: its first MAX_SHOWN characters, control characters and
+    lone surrogates escaped (repr), so that a host's 100 KB or NUL-laden reference comes back
+    short and encodable."""
+    return repr(text[:MAX_SHOWN]) + (f" (… {len(text)} characters)" if len(text) > MAX_SHOWN else "")
+
+
+def _decode_json(data: bytes, type: Any = Any) -> Any:
+    """JSON another program wrote: msgspec.DecodeError also for JSON nested too deeply (msgspec
+    raises RecursionError at a depth of about a thousand, which no manifest or configuration has)."""
+    try:
+        return msgspec.json.decode(data, type=type)
+    except RecursionError:
+        raise msgspec.DecodeError("JSON nested too deeply") from None
+
+
+def _inside(path: Path, root: Path) -> bool:
+    """Whether ``path``, its links followed, lies in ``root`` (its links followed too: a models
+    directory may itself be a link to another disk)."""
+    try:
+        real, top = os.path.realpath(path), os.path.realpath(root)
+        return os.path.commonpath([real, top]) == top
+    except (OSError, ValueError):
+        return False
+
+
+def _outside(what: str, path: Path, root: Path) -> RpcError:
+    return _failed(f"{what} ({str(path)!r}) is a link to {os.path.realpath(path)!r}, outside {str(root)!r}: "
+                   "lm-worker reads only what lies in the directories that tool keeps.")
+
+
+def _utf8(text: str) -> bool:
+    """Whether ``text`` is valid Unicode (a file name of bytes that are not UTF-8 reads as lone
+    surrogates, which no JSON answer can carry and no reference can name)."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 # --- Ollama ------------------------------------------------------------------------------------
@@ -171,7 +220,7 @@ def _ollama_name(model: str) -> tuple[str, str, str, str]:
     match = _OLLAMA.match(model.removeprefix("ollama:"))
     if match is None or ".." in match["path"].split("/"):
         raise _not_found(
-            f"{model!r} is not an Ollama reference: write ollama:NAME[:TAG] (ollama:qwen2.5-coder:0.5b), "
+            f"{_shown(model)} is not an Ollama reference: write ollama:NAME[:TAG] (ollama:qwen2.5-coder:0.5b), "
             "ollama:NAMESPACE/NAME:TAG outside the library, or ollama:HOST/NAMESPACE/NAME:TAG."
         )
     parts = match["path"].split("/")
@@ -192,9 +241,12 @@ def ollama_reference(registry: str, namespace: str, name: str, tag: str) -> str:
 
 def _ollama_blob(manifest_path: Path, root: Path) -> Path:
     """The model layer's blob a manifest names (-32002 for a manifest that cannot be read or
-    has no model layer)."""
+    has no model layer, or where the manifest or the blob is a link out of the models directory:
+    Ollama writes both as files, and a blob as blobs/sha256-<hex> itself)."""
+    if not _inside(manifest_path, root):
+        raise _outside("The Ollama manifest", manifest_path, root)
     try:
-        manifest = msgspec.json.decode(read_small(manifest_path, MAX_MANIFEST_BYTES), type=_OllamaManifest)
+        manifest = _decode_json(read_small(manifest_path, MAX_MANIFEST_BYTES), _OllamaManifest)
     except (OSError, msgspec.DecodeError) as exc:
         raise _failed(f"Cannot read the Ollama manifest {str(manifest_path)!r}: {_why(exc)}.") from exc
     layers = [layer for layer in manifest.layers if layer.mediaType == OLLAMA_MODEL_LAYER]
@@ -205,7 +257,10 @@ def _ollama_blob(manifest_path: Path, root: Path) -> Path:
     if digest is None:
         raise _failed(f"The Ollama manifest {str(manifest_path)!r} names its model layer {layers[0].digest[:80]!r}, "
                       "not sha256:<64 hex digits>.")
-    return root / "blobs" / f"sha256-{digest['hex']}"
+    blob = root / "blobs" / f"sha256-{digest['hex']}"
+    if os.path.realpath(blob) != os.path.join(os.path.realpath(root / "blobs"), blob.name):
+        raise _outside(f"The blob the Ollama manifest {str(manifest_path)!r} names", blob, root / "blobs")
+    return blob
 
 
 def _resolve_ollama(model: str, root: Path, data_dir: Path) -> Resolved:
@@ -216,10 +271,10 @@ def _resolve_ollama(model: str, root: Path, data_dir: Path) -> Resolved:
         tags = sorted(_names(folder))
         there = (f"; its tags there: {_listed(tags)}" if tags else
                  f"; Ollama's models directory is {str(root)!r} (OLLAMA_MODELS, else ~/.ollama/models)")
-        raise _not_found(f"No Ollama model {model!r}: no manifest at {str(manifest)!r}{there}. "
+        raise _not_found(f"No Ollama model {_shown(model)}: no manifest at {str(manifest)!r}{there}. "
                          f"Pull it with `ollama pull {model.removeprefix('ollama:')}`, or see models/list.")
     blob = _ollama_blob(manifest, root)
-    _regular_or_fail(blob, f"The blob of {model!r}")
+    _regular_or_fail(blob, f"The blob of {_shown(model)}")
     return Resolved(reference=model, path=_gguf_link(blob, data_dir), file=blob)
 
 
@@ -230,8 +285,9 @@ def _gguf_link(blob: Path, data_dir: Path) -> Path:
     once never see half a link)."""
     folder = data_dir / "links" / "ollama"
     link = folder / f"{blob.name}.gguf"
+    blob = Path(os.path.abspath(blob))  # a link's relative target is read from the link's folder
     try:
-        if os.readlink(link) == str(blob):
+        if os.readlink(link) == str(blob) and _links_to(link, blob):
             return link
     except OSError:
         pass
@@ -247,7 +303,15 @@ def _gguf_link(blob: Path, data_dir: Path) -> Path:
             pass
         raise _failed(f"Cannot link the Ollama blob {str(blob)!r} into {str(folder)!r}: {_why(exc)}. "
                       "Check that the data directory is writable (--data-dir).") from exc
+    if not _links_to(link, blob):  # a folder of the data directory that is itself a link, changed meanwhile
+        raise _failed(f"The link {str(link)!r} made to the Ollama blob {str(blob)!r} leads to "
+                      f"{os.path.realpath(link)!r} instead: check what else writes in the data directory.")
     return link
+
+
+def _links_to(link: Path, blob: Path) -> bool:
+    """Whether opening ``link`` opens ``blob`` (both followed to the end)."""
+    return os.path.realpath(link) == os.path.realpath(blob)
 
 
 # --- the Hugging Face cache ----------------------------------------------------------------------
@@ -262,13 +326,13 @@ def _resolve_hf(model: str, hub: Path) -> Resolved:
     match = _HF.match(model.removeprefix("hf:"))
     if match is None or ".." in (match["file"] or "").split("/"):
         raise _not_found(
-            f"{model!r} is not a Hugging Face reference: write hf:ORG/NAME, with @REVISION if not main, "
+            f"{_shown(model)} is not a Hugging Face reference: write hf:ORG/NAME, with @REVISION if not main, "
             "and for a repository of gguf files :QUANT (hf:ORG/NAME:Q4_K_M) or /FILE.gguf."
         )
     repo, revision = match["repo"], match["revision"]
     folder = hub / hf_folder(repo)
     if not folder.is_dir():
-        raise _not_found(f"No Hugging Face model {model!r}: no {str(folder)!r} in the cache "
+        raise _not_found(f"No Hugging Face model {_shown(model)}: no {str(folder)!r} in the cache "
                          "(HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub). "
                          f"Download it (`hf download {repo}`), or see models/list.")
     snapshot = _snapshot(folder, revision, model)
@@ -277,32 +341,51 @@ def _resolve_hf(model: str, hub: Path) -> Resolved:
         file = snapshot / match["file"]
         if not os.path.lexists(file):
             ggufs = [f"{base}/{p.relative_to(snapshot)}" for p in _ggufs_in(snapshot)]
-            raise _not_found(f"No file {match['file']!r} in {str(snapshot)!r} ({model!r})"
+            raise _not_found(f"No file {match['file']!r} in {str(snapshot)!r} ({_shown(model)})"
                              + (f"; its gguf files: {_listed(ggufs)}." if ggufs else "."))
-        _regular_or_fail(file, f"{model!r} ({str(file)!r})")
+        _contained_or_fail(file, folder, _shown(model))
+        _regular_or_fail(file, f"{_shown(model)} ({str(file)!r})")
         return Resolved(reference=model, path=file, file=file)
     ggufs = _ggufs_in(snapshot)
     if match["quant"]:
         chosen = [p for p in ggufs if _has_quant(p, match["quant"])]
         if not chosen:
             names = [f"{base}/{p.relative_to(snapshot)}" for p in ggufs]
-            raise _not_found(f"No {match['quant']} gguf file in {str(snapshot)!r} ({model!r})"
+            raise _not_found(f"No {match['quant']} gguf file in {str(snapshot)!r} ({_shown(model)})"
                              + (f"; its gguf files: {_listed(names)}." if names else ": it holds no gguf file."))
     elif (snapshot / "config.json").exists():
+        for path, _ in _walk(snapshot, MAX_DEPTH, [0]):  # every file transformers may read in it
+            _contained_or_fail(path, folder, _shown(model))
         return Resolved(reference=model, path=snapshot, file=snapshot)
     else:
         chosen = ggufs
         if not chosen:
-            raise _failed(f"{str(snapshot)!r} ({model!r}) holds neither config.json nor a gguf file: "
+            raise _failed(f"{str(snapshot)!r} ({_shown(model)}) holds neither config.json nor a gguf file: "
                           "nothing there to load (an incomplete download?).")
     if len(chosen) > 1:
         names = [f"{base}/{p.relative_to(snapshot)}" for p in chosen]
-        raise _not_found(f"{model!r} is ambiguous: {len(chosen)} gguf files match: {_listed(names)}; load one of them.")
-    _regular_or_fail(chosen[0], f"{model!r} ({str(chosen[0])!r})")
+        raise _not_found(f"{_shown(model)} is ambiguous: {len(chosen)} gguf files match: {_listed(names)}; load one of them.")
+    _contained_or_fail(chosen[0], folder, _shown(model))
+    _regular_or_fail(chosen[0], f"{_shown(model)} ({str(chosen[0])!r})")
     return Resolved(reference=model, path=chosen[0], file=chosen[0])
 
 
 def _snapshot(folder: Path, revision: str | None, model: str) -> Path:
+    """The snapshot a revision names (one in ``folder``, its links followed: -32002
+    model_load_failed for a link out of it)."""
+    snapshot = _named_snapshot(folder, revision, model)
+    _contained_or_fail(snapshot, folder, _shown(model))
+    return snapshot
+
+
+def _contained_or_fail(path: Path, folder: Path, what: str) -> None:
+    """-32002 model_load_failed where ``path`` is a link out of ``folder`` (a cache's file links
+    into its own blobs/; one that leads elsewhere was not written by the tool)."""
+    if not _inside(path, folder):
+        raise _outside(what, path, folder)
+
+
+def _named_snapshot(folder: Path, revision: str | None, model: str) -> Path:
     """The snapshot a revision names: refs/<revision> holds its commit (a commit names itself);
     without a revision, refs/main, or the one snapshot where there is no refs/main."""
     snapshots = folder / "snapshots"
@@ -312,16 +395,16 @@ def _snapshot(folder: Path, revision: str | None, model: str) -> Path:
     try:
         commit = read_small(ref, 256).decode("ascii", "replace").strip()
     except FileNotFoundError:
-        present = sorted(_names(snapshots))
+        present = sorted(name for name in _names(snapshots) if _COMMIT.match(name))
         if revision is None and len(present) == 1:
             return snapshots / present[0]
         refs = sorted(_names(folder / "refs"))
-        raise _not_found(f"No revision {revision or 'main'!r} of {model!r} in {str(folder)!r}: no {str(ref)!r}"
+        raise _not_found(f"No revision {revision or 'main'!r} of {_shown(model)} in {str(folder)!r}: no {str(ref)!r}"
                          + (f"; its refs: {_listed(refs)}" if refs else "") + ".") from None
     except OSError as exc:
-        raise _failed(f"Cannot read {str(ref)!r} ({model!r}): {_why(exc)}.") from exc
+        raise _failed(f"Cannot read {str(ref)!r} ({_shown(model)}): {_why(exc)}.") from exc
     if not _COMMIT.match(commit) or not (snapshots / commit).is_dir():
-        raise _failed(f"{str(ref)!r} names {commit[:60]!r}, which is no snapshot in {str(snapshots)!r} ({model!r}).")
+        raise _failed(f"{str(ref)!r} names {commit[:60]!r}, which is no snapshot in {str(snapshots)!r} ({_shown(model)}).")
     return snapshots / commit
 
 
@@ -352,13 +435,13 @@ def _resolve_name(model: str, places: ModelPlaces, own_names: Collection[str]) -
     if len(found) == 1:
         return Resolved(reference=model, path=found[0], file=found[0])
     if found:
-        raise _not_found(f"{model!r} is ambiguous: {len(found)} models of that name: "
+        raise _not_found(f"{_shown(model)} is ambiguous: {len(found)} models of that name: "
                          f"{_listed([str(p) for p in found])}; load one by its path.")
     looked = ", ".join(repr(str(folder)) for _, folder in places.local())
     shipped = f", nor a shipped model ({', '.join(repr(n) for n in own_names)})" if own_names else ""
     raise _not_found(
-        f"No model {model!r}: no such file or directory{shipped}, and no {model}.gguf (or model directory "
-        f"{model}) in {looked} (node-llama-cpp's folder, then --models-dir). Give a path, a name there, "
+        f"No model {_shown(model)}: no such file or directory{shipped}, and no {_shown(model + '.gguf')} (or model "
+        f"directory {_shown(model)}) in {looked} (node-llama-cpp's folder, then --models-dir). Give a path, a name there, "
         "ollama:NAME[:TAG] or hf:ORG/NAME; models/list names what there is."
     )
 
@@ -384,7 +467,8 @@ def _walk(folder: Path, depth: int, seen: list[int]) -> Iterator[tuple[Path, boo
     """(path, is a directory) of the entries under ``folder`` down to ``depth`` folders, hidden
     ones left out, sorted by name within a folder; ``seen[0]`` counts the entries looked at, and
     the walk stops at MAX_DIRECTORY_ENTRIES. A link to a directory is not walked into (a loop
-    would never end), though one is reported as a directory (a model folder may be one)."""
+    would never end), though one is reported as a directory (a model folder may be one). A name
+    of bytes that are not UTF-8 is passed over: no reference names it, no JSON answer holds it."""
     try:
         with os.scandir(folder) as scan:
             entries = []
@@ -392,7 +476,7 @@ def _walk(folder: Path, depth: int, seen: list[int]) -> Iterator[tuple[Path, boo
                 seen[0] += 1
                 if seen[0] > MAX_DIRECTORY_ENTRIES:
                     break
-                if not entry.name.startswith("."):
+                if not entry.name.startswith(".") and _utf8(entry.path):
                     entries.append(entry)
     except OSError:
         return
@@ -443,8 +527,16 @@ class _Listing:
     def place(self, source: Source, path: Path, before: int, seen: list[int], notes: list[str]) -> None:
         if seen[0] > MAX_DIRECTORY_ENTRIES:
             notes.append(f"stopped after {MAX_DIRECTORY_ENTRIES} entries")
+        exists = path.is_dir()
+        if exists and not os.access(path, os.R_OK | os.X_OK):
+            notes.insert(0, "cannot be read (permission denied)")
+        elif not exists and os.path.lexists(path):
+            notes.insert(0, "not a directory")
+        if not _utf8(str(path)):
+            notes.insert(0, "its path is not UTF-8: not searched")
         self.searched.append(SearchedPlace(
-            source=source, path=str(path), exists=path.is_dir(), models=len(self.models) - before,
+            source=source, path=str(path).encode("utf-8", "backslashreplace").decode("utf-8"), exists=exists,
+            models=len(self.models) - before,
             note="; ".join(notes[:MAX_CANDIDATES]) or None,
         ))
 
@@ -473,7 +565,7 @@ def list_models(places: ModelPlaces, own_names: Collection[str] = ()) -> ModelsL
             stem = path.stem if path.suffix == ".gguf" else path.name
             unique = names[stem] == 1 and stem not in own_names and not os.path.lexists(stem)
             reference = stem if unique and _bare_name(stem) else str(path)
-            listing.models.append(_describe(reference, source, path, is_dir))
+            listing.models.append(_describe(reference, source, path, is_dir, None))
         listing.place(source, folder, before, seen, notes)
     return ModelsListResult(models=listing.models, searched=listing.searched, truncated=listing.truncated)
 
@@ -488,12 +580,15 @@ def _list_ollama(root: Path, listing: _Listing) -> None:
                     if is_dir or listing.full():
                         continue
                     reference = ollama_reference(registry.name, namespace.name, name.name, tag.name)
+                    if not _OLLAMA.match(reference.removeprefix("ollama:")):
+                        notes.append(f"{str(tag.relative_to(manifests))!r} is no name Ollama gives: passed over")
+                        continue
                     try:
                         blob = _ollama_blob(tag, root)
                     except RpcError as exc:
                         notes.append(exc.message)
                         continue
-                    listing.models.append(_describe(reference, "ollama", blob, False))
+                    listing.models.append(_describe(reference, "ollama", blob, False, None))
     listing.place("ollama", root, before, seen, notes)
 
 
@@ -513,27 +608,40 @@ def _list_hf(hub: Path, listing: _Listing) -> None:
                 commit = read_small(ref, 256).decode("ascii", "replace").strip()
             except OSError:
                 continue
-            if _COMMIT.match(commit) and (commit not in named or ref.name == "main"):
+            if _COMMIT.match(commit) and _REVISION.match(ref.name) and (commit not in named or ref.name == "main"):
                 named[commit] = "" if ref.name == "main" else f"@{ref.name}"
         for snapshot, snapshot_is_dir in _walk(folder / "snapshots", 0, seen):
             if not snapshot_is_dir or not _COMMIT.match(snapshot.name):
                 continue
+            if not _inside(snapshot, folder):
+                notes.append(_outside("A snapshot", snapshot, folder).message)
+                continue
             base = f"hf:{repo}" + named.get(snapshot.name, f"@{snapshot.name}")
             if (snapshot / "config.json").exists() and not listing.full():
-                listing.models.append(_describe(base, "huggingface", snapshot, True))
+                listing.models.append(_describe(base, "huggingface", snapshot, True, folder))
             for path, path_is_dir in _walk(snapshot, MAX_DEPTH, seen):
                 if path.suffix == ".gguf" and not path_is_dir and not listing.full():
                     reference = f"{base}/{path.relative_to(snapshot)}"
-                    listing.models.append(_describe(reference, "huggingface", path, False))
+                    if not _HF.match(reference.removeprefix("hf:")):  # a file name no reference spells: its path
+                        reference = str(path)
+                    listing.models.append(_describe(reference, "huggingface", path, False, folder))
     listing.place("huggingface", hub, before, seen, notes)
 
 
-def _describe(reference: str, source: Source, path: Path, is_dir: bool) -> ModelEntry:
+def _describe(reference: str, source: Source, path: Path, is_dir: bool, root: Path | None) -> ModelEntry:
+    """A model's entry, from its header or configuration; where ``root`` is given, a file of it
+    that is a link out of ``root`` is not read (the entry says so)."""
     entry = ModelEntry(
         reference=reference, source=source, path=str(path), format="transformers" if is_dir else "gguf",
         architecture=None, parameters=None, quantization=None, size_bytes=0, context_length=None,
         has_chat_template=False, tool_calls=None, loadable=False, reason=None,
     )
+    if root is not None:
+        files = [p for p, _ in _walk(path, MAX_DEPTH, [0])] if is_dir else [path]
+        outside = [p for p in files if not _inside(p, root)]
+        if outside:
+            entry.reason = f"a link out of {str(root)!r}, not read: {_listed([str(p) for p in outside])}"
+            return entry
     if is_dir:
         _describe_directory(entry, path)
     else:
@@ -606,7 +714,7 @@ def _describe_directory(entry: ModelEntry, folder: Path) -> None:
     missing = [p.name for p in files if not os.path.exists(p)]
     entry.size_bytes = sum(_size(p) for p in files)
     try:
-        config = msgspec.json.decode(read_small(folder / "config.json", MAX_CONFIG_BYTES))
+        config = _decode_json(read_small(folder / "config.json", MAX_CONFIG_BYTES))
     except (OSError, msgspec.DecodeError) as exc:
         entry.reason = f"its config.json cannot be read: {_why(exc)}"
         return
@@ -646,7 +754,7 @@ def _directory_template(folder: Path) -> str | None:
     except OSError:
         pass
     try:
-        config = msgspec.json.decode(read_small(folder / "tokenizer_config.json", MAX_TOKENIZER_CONFIG_BYTES))
+        config = _decode_json(read_small(folder / "tokenizer_config.json", MAX_TOKENIZER_CONFIG_BYTES))
     except (OSError, msgspec.DecodeError):
         return None
     template = config.get("chat_template") if isinstance(config, dict) else None
@@ -671,7 +779,7 @@ def _safetensors_parameters(files: list[Path]) -> int | None:
             (length,) = struct.unpack("<Q", head)
             if length > MAX_SAFETENSORS_HEADER:
                 return None
-            header = msgspec.json.decode(os.pread(fd, length, 8))
+            header = _decode_json(os.pread(fd, length, 8))
         except (OSError, msgspec.DecodeError):
             return None
         finally:
@@ -681,10 +789,15 @@ def _safetensors_parameters(files: list[Path]) -> int | None:
         for name, tensor in header.items():
             if name == "__metadata__" or not isinstance(tensor, dict) or not isinstance(tensor.get("shape"), list):
                 continue
+            shape = tensor["shape"]
+            if len(shape) > MAX_SHAPE or not all(type(n) is int and 0 <= n <= MAX_PARAMETERS for n in shape):
+                return None  # no tensor's shape (and a product of millions of extents takes minutes)
             count = 1
-            for extent in tensor["shape"]:
-                count *= extent if isinstance(extent, int) else 0
+            for extent in shape:
+                count *= extent
             total += count
+            if count > MAX_PARAMETERS or total > MAX_PARAMETERS:
+                return None
     return total if files else None
 
 
