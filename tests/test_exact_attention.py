@@ -294,10 +294,12 @@ async def test_a_damaged_kernel_file_is_built_again_and_two_workers_starting_tog
             await host.close()
     for host in hosts:
         assert "attention in float64" not in host.stderr.decode()
-    # the attention kernel, built again, the int8 products' and the native pass's: no partial file left behind
+    # the attention kernel, built again, the int8 products', the native pass's and the CRC-32C one the
+    # kept int8 weights are checked with: no partial file left behind
     names = sorted(path.name for path in kernels.iterdir())
-    assert len(names) == 3 and names[0] == name, names
-    assert names[1].startswith("int8_kernel-") and names[2].startswith("native_forward-"), names
+    assert len(names) == 4 and names[1] == name, names
+    assert names[0].startswith("crc32c-") and names[2].startswith("int8_kernel-"), names
+    assert names[3].startswith("native_forward-"), names
     exact_attention.Kernel(kernels / name)  # loads
 
 

@@ -64,7 +64,18 @@ def test_the_shell_s_layers_carry_what_the_native_pass_reads_as_transformers_cla
             if hasattr(their, norm):
                 epsilon = getattr(getattr(their, norm), "variance_epsilon", None) or getattr(their, norm).eps
                 assert getattr(mine, norm).variance_epsilon == getattr(mine, norm).eps == epsilon
-    assert hasattr(ours.model.embed_tokens, "embed_scale") == hasattr(reference.model.embed_tokens, "embed_scale")
+    assert (ours.model.embed_tokens.embed_scale is not None) == hasattr(reference.model.embed_tokens, "embed_scale")
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_the_shell_s_embedding_looks_rows_up_as_transformers_does_bit_for_bit(name: str):
+    """Gemma's rows scaled by √hidden in float32, as its scaled embedding computes them."""
+    config = config_of(name)
+    reference = transformers.AutoModelForCausalLM.from_config(config).model.embed_tokens
+    ours = shell_model.ShellModel(config).model.embed_tokens
+    ours.weight = torch.nn.Parameter(reference.weight.detach().clone(), requires_grad=False)
+    ids = torch.tensor([[0, 5, 17, 95]])
+    assert torch.equal(ours(ids), reference(ids))
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -109,19 +109,101 @@ class TransformersBackend:
             quantization = "gguf"
             model, tokenizer = _load_mapped(mapped, attention, data_dir)
         else:
-            model, tokenizer = _load_pretrained(path, dtype, device, params.trust_remote_code, attention)
+            kept = _kept_int8(params, path, dtype, device, quantization, attention, data_dir)
+            model = kept.read() if kept is not None else None
+            if kept is None or model is None:
+                model, tokenizer = _load_pretrained(path, dtype, device, params.trust_remote_code, attention)
+            else:
+                tokenizer = kept.tokenizer
         blocks = _gguf_blocks(model, _gguf_source(params.model, path), data_dir) if quantization == "gguf" and mapped is None else {}
         if quantization == "gguf" and mapped is None and not blocks:
             quantization = "int8"  # nothing of the file's own to keep: the rule for the other linears
         from worker.backends.transformers.native_forward import llama_cpp_arithmetic
 
         llama_cpp = llama_cpp_arithmetic(model.config, quantization, mapped=mapped is not None)
-        identity = _identity(path, model, tokenizer, dtype, quantization, device, data_dir / "digests", llama_cpp)
-        if quantization != "none" and mapped is None:
+        identity = _identity(path, model.config, tokenizer, dtype, quantization, device, data_dir / "digests", llama_cpp)
+        if quantization != "none" and mapped is None and not (kept is not None and kept.served):
             from worker.backends.transformers.fast_weights import quantize
 
             quantize(model, "int8" if quantization == "gguf" else quantization, blocks)
+            if kept is not None:
+                kept.write(model)
         return TransformersModel(params, path, model, tokenizer, identity, device, dtype, quantization, started, llama_cpp)
+
+
+class _KeptInt8:
+    """Where a model directory's int8 weights are kept (int8_store), with the configuration and
+    tokenizer read to find the file."""
+
+    def __init__(self, directory: Path, path: Path, key: str, config, tokenizer) -> None:
+        self.directory, self.path, self.key, self.config, self.tokenizer = directory, path, key, config, tokenizer
+        self.served = False
+
+    def read(self):
+        """The model of the kept file; None where there is none yet, or one that cannot serve
+        (the log says why: the load quantizes again and writes it over)."""
+        from worker.backends.transformers import hf_compat, int8_store
+
+        try:
+            model = int8_store.read(self.path, self.key, self.config)
+        except FileNotFoundError:
+            return None
+        except int8_store.StoreError as exc:
+            log.warning("the kept int8 weights are not used, and are made again: %s", exc)
+            return None
+        try:
+            model.generation_config = hf_compat.generation_config(self.directory)
+        except Exception as exc:  # as from_pretrained would have failed on it
+            raise RpcError(
+                ErrorKind.MODEL_LOAD_FAILED,
+                f"Could not load the model at {str(self.directory)!r}: {type(exc).__name__}: {exc}",
+                field="params.model",
+            ) from exc
+        self.served = True
+        return model
+
+    def write(self, model) -> None:
+        from worker.backends.transformers import int8_store
+
+        try:
+            int8_store.write(self.path, self.key, model)
+        except (OSError, ValueError) as exc:
+            log.warning("the int8 weights are not kept in %s (%s): they are made again at each load", self.path, exc)
+
+
+def _kept_int8(params: LoadParams, path: Path, dtype: str, device: str, quantization: str, attention: str,
+               data_dir: Path) -> _KeptInt8 | None:
+    """Where a model directory's int8 weights are kept: int8 weights on the CPU in float32, no
+    remote code, an architecture int8_store keeps; else None."""
+    if quantization != "int8" or device != "cpu" or dtype != "float32" or not path.is_dir() or params.trust_remote_code:
+        return None
+    from transformers import AutoConfig, AutoTokenizer
+
+    from worker.backends.transformers import int8_store
+    from worker.backends.transformers.hf_compat import LOADING
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception:  # a directory transformers' loader reports on, as it always does
+        return None
+    config._attn_implementation = attention
+    if not int8_store.applies(config):
+        return None
+    from worker.kvcache import checksum
+
+    try:  # the file's CRC-32C at the processor's speed (the native pass needs a compiler too)
+        checksum.load_kernel(data_dir / "kernels")
+    except checksum.KernelUnavailable as exc:
+        log.warning("int8 weights are not kept (no CRC-32C kernel to check them with): %s", exc)
+        return None
+    try:
+        with LOADING:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception:
+        return None
+    identity = _identity(path, config, tokenizer, dtype, quantization, device, data_dir / "digests")
+    key = int8_store.key_of(identity.weights_sha256, identity.config_sha256)
+    return _KeptInt8(path, int8_store.path_of(data_dir, key), key, config, tokenizer)
 
 
 def _mappable_gguf(params: LoadParams, path: Path, dtype: str, data_dir: Path):
@@ -657,7 +739,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 
 
 def _identity(
-    path: Path, model, tokenizer, dtype: str, quantization: str, device: str, memo_dir: Path, llama_cpp: bool = False
+    path: Path, config, tokenizer, dtype: str, quantization: str, device: str, memo_dir: Path, llama_cpp: bool = False
 ) -> Identity:
     """Everything that decides what the model computes for a token: every byte of the
     weights and tokenizer files (a .gguf file holds both), the chat template, and the
@@ -667,7 +749,6 @@ def _identity(
     from worker.kvcache.container import Identity
     from worker.backends.transformers.torch_adapter import TorchCache
 
-    config = model.config
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
     weights = [p for p in files if p.suffix in _WEIGHT_SUFFIXES]
     tokenizer_files = [p for p in files if p.name.startswith("tokenizer") or p.name in _TOKENIZER_FILES]

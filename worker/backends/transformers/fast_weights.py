@@ -113,6 +113,13 @@ def _int8_blocks(linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
     return q.round().clamp(-127, 127).to(torch.int8).reshape(weight.shape[0], -1), scale
 
 
+def int8_layout(in_features: int, out_features: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of an Int8Linear's ``packed`` and ``scale`` for a linear of this size."""
+    panels = (out_features + -out_features % _ITEM_ROWS) // _PANEL
+    inputs = in_features + -in_features % GROUP
+    return (panels, inputs // 4, _PANEL, 4), (panels, inputs // GROUP, _PANEL)
+
+
 class Int4Linear(torch.nn.Module):
     packed: torch.Tensor  # buffers (moved with the module)
     scale_and_zero: torch.Tensor

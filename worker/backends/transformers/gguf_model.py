@@ -185,7 +185,7 @@ def build(file: GgufFile, config: PretrainedConfig, attention: str) -> PreTraine
             used.add(source)
         elif isinstance(module, torch.nn.Embedding):
             scale = None
-            if hasattr(module, "embed_scale"):  # Gemma's scaled embedding: √hidden in the model's dtype
+            if getattr(module, "embed_scale", None) is not None:  # Gemma's scaled embedding: √hidden in the model's dtype
                 scale = float(torch.tensor(math.sqrt(config.hidden_size), dtype=torch.float32))
             _set_module(model, module_name, _embedding(file, "token_embd.weight", module, scale))
             used.add("token_embd.weight")

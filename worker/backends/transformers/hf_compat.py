@@ -10,6 +10,7 @@ import functools
 import os
 import threading
 import weakref
+from pathlib import Path
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -390,6 +391,17 @@ def forward(model: torch.nn.Module, input_ids: torch.Tensor, cache: DynamicCache
     """Logits of the last position, extending ``cache`` in place."""
     out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache})
     return out.logits[:, -1, :]
+
+
+def generation_config(directory: Path):
+    """The generation configuration from_pretrained gives a model of ``directory``: its
+    generation_config.json, else one made from its config.json."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(directory)
+    except OSError:
+        return GenerationConfig.from_pretrained(directory, config_file_name="config.json", _from_model_config=True)
 
 
 def make_serializable(model: torch.nn.Module) -> None:

@@ -38,13 +38,19 @@ class Linear(torch.nn.Linear):
 
 
 class Embedding(torch.nn.Embedding):
-    """The embedding's place, as Linear is a linear's."""
+    """The embedding's place, as Linear is a linear's; its rows times ``embed_scale`` where the
+    model scales them (Gemma: √hidden, as transformers' Gemma3TextScaledWordEmbedding in float32)."""
 
-    def __init__(self, rows: int, size: int) -> None:
+    def __init__(self, rows: int, size: int, embed_scale: float | None = None) -> None:
         super().__init__(rows, size, device="meta")
+        self.embed_scale = embed_scale
 
     def reset_parameters(self) -> None:
         pass
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = super().forward(ids)
+        return rows if self.embed_scale is None else rows * torch.tensor(self.embed_scale).to(rows.dtype)
 
 
 class RMSNorm(torch.nn.Module):
@@ -164,9 +170,8 @@ def _cos_sin(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, s
 class Inner(torch.nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        if config.model_type == "gemma3_text":
-            self.embed_tokens.embed_scale = config.hidden_size**0.5  # the embedding's rows times √hidden
+        scaled = config.model_type == "gemma3_text"
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, config.hidden_size**0.5 if scaled else None)
         self.layers = torch.nn.ModuleList(DecoderLayer(config, layer) for layer in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         typed = config.model_type == "gemma3_text"
@@ -177,6 +182,9 @@ class ShellModel(torch.nn.Module):
     """A causal language model's modules by transformers' names; computed only by the native pass.
     Its weights are on the meta device until gguf_model puts the file's in their places; its
     rotary embedding is made on the CPU."""
+
+    generation_config: Any = None  # transformers' GenerationConfig, where the model's directory gives one
+    mapping: Any = None  # the memory its weights are views of, where they are: held as long as the model
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()

@@ -1,0 +1,181 @@
+"""A model directory's int8 weights made once and kept in the data directory (int8_store.py): later
+loads map them into shell_model's modules, with the same numbers and the same cache identity; a
+kept file that is damaged, hostile or in the way is never used, and the load makes it again."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+
+from tests.test_transformers_backend import generate
+from worker.host import Host
+
+torch = pytest.importorskip("torch")
+
+TEXT = "the quick brown fox jumps over the lazy dog"
+
+
+def load(path: Path, data_dir: Path, **params):
+    from protocol.methods import LoadParams
+    from worker.backends.transformers.backend import TransformersBackend
+
+    return TransformersBackend().load(LoadParams(model=str(path), **params), data_dir=data_dir)
+
+
+def logits_of(model) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.forward_chunk(model.new_cache(), model.tokenize(TEXT, add_special_tokens=True))
+
+
+def kept_file(data_dir: Path) -> Path:
+    (found,) = (data_dir / "int8").glob("*.lmw8")
+    return found
+
+
+@pytest.fixture
+def no_quantizing(monkeypatch: pytest.MonkeyPatch):
+    """Makes any quantization at load an error: a load that maps the kept file quantizes nothing."""
+    from worker.backends.transformers import fast_weights
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the load quantized the weights again")
+
+    def apply() -> None:
+        monkeypatch.setattr(fast_weights, "quantize", refused)
+
+    return apply
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_a_directory_s_int8_weights_are_made_once_and_later_loads_map_them_with_the_same_numbers(
+    tiny_models, tmp_path: Path, family: str, no_quantizing
+):
+    first = load(tiny_models(family), tmp_path)
+    assert type(first._model).__name__ != "ShellModel" and first.info.quantization == "int8"
+    kept = kept_file(tmp_path)
+    no_quantizing()
+    second = load(tiny_models(family), tmp_path)
+    assert type(second._model).__name__ == "ShellModel" and second.info.quantization == "int8"
+    assert second.cache_identity() == first.cache_identity()
+    assert torch.equal(logits_of(second), logits_of(first))
+    assert second.eos_token_ids == first.eos_token_ids and second.info.context_length == first.info.context_length
+    assert kept_file(tmp_path) == kept
+
+
+def test_a_model_the_native_pass_does_not_compute_keeps_nothing(tiny_models, tmp_path: Path):
+    load(tiny_models("qwen3_5"), tmp_path)
+    assert not (tmp_path / "int8").exists() or not list((tmp_path / "int8").iterdir())
+
+
+def test_dense_weights_keep_nothing(tiny_model_dir: Path, tmp_path: Path):
+    load(tiny_model_dir, tmp_path, quantization="none")
+    assert not (tmp_path / "int8").exists()
+
+
+def rewrite_header(path: Path, change) -> None:
+    """The kept file with its header changed by ``change`` (the data left as it is)."""
+    data = path.read_bytes()
+    length = struct.unpack_from("<Q", data, 8)[0]
+    header = json.loads(data[16:16 + length])
+    change(header)
+    encoded = json.dumps(header).encode()
+    prefix = data[:4] + struct.pack("<IQ", 1, len(encoded)) + encoded
+    start = -(-(16 + length) // 64) * 64
+    path.write_bytes(prefix + bytes(-len(prefix) % 64) + data[start:])
+
+
+def flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def misshapen(header: dict) -> None:
+    name = next(name for name in header["tensors"] if name.endswith("norm.weight"))
+    header["tensors"][name][1] = [header["tensors"][name][1][0] // 2]
+
+
+def other_key(header: dict) -> None:
+    header["key"] = "0" * 64
+
+
+def overlapping(header: dict) -> None:
+    names = list(header["tensors"])
+    header["tensors"][names[1]][2] = header["tensors"][names[0]][2]
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        (flip_last_byte, "checksum does not match its bytes: damaged"),
+        (lambda path: path.write_bytes(path.read_bytes()[:-64]), "out of its place"),
+        (lambda path: path.write_bytes(path.read_bytes() + bytes(64)), "truncated or added to"),
+        (lambda path: path.write_bytes(b"LMW8" + struct.pack("<IQ", 1, 1 << 40)), "header says 1099511627776 bytes"),
+        (lambda path: path.write_bytes(b"GGUF" + bytes(60)), "not a file of int8 weights"),
+        (lambda path: rewrite_header(path, misshapen), "where the model needs float32"),
+        (lambda path: rewrite_header(path, other_key), "not of"),
+        (lambda path: rewrite_header(path, overlapping), "overlaps the tensor before it"),
+        (lambda path: rewrite_header(path, lambda header: header.pop("crc32c")), "not one this worker writes"),
+    ],
+    ids=["bit-flip", "truncated", "added-to", "huge-header", "foreign", "misshapen", "other-key", "overlapping",
+         "no-checksum"],
+)
+def test_a_damaged_or_hostile_kept_file_is_never_used_and_the_load_makes_it_again(
+    tiny_model_dir: Path, tmp_path: Path, damage, says: str, caplog: pytest.LogCaptureFixture
+):
+    first = load(tiny_model_dir, tmp_path)
+    kept = kept_file(tmp_path)
+    damage(kept)
+    again = load(tiny_model_dir, tmp_path)
+    assert type(again._model).__name__ != "ShellModel"
+    assert any(says in record.getMessage() for record in caplog.records), [r.getMessage() for r in caplog.records]
+    assert torch.equal(logits_of(again), logits_of(first))
+    mapped = load(tiny_model_dir, tmp_path)  # written again whole
+    assert type(mapped._model).__name__ == "ShellModel"
+    assert torch.equal(logits_of(mapped), logits_of(first))
+
+
+def test_a_fifo_or_a_directory_in_the_kept_file_s_place_is_never_opened_and_the_load_goes_on(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    load(tiny_model_dir, tmp_path)
+    kept = kept_file(tmp_path)
+    kept.unlink()
+    os.mkfifo(kept)
+    replaced = load(tiny_model_dir, tmp_path)  # the FIFO is replaced by the file
+    assert type(replaced._model).__name__ != "ShellModel" and kept.is_file()
+    kept.unlink()
+    kept.mkdir()
+    (kept / "x").write_text("in the way")
+    blocked = load(tiny_model_dir, tmp_path)
+    assert type(blocked._model).__name__ != "ShellModel" and kept.is_dir()
+    assert not [p for p in kept.parent.iterdir() if p.name.startswith(".int8-")]  # no partial file left
+
+
+async def test_greedy_from_a_cache_made_before_the_weights_were_kept_equals_greedy_without_one_after(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    """A cache prefilled by the load that quantized the weights serves the loads that map them:
+    one identity, one arithmetic."""
+    args = ("--data-dir", str(tmp_path / "data"), "--cache-dir", str(tmp_path / "caches"))
+    prompt = " ".join(["the history of the city begins with a small settlement by the river."] * 3)
+    first = await Host.start_in_process(*args)
+    try:
+        await first.call("load", {"model": str(tiny_model_dir)}, timeout=120)
+        await first.call("prefill", {"prompt": prompt, "cache": "ctx"}, timeout=60)  # kept on disk
+    finally:
+        await first.close()
+    assert kept_file(tmp_path / "data")
+    second = await Host.start_in_process(*args)
+    try:
+        await second.call("load", {"model": str(tiny_model_dir)}, timeout=120)
+        cached, _ = await generate(second, {"prompt": prompt + " And so", "max_tokens": 12, "temperature": 0, "cache": "ctx"})
+        plain, _ = await generate(second, {"prompt": prompt + " And so", "max_tokens": 12, "temperature": 0})
+        assert cached["tokens"] == plain["tokens"]
+        assert cached["usage"]["cache_read_tokens"] > 0
+    finally:
+        await second.close()

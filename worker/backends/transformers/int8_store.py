@@ -1,0 +1,239 @@
+"""A model directory's int8 weights, made once and kept in the data directory; later loads map them.
+
+Loading a model directory with the int8 default reads every float weight from its safetensors
+files and quantizes each linear to 8-bit blocks (fast_weights.Int8Linear) at every load: the
+shipped default's took seconds on a quiet machine and many more with a core busy, and held the
+float weights meanwhile. Where the native pass computes the model (Llama, Qwen2, Qwen3, Gemma 3:
+shell_model's architectures), the quantized model is written here once, and a later load maps
+this file into shell_model's modules: no float copy of a linear at any moment, no quantization,
+and nothing of transformers' modeling code imported.
+
+The file, ``DATA_DIR/int8/<key>.lmw8`` (``key``: the weights' digest, the configuration's, the
+int8 kernel's and this format's; another model or kernel has another file):
+
+    b"LMW8", format (u32), header length (u64), the header (UTF-8 JSON), zeros to a multiple
+    of 64, the tensors' bytes (each at a multiple of 64 from the data's start)
+
+The header: ``{"key": ..., "crc32c": CRC-32C of the data, "tensors": {name: [dtype, shape,
+offset, bytes]}}``; a linear's tensors are ``<module>.packed`` (uint8), ``<module>.scale``
+(float16) and ``<module>.bias`` (float32, where it has one), every other parameter (the
+embedding, the norms) ``<parameter name>`` in float32. A file is written beside its place and
+renamed into it, so a worker never maps half of one. Before it is used, the whole file is
+checked: its key, every tensor's place, dtype and shape against the model's, and the
+checksum. A file that fails (damaged, hostile, of another version) is not used: the load
+quantizes the weights again and writes the file again over it, and the log says why.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import struct
+import tempfile
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from worker.backends.transformers import fast_weights, shell_model
+from worker.files import open_regular
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"LMW8"
+FORMAT = 1
+ALIGN = 64
+MAX_HEADER = 16 << 20  # bytes of the header: a few hundred bytes a tensor
+SUFFIX = ".lmw8"
+_DTYPES = {"uint8": torch.uint8, "float16": torch.float16, "float32": torch.float32}
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_PREFIX = struct.Struct("<4sIQ")
+
+
+class StoreError(Exception):
+    """A kept file that cannot serve (the message says why)."""
+
+
+def key_of(weights_sha256: str, config_sha256: str) -> str:
+    """The file's name: the weights' and the configuration's digests (the identity's), the int8
+    kernel's products and this format."""
+    import hashlib
+
+    described = f"{weights_sha256}\0{config_sha256}\0{fast_weights.int8_products()}\0{FORMAT}"
+    return hashlib.sha256(described.encode()).hexdigest()
+
+
+def path_of(data_dir: Path, key: str) -> Path:
+    return data_dir / "int8" / f"{key}{SUFFIX}"
+
+
+def applies(config: PretrainedConfig) -> bool:
+    """Whether a model of this configuration (loaded with int8 weights on the CPU in float32) has
+    its int8 weights kept: an architecture the shell makes, computed by the native pass."""
+    from worker.backends.transformers import native_forward
+
+    return config.model_type in shell_model.MODEL_TYPES and native_forward.applies(config, "float32", "int8")
+
+
+def write(path: Path, key: str, model: torch.nn.Module) -> None:
+    """Keep ``model``'s int8 weights (every linear an Int8Linear: fast_weights.quantize) in
+    ``path``, written beside it and renamed into place."""
+    from worker.kvcache.checksum import crc32c
+
+    tensors = _tensors_of(model)
+    table: dict[str, list[Any]] = {}
+    end = 0
+    for name, tensor in tensors.items():
+        offset = -(-end // ALIGN) * ALIGN
+        table[name] = [_NAMES[tensor.dtype], list(tensor.shape), offset, tensor.numel() * tensor.element_size()]
+        end = offset + table[name][3]
+    pieces: list[bytes | memoryview] = []
+    for name, tensor in tensors.items():
+        written = sum(len(piece) for piece in pieces)
+        pieces += [bytes(table[name][2] - written), _bytes(tensor)]
+    checksum = 0
+    for piece in pieces:
+        checksum = crc32c(piece, checksum)
+    header = json.dumps({"key": key, "crc32c": checksum, "tensors": table}).encode()
+    prefix = _PREFIX.pack(MAGIC, FORMAT, len(header)) + header
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(dir=path.parent, prefix=".int8-", suffix=".partial")
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(prefix + bytes(-len(prefix) % ALIGN))
+            for piece in pieces:
+                out.write(piece)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        os.unlink(partial)
+        raise
+
+
+def read(path: Path, key: str, config: PretrainedConfig) -> Any:
+    """The model kept in ``path``: shell_model's modules over the mapped file. Raises
+    FileNotFoundError where there is none, StoreError for one that cannot serve."""
+    try:
+        fd = open_regular(path)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise StoreError(f"{path} cannot be read: {exc.strerror or exc}") from exc
+    try:
+        size = os.fstat(fd).st_size
+        if size < _PREFIX.size:
+            raise StoreError(f"{path} is {size} bytes long, shorter than its header")
+        data = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    return _model(path, data, key, config)  # a mapping refused is closed when nothing holds it
+
+
+def _model(path: Path, data: mmap.mmap, key: str, config: PretrainedConfig) -> shell_model.ShellModel:
+    magic, version, length = _PREFIX.unpack_from(data, 0)
+    if magic != MAGIC or version != FORMAT:
+        raise StoreError(f"{path} is not a file of int8 weights of format {FORMAT} ({magic!r}, format {version})")
+    if length > MAX_HEADER or _PREFIX.size + length > len(data):
+        raise StoreError(f"{path}'s header says {length} bytes, more than the file or {MAX_HEADER} holds")
+    try:
+        header = json.loads(bytes(data[_PREFIX.size:_PREFIX.size + length]))
+        if header["key"] != key:
+            raise StoreError(f"{path} holds the weights of {header['key']!r}, not of {key!r}")
+        checksum, table = int(header["crc32c"]), dict(header["tensors"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StoreError(f"{path}'s header is not one this worker writes ({type(exc).__name__}: {exc})") from exc
+    start = -(-(_PREFIX.size + length) // ALIGN) * ALIGN
+    model = shell_model.ShellModel(config)
+    expected = _expected(model)
+    if set(table) != set(expected):
+        missing, extra = sorted(set(expected) - set(table)), sorted(set(table) - set(expected))
+        raise StoreError(f"{path} does not hold this model's tensors (missing {missing[:3]}, extra {extra[:3]})")
+    views: dict[str, torch.Tensor] = {}
+    places: list[tuple[int, int, str]] = []
+    for name, (dtype, shape) in expected.items():
+        entry = table[name]
+        if not (isinstance(entry, list) and len(entry) == 4 and entry[:2] == [_NAMES[dtype], list(shape)]):
+            raise StoreError(f"{path}'s tensor {name} is {entry!r}, where the model needs {_NAMES[dtype]} {list(shape)}")
+        offset, count = entry[2], entry[3]
+        if not (type(offset) is int and offset >= 0 and offset % ALIGN == 0
+                and count == torch.Size(shape).numel() * dtype.itemsize and start + offset + count <= len(data)):
+            raise StoreError(f"{path}'s tensor {name} lies at {offset!r} ({count!r} bytes), out of its place")
+        places.append((offset, count, name))
+        views[name] = _view(data, start + offset, count, dtype, shape)
+    end = 0
+    for offset, count, name in sorted(places):
+        if offset < end:
+            raise StoreError(f"{path}'s tensor {name} overlaps the tensor before it")
+        end = offset + count
+    if start + end != len(data):
+        raise StoreError(f"{path} is {len(data)} bytes long, where its tensors end at {start + end}: truncated or added to")
+    from worker.kvcache.checksum import crc32c
+
+    if crc32c(memoryview(data)[start:]) != checksum:
+        raise StoreError(f"{path}'s checksum does not match its bytes: damaged")
+    _fill(model, views)
+    model.mapping = data
+    return model.eval()
+
+
+def _expected(model: torch.nn.Module) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Each tensor the file must hold for this shell, with its dtype and shape, in the file's order."""
+    expected: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            packed, scale = fast_weights.int8_layout(module.in_features, module.out_features)
+            expected[f"{name}.packed"] = (torch.uint8, packed)
+            expected[f"{name}.scale"] = (torch.float16, scale)
+            if module.bias is not None:
+                expected[f"{name}.bias"] = (torch.float32, (module.out_features,))
+    for name, parameter in model.named_parameters():
+        owner = name.rpartition(".")[0]
+        if not isinstance(model.get_submodule(owner), torch.nn.Linear):
+            expected[name] = (torch.float32, tuple(parameter.shape))
+    return expected
+
+
+def _tensors_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, fast_weights.Int8Linear):
+            tensors[f"{name}.packed"], tensors[f"{name}.scale"] = module.packed, module.scale
+            if module.bias is not None:
+                tensors[f"{name}.bias"] = module.bias.detach().float()
+    for name, parameter in model.named_parameters():
+        if not isinstance(model.get_submodule(name.rpartition(".")[0]), fast_weights.Int8Linear):
+            tensors[name] = parameter.detach().float()
+    return {name: tensor.contiguous() for name, tensor in tensors.items()}
+
+
+def _fill(model: torch.nn.Module, views: dict[str, torch.Tensor]) -> None:
+    for name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Linear):
+            linear = fast_weights.Int8Linear(
+                views[f"{name}.packed"], views[f"{name}.scale"], module.in_features, module.out_features,
+                views.get(f"{name}.bias"),
+            )
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, linear)
+    for name, parameter in list(model.named_parameters()):
+        if parameter.is_meta:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, torch.nn.Parameter(views[name], requires_grad=False))
+
+
+def _view(data: mmap.mmap, at: int, count: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    with warnings.catch_warnings():  # the mapping is read-only, and nothing writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(data, dtype=torch.uint8, count=count, offset=at)
+    return flat.view(dtype).view(shape)
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    return tensor.view(torch.uint8).reshape(-1).numpy().data
