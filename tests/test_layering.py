@@ -13,17 +13,33 @@ HEAVY = {"torch", "transformers"}
 
 
 def imported_top_levels(path: Path) -> set[str]:
+    """The top-level packages ``path`` imports: import statements anywhere in it, and calls of
+    ``importlib.import_module`` or ``__import__`` with a name written out."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Call) and _imports_by_name(node.func) and node.args:
+            first = node.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                names.add(first.value.split(".")[0])
     return names
 
 
+def _imports_by_name(function: ast.expr) -> bool:
+    return (isinstance(function, ast.Name) and function.id in ("__import__", "import_module")) or (
+        isinstance(function, ast.Attribute) and function.attr == "import_module"
+    )
+
+
 def sources(*packages: str) -> list[Path]:
-    return sorted(path for package in packages for path in (ROOT / package).rglob("*.py"))
+    """The packages' Python files; a package of none is a mistake in the test (a moved folder)."""
+    found = sorted(path for package in packages for path in (ROOT / package).rglob("*.py"))
+    for package in packages:
+        assert any(path.is_relative_to(ROOT / package) for path in found), f"no Python file under {package}/"
+    return found
 
 
 def test_only_the_transformers_package_imports_torch_or_transformers():
@@ -63,6 +79,20 @@ def test_the_checker_sees_imports_inside_functions(tmp_path: Path):
     module = tmp_path / "lazy.py"
     module.write_text("def f():\n    from torch import nn\n    import transformers.utils as u\n")
     assert imported_top_levels(module) == {"torch", "transformers"}
+
+
+def test_the_checker_sees_imports_by_name(tmp_path: Path):
+    module = tmp_path / "by_name.py"
+    module.write_text("import importlib\nfrom importlib import import_module\n"
+                      "def f():\n    importlib.import_module('torch.nn')\n    import_module('transformers')\n"
+                      "    __import__('numpy')\n")
+    assert imported_top_levels(module) == {"importlib", "torch", "transformers", "numpy"}
+
+
+def test_the_checker_reads_the_worker_s_and_the_protocol_s_files():
+    found = sources("protocol", "worker")
+    assert ROOT / "worker" / "backends" / "transformers" / "backend.py" in found
+    assert ROOT / "protocol" / "methods.py" in found and len(found) > 50
 
 
 def test_the_type_check_reads_the_checkouts_own_config_under_a_directory_holding_another(tmp_path: Path):
