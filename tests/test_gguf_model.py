@@ -167,6 +167,37 @@ def test_the_tokenizer_is_built_once_and_kept_in_the_data_directory(tiny_gguf: P
     assert second.info.has_chat_template and second.info.special_tokens == first.info.special_tokens
 
 
+@pytest.mark.parametrize("damage", ["garbled", "no-config", "a-file"])
+def test_a_damaged_kept_tokenizer_is_built_again_in_its_place_and_the_next_load_reads_that(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch, damage: str
+):
+    import shutil
+
+    from worker.backends.transformers import hf_compat
+
+    first = load(tiny_gguf, tmp_path)
+    kept = next((tmp_path / "gguf").iterdir())
+    if damage == "garbled":
+        (kept / "tokenizer.json").write_text("{not json")
+    elif damage == "no-config":
+        (kept / "tokenizer_config.json").unlink()
+    else:
+        shutil.rmtree(kept)
+        kept.write_text("in the way")
+    rebuilt = load(tiny_gguf, tmp_path)
+    assert kept.is_dir() and (kept / "tokenizer_config.json").is_file()
+    assert [p.name for p in kept.parent.iterdir() if p.name.startswith(".")] == []  # nothing left aside
+
+    def not_again(file):
+        raise AssertionError("the tokenizer was built again")
+
+    monkeypatch.setattr(hf_compat, "gguf_tokenizer", not_again)
+    third = load(tiny_gguf, tmp_path)
+    text = "a red sun over <|im_end|> the sea"
+    expected = first.tokenize(text, add_special_tokens=True)
+    assert rebuilt.tokenize(text, add_special_tokens=True) == expected == third.tokenize(text, add_special_tokens=True)
+
+
 def test_the_kept_tokenizer_s_config_holds_its_added_tokens_and_one_kept_without_them_gets_them(
     tiny_gguf: Path, tmp_path: Path
 ):

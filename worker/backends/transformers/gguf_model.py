@@ -114,15 +114,29 @@ def tokenizer_of(file: GgufFile, kept: Path):
         staging = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=kept.parent))
         tokenizer.save_pretrained(staging)
         _keep_added_tokens(staging, tokenizer)
-        try:
-            os.replace(staging, kept)
-        except OSError:  # another worker kept it first, or a file is in the way
-            import shutil
-
-            shutil.rmtree(staging, ignore_errors=True)
+        _put_in_place(staging, kept)
     except OSError as exc:
         log.warning("the tokenizer of %s is not kept in %s (%s): it is built again at each load", file.path, kept, exc)
     return tokenizer
+
+
+def _put_in_place(staging: Path, kept: Path) -> None:
+    """``staging`` renamed to ``kept``; whatever is there (a damaged copy, a file, a copy another
+    worker kept a moment before) moved aside first and removed, so the next load reads this one."""
+    import shutil
+
+    try:
+        os.replace(staging, kept)
+        return
+    except OSError:
+        pass
+    aside = Path(tempfile.mkdtemp(prefix=".tokenizer-old-", dir=kept.parent))
+    try:
+        os.replace(kept, aside / "kept")
+        os.replace(staging, kept)
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _keep_added_tokens(directory: Path, tokenizer) -> None:
