@@ -198,6 +198,24 @@ def test_a_damaged_kept_tokenizer_is_built_again_in_its_place_and_the_next_load_
     assert rebuilt.tokenize(text, add_special_tokens=True) == expected == third.tokenize(text, add_special_tokens=True)
 
 
+def test_a_gguf_transformers_would_dequantize_into_more_memory_than_there_is_is_refused_before_it_is_read(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch
+):
+    """quantization int8 (or dense, or another device) sends a gguf through transformers' loader,
+    which makes float32 of every tensor: a 7B file took 20 GB before the kernel killed the worker.
+    The mapped default needs no such memory and still loads."""
+    from protocol.errors import RpcError
+    from worker.backends.transformers import backend
+
+    monkeypatch.setattr(backend, "_available_memory", lambda: 1000)
+    with pytest.raises(RpcError) as refused:
+        load(tiny_gguf, tmp_path, quantization="int8")
+    assert refused.value.code == -32002
+    assert "more than the 0.0 GB this machine has available" in refused.value.message
+    assert "quantization 'auto'" in refused.value.message and str(tiny_gguf) in refused.value.message
+    assert load(tiny_gguf, tmp_path).info.quantization == "gguf"
+
+
 def test_the_kept_tokenizer_s_config_holds_its_added_tokens_and_one_kept_without_them_gets_them(
     tiny_gguf: Path, tmp_path: Path
 ):

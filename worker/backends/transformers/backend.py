@@ -247,8 +247,24 @@ MAX_TRANSFORMERS_GGUF_ITEMS = 1 << 21
 
 def _for_transformers(file) -> None:
     """Close ``file``, checked for transformers' gguf loader: -32002 where its metadata arrays
-    hold more than MAX_TRANSFORMERS_GGUF_ITEMS items (20,000,000 took 9 GB)."""
+    hold more than MAX_TRANSFORMERS_GGUF_ITEMS items (20,000,000 took 9 GB), or where its
+    weights dequantized to float32 (which that loader makes of every tensor) would take more
+    memory than the machine has available (a 7B file took 20 GB and was killed)."""
     from worker.gguf.reader import Strings
+
+    weights = sum(tensor.count for tensor in file.tensors.values())
+    available = _available_memory()
+    if available is not None and 4 * weights > available:
+        file.close()
+        raise RpcError(
+            ErrorKind.MODEL_LOAD_FAILED,
+            f"Could not load the model: with quantization, device or dtype other than the mapped defaults, "
+            f"transformers' gguf loader dequantizes {file.path}'s {weights:,} weights to float32, "
+            f"{4 * weights / 1e9:.1f} GB, more than the {available / 1e9:.1f} GB this machine has available; "
+            "load it with quantization 'auto' (or 'gguf') on the CPU in float32, which computes on the file's own "
+            "blocks, mapped (architectures llama, qwen2, qwen3, gemma3 and phi3).",
+            field="params.model",
+        )
 
     def items(value) -> int:
         if isinstance(value, Strings):
@@ -265,6 +281,18 @@ def _for_transformers(file) -> None:
             "load it with quantization 'auto' or 'gguf' on the CPU if its architecture is one lm-worker maps.",
             field="params.model",
         )
+    return None
+
+
+def _available_memory() -> int | None:
+    """The memory the machine has available (Linux's MemAvailable), in bytes; None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return None
 
 
@@ -400,6 +428,7 @@ class TransformersModel:
         # Fast tokenizers may raise "Already borrowed" when shared between threads.
         self._lock = threading.Lock()
         config = model.config
+        _check_tokenizer_settings(tokenizer, path)
         self._vocab_size = max(len(tokenizer), config.vocab_size)
         self.eos_token_ids = frozenset(_eos_ids(model, tokenizer, path, self._vocab_size))
         self._bos = tokenizer.bos_token_id
@@ -978,6 +1007,25 @@ def _eos_ids(model, tokenizer, path: Path, vocab_size: int) -> set[int]:
                 )
             ids.add(token)
     return ids
+
+
+def _check_tokenizer_settings(tokenizer, path: Path) -> None:
+    """The settings of the tokenizer's files (tokenizer_config.json, a gguf's metadata, a kept copy)
+    the worker reads beside the tokenizer's own: a chat template that is text or named texts, a
+    model_max_length that is a number; else a load error naming the value (not an internal error
+    at the first tokenize or render)."""
+    where = "tokenizer_config.json" if path.is_dir() else f"the tokenizer of {path.name}"
+    template = getattr(tokenizer, "chat_template", None)
+    if not (template is None or isinstance(template, str) or (
+            isinstance(template, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in template.items()))):
+        raise RpcError(ErrorKind.MODEL_LOAD_FAILED,
+                       f"{where} gives a chat_template that is not a text or named texts: {str(template)[:80]}",
+                       field="params.model")
+    length = getattr(tokenizer, "model_max_length", None)
+    if isinstance(length, bool) or not isinstance(length, (int, float)) or length != length:
+        raise RpcError(ErrorKind.MODEL_LOAD_FAILED,
+                       f"{where} gives model_max_length as {str(length)[:80]!r}, not a number of tokens",
+                       field="params.model")
 
 
 def _context_length(config, tokenizer, path: Path) -> int:
