@@ -48,6 +48,12 @@ _FLOAT_TYPES = (F32, F16, BF16)
 _TAKEN = "which lm-worker does not multiply; it takes " + ", ".join(type_name(t) for t in sorted(gguf_weights.LAYOUTS))
 # Layers' count bounds a header's block_count before any name is made from it.
 MAX_LAYERS = 1024
+# A model's sizes (hidden, feed-forward, heads, head) from the metadata are at most this: the
+# rotary tables are made of the head's size before a tensor is checked against it.
+MAX_DIMENSION = 1 << 20  # PROTOCOL.md §13 states it
+_DIMENSIONS = {"hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"}
+# The real values of the configuration, with the open range each must be in.
+_REALS = {"rope_theta": (0.0, math.inf), "rms_norm_eps": (0.0, 1.0)}
 
 
 def architecture(file: GgufFile) -> str | None:
@@ -65,7 +71,7 @@ def config_of(file: GgufFile) -> PretrainedConfig:
     for suffix, name in hf_compat.gguf_config_keys(arch).items():
         value = file.get(f"{arch}.{suffix}", (int, float))
         if value is not None and name is not None:
-            values[name] = value
+            values[name] = _checked(file, f"{arch}.{suffix}", name, value)
     layers = values.get("num_hidden_layers")
     if not isinstance(layers, int) or not 1 <= layers <= MAX_LAYERS:
         raise GgufError(f"{file.path}: {arch}.block_count is {layers!r}, not a layer count from 1 to {MAX_LAYERS}")
@@ -77,6 +83,10 @@ def config_of(file: GgufFile) -> PretrainedConfig:
     for name in ("hidden_size", "num_attention_heads", "intermediate_size"):
         if not isinstance(values.get(name), int) or values[name] <= 0:
             raise GgufError(f"{file.path}: the metadata has no positive {name} ({arch}.*)")
+    heads, kv_heads = values["num_attention_heads"], values.get("num_key_value_heads")
+    if kv_heads is not None and heads % kv_heads:
+        raise GgufError(f"{file.path}: {arch}.attention.head_count_kv is {kv_heads}, which does not divide "
+                        f"{arch}.attention.head_count ({heads})")
     values["tie_word_embeddings"] = "output.weight" not in file.tensors
     embedding = file.tensors.get("token_embd.weight")
     if embedding is None or len(embedding.shape) != 2:
@@ -89,7 +99,34 @@ def config_of(file: GgufFile) -> PretrainedConfig:
         model_type = "mistral"
     if model_type == "gemma3_text":
         values.setdefault("head_dim", file.get("gemma3.attention.key_length", int))
-    return AutoConfig.for_model(model_type, **{k: v for k, v in values.items() if v is not None or k.endswith("token_id")})
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: transformers' configurations check nothing of their own
+        StrictDataclassError = ValueError  # noqa: N806
+    try:
+        return AutoConfig.for_model(model_type, **{k: v for k, v in values.items() if v is not None or k.endswith("token_id")})
+    except (ValueError, TypeError, StrictDataclassError) as exc:  # transformers' own checks of the values (a hidden size its heads do not divide)
+        raise GgufError(f"{file.path}: the metadata does not make a {arch} configuration: {exc}") from exc
+
+
+def _checked(file: GgufFile, key: str, name: str, value: int | float) -> int | float:
+    """A configuration value from the metadata, of the kind and range the model can be built of:
+    a finite positive rope base, a finite epsilon from 0 to 1, a count of at most MAX_DIMENSION
+    (a model's sizes, which the rotary tables are made of before any tensor is checked), else a
+    GgufError naming the key and the value."""
+    if name in _REALS:
+        low, high = _REALS[name]
+        if not (math.isfinite(value) and low < value < high) and not (name == "rms_norm_eps" and value == 0):
+            raise GgufError(f"{file.path}: the metadata's {key} is {value!r}, not a finite number "
+                            f"{'above 0' if high == math.inf else 'from 0 to 1'}")
+        return float(value)
+    if not isinstance(value, int):
+        raise GgufError(f"{file.path}: the metadata's {key} is {value!r}, not an integer")
+    if name in _DIMENSIONS and not 1 <= value <= MAX_DIMENSION:
+        raise GgufError(f"{file.path}: the metadata's {key} is {value}, not a size from 1 to {MAX_DIMENSION}")
+    if name == "sliding_window" and not 1 <= value < 1 << 31:
+        raise GgufError(f"{file.path}: the metadata's {key} is {value}, not a window from 1 to {(1 << 31) - 1} tokens")
+    return value
 
 
 def tokenizer_of(file: GgufFile, kept: Path):

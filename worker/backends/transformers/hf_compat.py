@@ -447,6 +447,8 @@ def gguf_tokenizer(file: GgufFile):
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
+    from worker.gguf.reader import GgufError
+
     architecture = file.architecture
     grouped: dict[str, dict] = {}
     for group, renames in GGUF_TOKENIZER_MAPPING.items():
@@ -465,5 +467,13 @@ def gguf_tokenizer(file: GgufFile):
                       ("pad_token", "pad_token_id")):
         token_id = tokenizer.get(key)
         config[name] = tokens[token_id] if isinstance(token_id, int) and 0 <= token_id < len(tokens) else None
-    backend, extra = convert_gguf_tokenizer(architecture, tokenizer)
+    for name, kind in (("chat_template", str), ("add_bos_token", bool), ("add_eos_token", bool)):
+        if name in config and not isinstance(config[name], kind):
+            raise GgufError(f"{file.path}: the metadata's tokenizer {name} is {type(config[name]).__name__}, not {kind.__name__}")
+    if not isinstance(tokenizer.get("tokenizer_type"), str):
+        raise GgufError(f"{file.path}: the metadata's tokenizer.ggml.model is not a string")
+    try:
+        backend, extra = convert_gguf_tokenizer(architecture, tokenizer)
+    except (ValueError, KeyError, TypeError) as exc:  # a tokenizer kind, or fields of one, transformers does not build
+        raise GgufError(f"{file.path}: the tokenizer its metadata describes does not build: {exc}") from exc
     return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
