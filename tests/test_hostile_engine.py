@@ -416,3 +416,72 @@ async def test_a_prefill_known_bad_is_refused_without_a_request_to_the_server(sp
     error = await error_of(host, "prefill", {**prompt, "cache": "auto"})
     field = "params.prompt" if prompt in ({"prompt": ""}, {"tokens": []}) else "params.max_tokens"
     assert (error.data["field"], len(server.requests)) == (field, sent), error.message
+
+
+# --- the closing round: every field of a streamed event ---------------------------------------------------
+
+
+def finished(reason: object) -> dict:
+    return {"choices": [{"index": 0, "text": "", "token_ids": [], "finish_reason": reason}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+
+
+@pytest.mark.parametrize(
+    ("sent", "said"),
+    [
+        ((FIRST_EVENT, finished("banana")), "finish_reason 'banana', which is none of length, stop, tool_calls"),
+        ((FIRST_EVENT, finished("")), "finish_reason '', which is none of"),
+        ((FIRST_EVENT, finished("abort")), "finish_reason 'abort'"),
+        ((FIRST_EVENT, {"choices": [{"index": 1, "text": "X", "token_ids": [8], "finish_reason": None}]}, LAST_EVENT),
+         "a choice of index 1 (choices[].index)"),
+        (({"choices": [{"index": 10**9, "text": "X", "token_ids": [8], "finish_reason": None}]}, LAST_EVENT),
+         "a choice of index 1000000000"),
+        (({"choices": [{"index": 0, "text": "Hi", "token_ids": list(range(50)), "finish_reason": None}]}, LAST_EVENT),
+         "sent 50 token ids (choices[].token_ids) where max_tokens is 4"),
+    ],
+    ids=["finish-unknown", "finish-empty", "finish-abort", "second-choice", "choice-10^9", "tokens-past-max"],
+)
+async def test_an_event_field_the_protocol_cannot_pass_on_is_an_engine_error_naming_it(spawn_worker, server: Scripted, sent, said):
+    """Before: an unknown finish_reason was reported as "stop" with an end-of-sequence token that
+    never came, a second choice's text was joined to the first's, and 50 token ids in a delta
+    came back from a generate of max_tokens 4."""
+    host = await loaded(spawn_worker, server)
+    server.answers["/v1/completions"] = events(*sent)
+    error = await error_of(host, "generate", {"prompt": "x", "max_tokens": 4})
+    assert (error.code, error.kind) == (-32017, "engine_error") and said in error.message, error.message
+    server.answers["/v1/completions"] = events(FIRST_EVENT, LAST_EVENT)
+    assert (await host.call("generate", {"prompt": "x", "max_tokens": 4}))["text"] == "Hi"
+
+
+async def test_tool_call_arguments_streamed_without_end_are_refused_past_their_bound(spawn_worker, server: Scripted):
+    """Fragments of a call's arguments count for no token: a server sending a megabyte of them an
+    event, for ever, grew the worker by 30 MB a second (628 MB in 20 s) until it was stopped."""
+    from worker.backends.openai.backend import MAX_CALL_BYTES
+
+    fragment = {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "x" * (1 << 20)}}]},
+                             "finish_reason": None}]}
+    data = b"data: " + json.dumps(fragment).encode() + b"\n\n"
+
+    def endless(request: Request, sock: socket.socket) -> None:
+        sock.sendall(http_head(200, "text/event-stream"))
+        while not server.stopped.is_set():
+            sock.sendall(data)
+
+    host = await loaded(spawn_worker, server)
+    server.answers["/v1/chat/completions"] = endless
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    started = time.perf_counter()
+    error = await error_of(host, "generate", {"messages": [{"role": "user", "content": "x"}], "tools": tools, "max_tokens": 8})
+    assert (error.code, error.kind) == (-32017, "engine_error")
+    assert f"tool calls of more than {MAX_CALL_BYTES} characters" in error.message, error.message
+    assert time.perf_counter() - started < 10
+    assert await host.call("capabilities")
+
+
+def test_protocol_md_states_the_stream_s_checks_as_the_code_has_them():
+    from worker.backends.openai.backend import FINISH_REASONS, MAX_CALL_BYTES
+
+    text = " ".join((Path(__file__).parent.parent / "docs" / "PROTOCOL.md").read_text().split())
+    assert f"tool calls it streams at most {MAX_CALL_BYTES:,} characters of names and arguments" in text
+    assert FINISH_REASONS == {"stop", "length", "tool_calls"}
+    assert "its `finish_reason` one of `stop`, `length` and `tool_calls`" in text

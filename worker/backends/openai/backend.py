@@ -48,7 +48,7 @@ from protocol.methods import (
     ToolCallSupport,
 )
 from worker.backends.base import EngineDelta, StreamEnd
-from worker.backends.openai.engine import Engine, EngineAddress, EngineStatusError, EventStream
+from worker.backends.openai.engine import MAX_EVENT_BYTES, Engine, EngineAddress, EngineStatusError, EventStream
 from worker.tool_calls import template_dict
 
 if TYPE_CHECKING:
@@ -382,6 +382,15 @@ def _naming_the_field(refused: EngineStatusError, params: GenerateParams) -> Rpc
     return RpcError(refused.kind, refused.message, field=field, limit=refused.data.limit)
 
 
+# The finish reasons an engine's stream may end with: its end of sequence or stop string, its
+# length limit, a tool call. Any other (vLLM's "abort", an API's "content_filter", a word of a
+# server's own) is an engine error, not reported as an end of sequence that did not happen.
+FINISH_REASONS = frozenset({"stop", "length", "tool_calls"})
+# The tool calls a stream is building, their names and arguments together, hold at most this
+# many characters: fragments of arguments count for no token, so nothing else bounded them.
+MAX_CALL_BYTES = MAX_EVENT_BYTES
+
+
 class _CallParts(msgspec.Struct):
     id: str | None = None
     name: str = ""
@@ -405,6 +414,8 @@ class EngineDecoding:
         self._stops = set(params.stop)
         self._response_format = params.response_format is not None
         self._calls: dict[int, _CallParts] = {}
+        self._call_bytes = 0
+        self._token_ids = 0  # the engine's token ids so far, which max_tokens bounds
         self.prompt_tokens = 0
         self.cached_tokens: int | None = None  # None until the engine has reported it
         self.exact = True  # token ids came with every delta so far
@@ -481,6 +492,19 @@ class EngineDecoding:
             self._choice(choice)
 
     def _choice(self, choice: _Choice) -> None:
+        if choice.index != 0:  # one choice is asked for (n is 1)
+            raise self._engine.error(f"sent a choice of index {choice.index} (choices[].index) where one choice, 0, was asked for")
+        if choice.finish_reason is not None and choice.finish_reason not in FINISH_REASONS:
+            raise self._engine.error(
+                f"ended the stream with finish_reason {self._engine.quote(choice.finish_reason[:64])!r}, which is "
+                f"none of {', '.join(sorted(FINISH_REASONS))}"
+            )
+        if choice.token_ids:
+            self._token_ids += len(choice.token_ids)
+            if self._token_ids > self._params.max_tokens:
+                raise self._engine.error(
+                    f"sent {self._token_ids} token ids (choices[].token_ids) where max_tokens is {self._params.max_tokens}"
+                )
         if choice.prompt_token_ids is not None:
             self.prompt_tokens = len(choice.prompt_token_ids)
         text = choice.text if choice.text is not None else (choice.delta.content if choice.delta else None) or ""
@@ -515,6 +539,11 @@ class EngineDecoding:
             call = self._calls[part.index]
             call.id = call.id or part.id
             if part.function is not None:
+                self._call_bytes += len(part.function.name or "") + len(part.function.arguments or "")
+                if self._call_bytes > MAX_CALL_BYTES:
+                    raise self._engine.error(
+                        f"sent tool calls of more than {MAX_CALL_BYTES} characters of names and arguments"
+                    )
                 call.name += part.function.name or ""
                 call.arguments += part.function.arguments or ""
         return done
