@@ -438,12 +438,13 @@ def finished(reason: object) -> dict:
          "a choice of index 1000000000"),
         (({"choices": [{"index": 0, "text": "Hi", "token_ids": list(range(50)), "finish_reason": None}]}, LAST_EVENT),
          "sent 50 token ids (choices[].token_ids) where max_tokens is 4"),
+        ((FIRST_EVENT,), "ended the stream ([DONE]) with no choice finished (no finish_reason)"),
     ],
-    ids=["finish-unknown", "finish-empty", "finish-abort", "second-choice", "choice-10^9", "tokens-past-max"],
+    ids=["finish-unknown", "finish-empty", "finish-abort", "second-choice", "choice-10^9", "tokens-past-max", "done-unfinished"],
 )
 async def test_an_event_field_the_protocol_cannot_pass_on_is_an_engine_error_naming_it(spawn_worker, server: Scripted, sent, said):
-    """Before: an unknown finish_reason was reported as "stop" with an end-of-sequence token that
-    never came, a second choice's text was joined to the first's, and 50 token ids in a delta
+    """Before: an unknown finish_reason, or none before [DONE], was reported as "stop" with an
+    end-of-sequence token that never came, a second choice's text was joined to the first's, and 50 token ids in a delta
     came back from a generate of max_tokens 4."""
     host = await loaded(spawn_worker, server)
     server.answers["/v1/completions"] = events(*sent)

@@ -462,7 +462,9 @@ class EngineDecoding:
             if self._last is not None:  # the delta that ended the text, now with the final counts
                 self._push(self._last)
             if not self._closed:
-                self._ended(self._finish or StreamEnd(reason="stop"))
+                if self._finish is None:  # not an end of sequence the server never reported
+                    raise self._engine.error("ended the stream ([DONE]) with no choice finished (no finish_reason)")
+                self._ended(self._finish)
         except BaseException as exc:  # any: a thread that ends without an end leaves its request waiting for ever
             self._ended(StreamEnd(reason="error", error=exc))
 
