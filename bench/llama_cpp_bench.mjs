@@ -6,6 +6,7 @@
 // interleaved round by round.
 //
 //   node bench/llama_cpp_bench.mjs [--quick] [--rounds N] [--json FILE] [--workers int8,gguf,none,int4] [--decode-only]
+//                                  [--decode-row] [--tokens N]
 //                                  [--model default|gemma3-270m|qwen2.5-coder-0.5b|PATH.gguf]
 //
 // bench/README.md says what each figure is. Needs `make setup` and `npm run build`;
@@ -27,11 +28,15 @@ const { values: options } = parseArgs({
     workers: { type: "string" },
     // the decode rows alone: decode, a busy core, batches (a crowded machine makes the 2,048-token rows take minutes)
     "decode-only": { type: "boolean", default: false },
+    // the first row alone (one stream decoding): what a model of billions of weights has time for
+    "decode-row": { type: "boolean", default: false },
+    // new tokens per decode (128 unless told)
+    tokens: { type: "string" },
     model: { type: "string", default: "default" },
   },
 });
 const rounds = Number(options.rounds ?? (options.quick ? 1 : 3));
-const NEW_TOKENS = 128;
+const NEW_TOKENS = Number(options.tokens ?? 128);
 const LONG_PROMPT_TOKENS = 2048;
 
 // --- the two contestants -------------------------------------------------------------
@@ -233,6 +238,7 @@ try {
       const same = run.tokens.findIndex((t, i) => t !== llamaDecode.tokens[i]);
       agreement.push({ contestant: c.name, firstDifference: same });
     }
+    if (options["decode-row"]) continue;
     figures.llama.busy.push((await withBusyCore(() => llamaRun(decodePrompt, NEW_TOKENS))).tokensPerSecond);
     for (const c of contestants) {
       figures[c.name].busy.push((await withBusyCore(() => workerRun(c.state.worker, decodePrompt, NEW_TOKENS))).tokensPerSecond);
@@ -272,7 +278,7 @@ const median = (values) => {
   return sorted.length % 2 ? sorted[middle] : (sorted[middle - 1] + sorted[middle]) / 2;
 };
 const rows = [
-  ["decode tokens/s (128 new)", "decode", "higher", (w, l) => w / l, 1],
+  [`decode tokens/s (${NEW_TOKENS} new)`, "decode", "higher", (w, l) => w / l, 1],
   ["decode tokens/s, one core kept busy by another process", "busy", "higher", (w, l) => w / l, 1],
   [`${ONE_BY_ONE} of the batches' requests one by one, tokens/s (from each request to its last token)`, "single", "higher", (w, l) => w / l, 1],
   ...BATCHES.map((n) => [`${n} streams at once, aggregate tokens/s`, `batch${n}`, "higher", (w, l) => w / l, 1]),
