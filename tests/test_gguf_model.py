@@ -167,7 +167,17 @@ def test_the_tokenizer_is_built_once_and_kept_in_the_data_directory(tiny_gguf: P
     assert second.info.has_chat_template and second.info.special_tokens == first.info.special_tokens
 
 
-@pytest.mark.parametrize("damage", ["garbled", "no-config", "a-file"])
+def chat_template_of_a_number(kept: Path) -> None:
+    import json
+
+    config = json.loads((kept / "tokenizer_config.json").read_text())
+    config["chat_template"] = 5
+    (kept / "tokenizer_config.json").write_text(json.dumps(config))
+    for template in kept.glob("chat_template.*"):
+        template.unlink()
+
+
+@pytest.mark.parametrize("damage", ["garbled", "no-config", "a-file", "template-a-number"])
 def test_a_damaged_kept_tokenizer_is_built_again_in_its_place_and_the_next_load_reads_that(
     tiny_gguf: Path, tmp_path: Path, monkeypatch, damage: str
 ):
@@ -181,11 +191,14 @@ def test_a_damaged_kept_tokenizer_is_built_again_in_its_place_and_the_next_load_
         (kept / "tokenizer.json").write_text("{not json")
     elif damage == "no-config":
         (kept / "tokenizer_config.json").unlink()
+    elif damage == "template-a-number":
+        chat_template_of_a_number(kept)
     else:
         shutil.rmtree(kept)
         kept.write_text("in the way")
     rebuilt = load(tiny_gguf, tmp_path)
     assert kept.is_dir() and (kept / "tokenizer_config.json").is_file()
+    assert rebuilt.info.has_chat_template
     assert [p.name for p in kept.parent.iterdir() if p.name.startswith(".")] == []  # nothing left aside
 
     def not_again(file):

@@ -1011,21 +1011,14 @@ def _eos_ids(model, tokenizer, path: Path, vocab_size: int) -> set[int]:
 
 def _check_tokenizer_settings(tokenizer, path: Path) -> None:
     """The settings of the tokenizer's files (tokenizer_config.json, a gguf's metadata, a kept copy)
-    the worker reads beside the tokenizer's own: a chat template that is text or named texts, a
-    model_max_length that is a number; else a load error naming the value (not an internal error
-    at the first tokenize or render)."""
-    where = "tokenizer_config.json" if path.is_dir() else f"the tokenizer of {path.name}"
-    template = getattr(tokenizer, "chat_template", None)
-    if not (template is None or isinstance(template, str) or (
-            isinstance(template, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in template.items()))):
-        raise RpcError(ErrorKind.MODEL_LOAD_FAILED,
-                       f"{where} gives a chat_template that is not a text or named texts: {str(template)[:80]}",
-                       field="params.model")
-    length = getattr(tokenizer, "model_max_length", None)
-    if isinstance(length, bool) or not isinstance(length, (int, float)) or length != length:
-        raise RpcError(ErrorKind.MODEL_LOAD_FAILED,
-                       f"{where} gives model_max_length as {str(length)[:80]!r}, not a number of tokens",
-                       field="params.model")
+    the worker reads beside the tokenizer's own (hf_compat.tokenizer_settings_problem): a load error
+    naming the value, not an internal error at the first tokenize or render."""
+    from worker.backends.transformers.hf_compat import tokenizer_settings_problem
+
+    problem = tokenizer_settings_problem(tokenizer)
+    if problem is not None:
+        where = "tokenizer_config.json" if path.is_dir() else f"the tokenizer of {path.name}"
+        raise RpcError(ErrorKind.MODEL_LOAD_FAILED, f"{where} gives {problem}", field="params.model")
 
 
 def _context_length(config, tokenizer, path: Path) -> int:

@@ -137,6 +137,9 @@ def tokenizer_of(file: GgufFile, kept: Path):
     if is_regular(kept / "tokenizer_config.json"):
         try:
             tokenizer = AutoTokenizer.from_pretrained(kept)
+            problem = hf_compat.tokenizer_settings_problem(tokenizer)
+            if problem is not None:
+                raise ValueError(f"it gives {problem}")
         except Exception as exc:  # a damaged copy: build it again over it
             log.warning("the kept tokenizer in %s does not load (%s: %s): built again", kept, type(exc).__name__, exc)
         else:
