@@ -179,3 +179,25 @@ async def test_greedy_from_a_cache_made_before_the_weights_were_kept_equals_gree
         assert cached["usage"]["cache_read_tokens"] > 0
     finally:
         await second.close()
+
+
+async def test_two_worker_processes_one_after_the_other_quantize_once_and_answer_alike(tiny_model_dir: Path, tmp_path: Path):
+    """Through `python -m worker` over its pipes: the first process's load quantizes and keeps the
+    weights, the second's has no quantizing stage (it maps them), and both give the same greedy
+    tokens."""
+    from tests.conftest import TORCH_ENV
+
+    env = {**os.environ, **TORCH_ENV, "LM_WORKER_DATA_DIR": str(tmp_path / "data")}
+    stages, answers = [], []
+    for _ in range(2):
+        host = await Host.spawn(env=env)
+        try:
+            await host.call("load", {"model": str(tiny_model_dir), "progress": True}, timeout=180)
+            stages.append({m["params"]["stage"] for m in host.messages if m.get("method") == "load/progress"})
+            answer = await host.call("generate", {"prompt": TEXT, "max_tokens": 12, "temperature": 0}, timeout=60)
+            answers.append(answer["tokens"])
+        finally:
+            await host.close()
+    assert "quantizing" in stages[0] and "quantizing" not in stages[1], stages
+    assert answers[0] == answers[1] and len(answers[0]) == 12
+    assert kept_file(tmp_path / "data").stat().st_size > 0
