@@ -105,6 +105,7 @@ class TransformersBackend:
             _native_forward(data_dir)
         path = _model_path(params.model, data_dir)
         mapped = _mappable_gguf(params, path, dtype, data_dir)
+        kept: _KeptInt8 | None = None
         if mapped is not None:
             quantization = "gguf"
             model, tokenizer = _load_mapped(mapped, attention, data_dir)
@@ -121,7 +122,10 @@ class TransformersBackend:
         from worker.backends.transformers.native_forward import llama_cpp_arithmetic
 
         llama_cpp = llama_cpp_arithmetic(model.config, quantization, mapped=mapped is not None)
-        identity = _identity(path, model.config, tokenizer, dtype, quantization, device, data_dir / "digests", llama_cpp)
+        if kept is not None and kept.served:
+            identity = kept.identity
+        else:
+            identity = _identity(path, model.config, tokenizer, dtype, quantization, device, data_dir / "digests", llama_cpp)
         if quantization != "none" and mapped is None and not (kept is not None and kept.served):
             from worker.backends.transformers.fast_weights import quantize
 
@@ -135,8 +139,9 @@ class _KeptInt8:
     """Where a model directory's int8 weights are kept (int8_store), with the configuration and
     tokenizer read to find the file."""
 
-    def __init__(self, directory: Path, path: Path, key: str, config, tokenizer) -> None:
+    def __init__(self, directory: Path, path: Path, key: str, config, tokenizer, identity: Identity) -> None:
         self.directory, self.path, self.key, self.config, self.tokenizer = directory, path, key, config, tokenizer
+        self.identity = identity  # the model's, as the load that made the file computed it
         self.served = False
 
     def read(self):
@@ -203,7 +208,7 @@ def _kept_int8(params: LoadParams, path: Path, dtype: str, device: str, quantiza
         return None
     identity = _identity(path, config, tokenizer, dtype, quantization, device, data_dir / "digests")
     key = int8_store.key_of(identity.weights_sha256, identity.config_sha256)
-    return _KeptInt8(path, int8_store.path_of(data_dir, key), key, config, tokenizer)
+    return _KeptInt8(path, int8_store.path_of(data_dir, key), key, config, tokenizer, identity)
 
 
 def _mappable_gguf(params: LoadParams, path: Path, dtype: str, data_dir: Path):
