@@ -88,3 +88,29 @@ def test_the_shell_s_rotary_tables_equal_transformers_bit_for_bit(name: str):
         extra = () if layer_type is None else (layer_type,)
         for mine, their in zip(ours(hidden, positions, *extra), reference(hidden, positions, *extra)):
             assert torch.equal(mine, their), (name, layer_type)
+
+
+def test_the_shell_s_llama_configuration_has_transformers_fields_and_defaults():
+    import dataclasses
+
+    def fields(cls):
+        return {f.name: (f.default, f.default_factory) for f in dataclasses.fields(cls)}
+
+    assert fields(shell_model.LlamaConfig) == fields(transformers.LlamaConfig)
+
+
+@pytest.mark.parametrize("name", [name for name, (model_type, _) in sorted(CONFIGS.items()) if model_type == "llama"])
+def test_the_shell_s_llama_configuration_equals_transformers_as_a_dictionary(name: str):
+    _, extra = CONFIGS[name]
+    values = {**COMMON, **extra, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}
+    assert shell_model.LlamaConfig(**values).to_dict() == transformers.LlamaConfig(**values).to_dict()
+    theirs_again = shell_model.transformers_configuration(shell_model.LlamaConfig(**values))
+    assert type(theirs_again) is transformers.LlamaConfig
+    assert theirs_again.to_dict() == transformers.LlamaConfig(**values).to_dict()
+
+
+def test_the_shell_s_llama_configuration_refuses_heads_that_do_not_divide_the_hidden_size():
+    from huggingface_hub.errors import StrictDataclassError
+
+    with pytest.raises(StrictDataclassError, match="not a multiple"):
+        shell_model.LlamaConfig(**{**COMMON, "hidden_size": 66})

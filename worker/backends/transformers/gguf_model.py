@@ -63,7 +63,7 @@ def architecture(file: GgufFile) -> str | None:
 
 def config_of(file: GgufFile) -> PretrainedConfig:
     """The model's configuration from the file's metadata, checked against its tensors."""
-    from transformers import AutoConfig
+    from worker.backends.transformers import shell_model
 
     arch = file.architecture
     model_type = ARCHITECTURES[arch]
@@ -99,12 +99,10 @@ def config_of(file: GgufFile) -> PretrainedConfig:
         model_type = "mistral"
     if model_type == "gemma3_text":
         values.setdefault("head_dim", file.get("gemma3.attention.key_length", int))
+    from huggingface_hub.errors import StrictDataclassError
+
     try:
-        from huggingface_hub.errors import StrictDataclassError
-    except ImportError:  # an older huggingface_hub: transformers' configurations check nothing of their own
-        StrictDataclassError = ValueError  # noqa: N806
-    try:
-        return AutoConfig.for_model(model_type, **{k: v for k, v in values.items() if v is not None or k.endswith("token_id")})
+        return shell_model.configuration(model_type, {k: v for k, v in values.items() if v is not None or k.endswith("token_id")})
     except (ValueError, TypeError, StrictDataclassError) as exc:  # transformers' own checks of the values (a hidden size its heads do not divide)
         raise GgufError(f"{file.path}: the metadata does not make a {arch} configuration: {exc}") from exc
 
@@ -273,7 +271,7 @@ def _modules(config: PretrainedConfig, attention: str) -> Any:
 
     hf_compat.register_attention()
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+        return AutoModelForCausalLM.from_config(shell_model.transformers_configuration(config), attn_implementation=attention)
 
 
 def _gguf_name(names, module_name: str, suffix: str) -> str:

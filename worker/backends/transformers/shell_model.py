@@ -17,13 +17,77 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters, dynamic_rope_update
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 # transformers' model_type of the architectures the shell makes
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text")
+
+
+@strict
+class LlamaConfig(PreTrainedConfig):
+    """transformers' LlamaConfig, field for field and default for default, without its module's
+    import of transformers.utils.type_validators: that module imports transformers.activations
+    and, through it, torch.distributed, for a check of ``initializer_range`` that a gguf never
+    sets. tests/test_shell_model.py holds its fields and its dictionary to transformers' class."""
+
+    model_type = "llama"
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    pretraining_tp: int | None = 1
+    tie_word_embeddings: bool = False
+    rope_parameters: RopeParameters | dict | None = None
+    attention_bias: bool = False
+    attention_dropout: int | float | None = 0.0
+    mlp_bias: bool = False
+    head_dim: int | None = None
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self) -> None:
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(f"The hidden size ({self.hidden_size}) is not a multiple of the number of attention "
+                             f"heads ({self.num_attention_heads}).")
+
+
+def configuration(model_type: str, values: dict[str, Any]) -> PretrainedConfig:
+    """The configuration of a model of ``model_type``: transformers' class, but for Llama's (above)."""
+    if model_type == "llama":
+        return LlamaConfig(**values)
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **values)
+
+
+def transformers_configuration(config: PretrainedConfig) -> PretrainedConfig:
+    """``config`` as transformers' own class, which its model classes are registered by."""
+    if not isinstance(config, LlamaConfig):
+        return config
+    from transformers import LlamaConfig as TheirLlamaConfig
+
+    return TheirLlamaConfig.from_dict(config.to_dict())
 
 
 class Linear(torch.nn.Linear):
