@@ -76,8 +76,11 @@ J_in = TypeVar("J_in", bound=Queued, contravariant=True)
 class Task(Protocol):
     """A generate or prefill in progress (generation.Generation, caching.Prefill)."""
 
-    model: Model
-    decoding: Decoding
+    @property
+    def model(self) -> Model: ...  # read only: a task's own may be a narrower type (CachingModel)
+
+    @property
+    def decoding(self) -> Decoding: ...
 
     def feed(self, max_tokens: int) -> None: ...
 
