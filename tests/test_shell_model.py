@@ -114,3 +114,12 @@ def test_the_shell_s_llama_configuration_refuses_heads_that_do_not_divide_the_hi
 
     with pytest.raises(StrictDataclassError, match="not a multiple"):
         shell_model.LlamaConfig(**{**COMMON, "hidden_size": 66})
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_5"])
+def test_a_model_directory_s_configuration_reads_as_transformers_reads_it(tiny_models, family: str):
+    directory = tiny_models(family)
+    ours = shell_model.pretrained_configuration(directory)
+    theirs_ = transformers.AutoConfig.from_pretrained(directory)
+    assert ours.model_type == theirs_.model_type
+    assert ours.to_dict() == theirs_.to_dict()

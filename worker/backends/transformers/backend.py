@@ -182,13 +182,13 @@ def _kept_int8(params: LoadParams, path: Path, dtype: str, device: str, quantiza
     remote code, an architecture int8_store keeps; else None."""
     if quantization != "int8" or device != "cpu" or dtype != "float32" or not path.is_dir() or params.trust_remote_code:
         return None
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from worker.backends.transformers import int8_store
+    from worker.backends.transformers import int8_store, shell_model
     from worker.backends.transformers.hf_compat import LOADING
 
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = shell_model.pretrained_configuration(path)
     except Exception:  # a directory transformers' loader reports on, as it always does
         return None
     config._attn_implementation = attention

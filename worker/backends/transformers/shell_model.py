@@ -14,6 +14,7 @@ modules and rotary tables against those of transformers' own classes on the same
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -79,6 +80,17 @@ def configuration(model_type: str, values: dict[str, Any]) -> PretrainedConfig:
     from transformers import AutoConfig
 
     return AutoConfig.for_model(model_type, **values)
+
+
+def pretrained_configuration(directory: Path) -> PretrainedConfig:
+    """A model directory's configuration as transformers' AutoConfig reads it, Llama's as the
+    class above."""
+    from transformers import AutoConfig
+
+    values, _ = PreTrainedConfig.get_config_dict(directory)
+    if values.get("model_type") != "llama":
+        return AutoConfig.from_pretrained(directory)
+    return LlamaConfig.from_pretrained(directory, name_or_path=str(directory))  # as AutoConfig names it
 
 
 def transformers_configuration(config: PretrainedConfig) -> PretrainedConfig:
