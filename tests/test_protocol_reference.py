@@ -86,9 +86,10 @@ def structs_in(hint: typing.Any) -> list[Struct]:
 
 
 def messages() -> dict[str, list[Struct]]:
-    """Every method and notification, with the Structs it sends: params and result."""
+    """Every method and notification, with the Structs it sends: params and result (a result of
+    null, None or NoneType, has no fields)."""
     found: dict[str, list[Struct]] = {
-        name: [kind for kind in (spec.params, spec.result) if kind is not None] for name, spec in METHODS.items()
+        name: [kind for kind in (spec.params, spec.result) if structs_in(kind) == [kind]] for name, spec in METHODS.items()
     }
     found.update({name: [kind] for name, kind in {**HOST_NOTIFICATIONS, **WORKER_NOTIFICATIONS}.items()})
     return found
