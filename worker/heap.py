@@ -1,9 +1,9 @@
 """Python's cycle collector around a loaded model.
 
 A loaded model leaves a few hundred thousand objects the collector tracks (the model's
-modules, PyTorch's and transformers' own); a full collection walks them all, about 170 ms
-for SmolLM2, and the allocations of streaming trigger one every few seconds: a pause for
-every stream in the middle of its tokens (4.6% of 4 streams' time). Once a model is loaded
+modules, PyTorch's and transformers' own); a full collection walks them all, and the
+allocations of streaming trigger one every few seconds: a pause for every stream in the
+middle of its tokens (bench/README.md, "Figures behind constants"). Once a model is loaded
 the heap is frozen (``gc.freeze``: the collector leaves those objects alone from then on;
 reference counting still frees them); unloading thaws it, and collects where a reference
 cycle holds the model, so that it is freed now and not frozen again by the next load.
@@ -22,10 +22,10 @@ log = logging.getLogger(__name__)
 
 def settle() -> None:
     """After a load: keep the heap out of collections. Not collected first: a load leaves next
-    to nothing in cycles (28 objects for SmolLM2), and a collection costs a tenth of a second
-    in a process that imported PyTorch."""
+    to nothing in cycles, and a collection in a process that imported PyTorch walks all of its
+    objects (bench/README.md), a cost every load would pay."""
     gc.freeze()
-    if log.isEnabledFor(logging.INFO):  # the count walks the frozen objects (milliseconds)
+    if log.isEnabledFor(logging.INFO):  # the count walks the frozen objects
         log.info("%d objects kept out of the cycle collector's full collections", gc.get_freeze_count())
 
 

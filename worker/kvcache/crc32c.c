@@ -5,14 +5,17 @@
  * CRC-32: lmw_crc32c(0, "123456789", 9) == 0xE3069283, and the CRC of a whole is that of its
  * second part continued from the CRC of its first.
  *
- * Two ways to the same value, chosen when the library is loaded:
+ * Three ways to the same value, chosen when the library is loaded:
+ *   - x86-64 with AVX-512 and VPCLMULQDQ: carry-less multiplies folding 256 bytes a step
+ *     (below), finished by the crc32 instruction;
  *   - x86-64 with SSE4.2: the crc32 instruction, eight bytes at a time on three independent
  *     streams (its latency is three cycles, its throughput one a cycle), the three streams'
  *     CRCs joined by shifting one over the length of the next (tables of the operator that
  *     feeds that many zero bytes: Mark Adler's construction, crc32c.c of 2013);
  *   - anywhere else: tables, eight bytes a step (slice-by-8).
- * Both are exported (lmw_crc32c_portable, and lmw_crc32c_path says which lmw_crc32c takes),
- * so that tests compare them on the same bytes.
+ * The tables' and the crc32 instruction's ways are exported beside lmw_crc32c
+ * (lmw_crc32c_portable, lmw_crc32c_sse42; lmw_crc32c_path says which way lmw_crc32c takes), so
+ * that tests compare them on the same bytes.
  */
 
 #include <errno.h>

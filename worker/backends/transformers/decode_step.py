@@ -12,10 +12,10 @@ and a cache written here is stored, restored and extended like any other.
 What differs from transformers' decode step, and why:
 - a layer's q, k and v projections (and gate and up) are one matrix product when the
   weights are quantized (fast_weights.fused: equal bit for bit to three);
-- a dense (float) linear computes ``weight @ x.T`` rather than ``x @ weight.T``: the same
-  numbers for one sequence (bit for bit), and for several sequences the product PyTorch's
-  CPU BLAS runs two to five times faster (measured for SmolLM2's shapes: with the
-  other form, a step over 2 sequences cost 1.6 times one over 1);
+- a dense (float) linear of a few rows computes ``weight @ x.T`` rather than ``x @ weight.T``:
+  the same numbers for one sequence (bit for bit), and for several sequences the form
+  PyTorch's CPU BLAS runs faster, so that a step over several sequences costs little more
+  than one over one (bench/README.md, "Figures behind constants");
 - attention is hf_compat.one_query_attention, which the worker also has transformers
   use for one query position (the ``lm_worker`` attention implementations), as the
   model was loaded with it (exact_attention's kernel for quantized weights); a
@@ -54,7 +54,8 @@ if TYPE_CHECKING:
     from worker.backends.transformers.cache_layers import GrowingKeysAndValues, SlidingWindowLayer
     from worker.backends.transformers.torch_adapter import TorchCache
 
-# Up to this many sequences, weight @ x.T is the faster product (bench/README.md).
+# Up to this many sequences, weight @ x.T is the faster product (bench/README.md, "Figures
+# behind constants").
 _TRANSPOSED_ROWS = 4
 Projection = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 Norm = Callable[[torch.Tensor], torch.Tensor]
@@ -133,8 +134,8 @@ def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """transformers' apply_rotary_pos_emb, for one of q and k: x·cos + rotate_half(x)·sin, with
     rotate_half(x) = (-x2, x1) taken as x rolled by half times _signed_sin (a sign moves
-    exactly, so the numbers are the same), in 4 operations instead of 7: ~9 µs less a call,
-    two calls a layer."""
+    exactly, so the numbers are the same): 4 operations where transformers' form takes 7, and
+    each has its dispatch; two calls a layer."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
@@ -144,9 +145,9 @@ class Ropes:
     A position's (cos, sin) depend on the position alone (where the frequencies do not change
     with the sequence's length, as dynamic and longrope scaling's do), so they are made once, in
     tables that grow as positions come, each piece of TABLE_PIECE positions in one call of the
-    model's own rotary embedding: a pass then picks its rows (computing them took 60 µs or more
-    a pass, several percent of a four-sequence step). A position's numbers are those of the same
-    call of the same piece whatever pass asks for them."""
+    model's own rotary embedding: a pass then picks its rows rather than computing them, which
+    costs a visible part of a step (bench/README.md, "Figures behind constants"). A position's
+    numbers are those of the same call of the same piece whatever pass asks for them."""
 
     TABLE_PIECE = 256
 

@@ -16,7 +16,8 @@
  * Vectors run across keys (scores) or across dimensions (the weighted sum), never across
  * the terms of one sum, so how rows and keys are blocked changes nothing, nor does the
  * vectors' width W: 16 floats where the processor has AVX-512, else 8 (a vector of 16 on AVX2
- * is two registers, which GCC moves through memory: six to ten times slower). Built with
+ * is two registers, which GCC moves through memory: bench/README.md, "Figures behind
+ * constants"). Built with
  * -ffp-contract=off: no multiply and add is fused into one rounding anywhere, so every
  * machine that rounds IEEE single precision gives the same bits.
  */
@@ -104,7 +105,7 @@ static inline float hmax(vf v) {
 }
 
 /* Keeps v in a register: GCC otherwise reads a tile's keys from memory again for each row (into
- * every multiply), and the loads, not the multiplies, bound the scores (25% of the attention). */
+ * every multiply), and the loads, not the multiplies, then bound the scores. */
 #if defined(__x86_64__) && ((W == 8 && defined(__AVX__)) || (W == 16 && defined(__AVX512F__)))
 #define IN_REGISTER(v) __asm__("" : "+v"(v))
 #else
@@ -114,10 +115,10 @@ static inline float hmax(vf v) {
 /* Scores of R (at most SCORE_ROWS) rows against two tiles of W keys whose dimensions `kt` holds
  * transposed (kt[d * W + key], the second tile dim * W floats on). R is a constant at each call
  * (scores_of): a step's item has a position's heads of one key/value head, 3 rows for SmolLM2,
- * and rows of zeros beside them doubled the work. The next pair's lines are asked into L2 as
- * these are read: a step streams its keys from memory, and the processor's own prefetching
- * left it waiting (a step of 4 sequences after 600 tokens 0.88 times the time). A prefetch past
- * the end of the keys is harmless: it never faults. */
+ * and rows of zeros beside them would more than double the work. The next pair's lines are
+ * asked into L2 as these are read: a step streams its keys from memory, and the processor's
+ * own prefetching leaves it waiting (bench/README.md, "Figures behind constants"). A prefetch
+ * past the end of the keys is harmless: it never faults. */
 static inline __attribute__((always_inline)) void scores_of_tiles(int64_t dim, const float *kt, const float *const *rows,
                                                                   float *const *into, int R) {
     vf first[SCORE_ROWS], second[SCORE_ROWS];
@@ -191,8 +192,8 @@ static float softmax_in_place(float *s, int64_t n, float scale) {
  * up to NR = SUM_ROWS(DV) rows sharing lo; DV vectors a row. The sum so far is in out[r] (from
  * 0 where t0 is 0). The rows' common part is summed together, each rest alone. Fewer rows
  * than NR take a function of their own (R rows, a constant, so that their chains stay in
- * registers: a step's 3 rows of SmolLM2 summed one at a time waited on each chain's
- * additions; written into the function for NR rows, they made a prompt's sums slower). */
+ * registers: a step's 3 rows of SmolLM2 summed one at a time would wait on each chain's
+ * additions, and written into the function for NR rows they slow a prompt's sums). */
 #define SUM_ROWS_OF(NAME, DV, R, ATTRIBUTE)                                                                   \
     static ATTRIBUTE void NAME(const float *v, int64_t vsj, int rows, float *const *p, const int64_t *n,      \
                                float *const *out, int64_t t0, int64_t t1) {                                   \
@@ -395,7 +396,7 @@ struct item {
 };
 
 /* Item `index`: its rows' queries, first keys and counts, and the tiles they attend. The item's
- * parts below are inlined where they are called: a prompt's attention ran 2% slower through calls. */
+ * parts below are inlined where they are called: a prompt's attention is slower through calls. */
 static inline __attribute__((always_inline)) void item_of(const struct call *c, int64_t index, struct item *it) {
     const int64_t groups = c->groups;
     int64_t low, high;
@@ -483,8 +484,9 @@ static void attend_item(const struct call *c, const struct scratch *s, int64_t i
  * heads) would leave a thread idle a third of its attention or more; its items' scores are
  * shared in parts instead: each item's tiles in `threads` runs, then its rows' softmax, then
  * its weighted sums item by item, a barrier between (the same numbers: a score and a row's p
- * are each computed as they are whole). Splitting the sums by dimensions too made a step at
- * 2,000 keys slower (each thread's half of every value row streamed whole). `shared` holds
+ * are each computed as they are whole). The sums are not split by dimensions too: each
+ * thread's half of every value row would stream the row whole, slower for a step at 2,000
+ * keys. `shared` holds
  * each item's scores (rows * span), sums (rows * dim) and totals (rows). */
 static void attend_split(const struct call *c, int64_t items, int64_t span, float *shared, int threads) {
     const int64_t rows = c->groups, dim = c->dim, each = rows * span + rows * dim + rows;
@@ -609,12 +611,13 @@ int lmw_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsi, const f
  * out[b, h, :]. Returns 0, or -1 when memory ran out.
  *
  * A step attends every key its sequence holds, and transposing them all again at every step
- * cost as much as the attention itself at a few thousand keys. So a sequence may keep them
+ * would be a large part of its attention at long contexts (bench/README.md, "Figures behind
+ * constants"). So a sequence may keep them
  * transposed (tb, th, tc: NULL, or per sequence): from tb[b] (0: it does not), each head's
  * tiles th[b] floats apart (room for hi[b] + 2 * 16 keys), as many keys there already as the
  * int64 at tc[b] says (fewer than hi[b]); the call transposes the rest, up to hi[b] - 1, and
  * sets that count to hi[b]. A new key that joins a tile begun before is written into its lane
- * alone (a whole tile transposed again at every step was a seventh of the attention): the
+ * alone (a whole tile transposed again at every step is a visible part of the attention): the
  * lanes past it hold zeros, or keys cut off where the count was lowered, and their scores go
  * unused. The numbers are the same. */
 int lmw_step_attention(const float *q, int64_t qsb, int64_t qsh, const float *nk, int64_t nksb, int64_t nksh,

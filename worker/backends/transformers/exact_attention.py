@@ -10,15 +10,14 @@ request, in other chunks) then differs from greedy output without one.
 
 exact_attention.c computes every sum of one query row in a fixed order (its header says
 which), so a row's output depends only on its query and the keys and values it attends
-to: the same bits in a chunk of any size, in a decode step, and on any thread. It runs
-at about the speed of PyTorch's float32 attention and three times that of float64
-attention, the worker's previous way to the same end (still used where this one cannot
-be built or cannot take a call: hf_compat).
+to: the same bits in a chunk of any size, in a decode step, and on any thread. Float64
+attention reaches the same end more slowly (bench/README.md, "Figures behind constants"),
+and is what hf_compat uses where this kernel cannot be built or cannot take a call.
 
 The file is compiled once per machine with the system's C compiler (``cc``, or ``CC``)
 into ``<data dir>/kernels`` when a model with quantized weights is loaded, and loaded
-with ctypes: a file of a few hundred lines builds in about a second, and a build that
-fails leaves the worker on float64 attention, not without a model.
+with ctypes: a build happens once per machine and data directory, and a build that fails
+leaves the worker on float64 attention, not without a model.
 
 The kernels a load builds (this one, int8_kernel.c, native_forward.c, gguf_kernel.c) share
 one bound on the compiler's time (COMPILE_TIMEOUT_S, kept in the load's context:
@@ -64,9 +63,9 @@ FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-s
 # (linked against libgomp.so.1, the OpenMP runtime torch has loaded, so the kernel's threads
 # are torch's own). Some compilers take neither.
 _OPTIONS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
-# A build takes about a second (the four kernels about 5 s together on a quiet 2-core machine): a
-# compiler that takes this long over one load's builds is hung, and the load waits on it. One bound
-# for all the builds of a load (_Budget).
+# Several times what a load's builds take together (bench/README.md, "Figures behind
+# constants"): a compiler that takes this long over one load's builds is hung, and the load
+# waits on it. One bound for all the builds of a load (_Budget).
 COMPILE_TIMEOUT_S = 30.0
 # For tests only: a worker process's bound in seconds, in place of COMPILE_TIMEOUT_S (PROTOCOL 13).
 TIMEOUT_ENV = "LM_WORKER_COMPILE_TIMEOUT_S"

@@ -10,34 +10,35 @@ are 4 bytes a parameter; these are 1 1/16 (int8, its scales included) or ½ (int
   rounded to bfloat16 and quantized to 8 bits in blocks of 32, a block's byte products summed
   exactly, and each output one chain of fused multiply-adds over the blocks in order. So a
   row gets the numbers it gets alone, in a chunk of any size and in a batch, and the same bits
-  on every processor (the AVX-512 VNNI, AVX2 and the plain C code alike). With AVX-512 VNNI a
-  prompt's products run about three times as fast as float multiply-adds of the same weights
-  (bench/README); the scale per block keeps the answers closer to the dense model's than one
-  per row did with float activations. Where it cannot be built, PyTorch's kernel takes the
-  rows (TorchInt8Linear: a scale per row, from inputs rounded to bfloat16, its sums blocked by
-  the processor's vector width, but still row by row), and the log says why.
+  on every processor (the AVX-512 VNNI, AVX2 and the plain C code alike). AVX-512 VNNI takes
+  64 byte products an instruction where float multiply-adds take 16, so a prompt's products
+  run several times as fast (bench/README.md, "Figures behind constants"); the scale per
+  block keeps the answers closer to the dense model's than a scale per row. Where it cannot
+  be built, PyTorch's kernel takes the rows (TorchInt8Linear: a scale per row, from inputs
+  rounded to bfloat16, its sums blocked by the processor's vector width, but still row by
+  row), and the log says why.
 - ``int4``: groups of 32 inputs share a scale and an offset (w = (q - 8)·scale + zero),
   as in the gguf files the shipped models come from (Q4_1, Q4_K), so those weights
   keep nearly the values they were published with; PyTorch's CPU kernel multiplies
-  them, fast with bfloat16 inputs only (float32 ones take 10 to 20 times longer), so the
-  linear rounds its input to bfloat16 and gives its output back in the model's dtype (as
-  the int8 kernels do).
+  them, fast with bfloat16 inputs only (float32 ones are many times slower: bench/README.md),
+  so the linear rounds its input to bfloat16 and gives its output back in the model's dtype
+  (as the int8 kernels do).
 
 A float32 model keeps float32 everywhere else (norms, attention, the residual sum, the
 KV cache). The products compute each output row from its input row alone. PyTorch's
 attention does not (its sums are blocked by the shape of the call), so for these weights
 the worker computes attention with exact_attention's kernel (hf_compat.EXACT_ATTENTION,
-or float64 where it cannot be built), and a position's numbers no longer depend on the
-chunk or step it was computed in. Without that, last-bit differences grew (through the
-bfloat16 rounding, a whole bfloat16 step), and greedy output with a cache differed from
-greedy output without one (seen on SmolLM2).
+or float64 where it cannot be built), so that a position's numbers do not depend on the
+chunk or step it is computed in. Without that, last-bit differences grow (through the
+bfloat16 rounding, to a whole bfloat16 step), and greedy output with a cache can differ from
+greedy output without one (SmolLM2's does).
 
 Every ``nn.Linear`` of the model is replaced, the output projection (``lm_head``)
 included; embeddings stay as they are. A linear whose shape the int4 kernel does not
 take (inputs not a multiple of 32, outputs not of 16) gets 8-bit rows: a dense product
 would not give each row the numbers it gets alone. A linear whose module's own code reads
 its ``weight`` (Mamba's mixer multiplies by ``dt_proj.weight`` itself) stays dense, and the
-log says so: a quantized one has no ``weight``, and the model's first pass failed.
+log says so: a quantized one has no ``weight``, so the model's first pass would fail.
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ if TYPE_CHECKING:
 KERNEL_SOURCE = Path(__file__).with_name("int8_kernel.c")
 # What the cache identity calls the kernel's arithmetic (hf_compat.config_digest): its bits
 # are not PyTorch's int8 kernel's, so a cache computed with one must not pass for the other's.
-KERNEL_PRODUCTS = "lm_worker_int8_blocks"  # the activations in 8-bit blocks of 32 (the float kernel's was lm_worker_int8)
+# The activations in 8-bit blocks of 32; "lm_worker_int8" names an earlier kernel's float
+# arithmetic, so caches computed with that one are another identity.
+KERNEL_PRODUCTS = "lm_worker_int8_blocks"
 
 GROUP = 32
 KERNEL_DTYPE = torch.bfloat16

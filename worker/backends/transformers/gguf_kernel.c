@@ -198,9 +198,9 @@ static inline float vector_mins_sum(__m128 acc) {
 #define AHEAD 2048 /* bytes of a weight row asked into L2 ahead of its products */
 /* On the first pass over its weights (`ahead`), a product asks the lines AHEAD bytes on into L2
  * as it takes a block: the weights stream from memory once a call, and the processor's own
- * prefetching leaves the core waiting on them while it multiplies (int8_kernel.c; here about
- * 5% off Q8_0's 2 to 8 rows on weights from memory, nothing measurable for one row or the K
- * types). A prefetch never faults, past the last row included. */
+ * prefetching leaves the core waiting on them while it multiplies (as in int8_kernel.c; what it
+ * saves here: bench/README.md, "Figures behind constants"). A prefetch never faults, past the
+ * last row included. */
 static inline void ask_ahead(int ahead, const uint8_t *p, int64_t bytes) {
     if (ahead)
         for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(p + AHEAD + o), _MM_HINT_T1);
@@ -258,8 +258,9 @@ static inline __m256i block_weights(int type, const uint8_t *w) {
 
 /* One weight row against X activation rows (at most 4), each output with its own accumulators
  * fed in the order above: the weight block is unpacked once for all of them, and their X
- * accumulations are independent chains the processor overlaps. More weight rows at once were
- * slower inside the worker (up to three times for the output head; bench/README). */
+ * accumulations are independent chains the processor overlaps. Not more weight rows at once:
+ * they are slower inside the worker, most for the output head (bench/README.md, "Figures
+ * behind constants"). */
 INLINE void row_times(int type, const uint8_t *w, int64_t bytes, const xblock *x, int64_t blocks, int X, float *out,
                       int64_t out_stride, int ahead) {
     __m256 acc[4];
@@ -571,9 +572,9 @@ INLINE void rows_times(int type, const uint8_t *w, int64_t row_bytes, int64_t by
         /* Pairs of weight rows where there are several activation rows to share them (for one,
          * a pair's extra setup costs more than it saves): row r of the item's first half with
          * its row in the second half, so that each half is read as one stream from memory.
-         * Pairs of neighbouring rows, two streams that jump a row at each pair, were as fast on
-         * weights in cache but 2.4 times as slow on weights from memory (Q8_0, 896 × 4864, 2
-         * activation rows: 0.55 against 0.23 ms; 4 rows 0.70 against 0.43). */
+         * Pairs of neighbouring rows, two streams that jump a row at each pair, are as fast on
+         * weights in cache but far slower on weights from memory (bench/README.md, "Figures
+         * behind constants"). */
         const float *s = sums + i * blocks;
         const int64_t half = left > 1 ? (last - first) / 2 : 0;
         for (; r < first + half; r++) {
@@ -868,7 +869,8 @@ INLINE void float_rows_times(int type, const uint8_t *w, int64_t row_bytes, cons
 #endif
 
 /* Weight rows [first, last) against activation rows [0, n), the type a constant in each case
- * so that the loops are compiled for each type alone (a type tested inside them cost 15%). */
+ * so that the loops are compiled for each type alone (a type tested inside them costs time:
+ * bench/README.md, "Figures behind constants"). */
 static void item_times(int type, const uint8_t *w, int64_t row_bytes, int64_t bytes, const xblock *xs,
                        const float *sums, const kblock *ks, const float *x, int64_t x_stride, int64_t blocks,
                        int64_t inputs, int64_t first, int64_t last, int64_t n, float *out, int64_t outputs) {

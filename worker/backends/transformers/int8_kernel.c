@@ -21,12 +21,12 @@
  *
  * The bfloat16 rounding first: where a model's other layers give a position other last bits in
  * a chunk than in a step (Qwen3.5's linear attention; PyTorch's operations against the native
- * pass), the rounding absorbs nearly all of them, as it did for the float kernel before this one
- * (a block's largest |x| would otherwise carry them into d_b, and so into every output).
+ * pass), the rounding absorbs nearly all of them (a block's largest |x| would otherwise carry
+ * them into d_b, and so into every output).
  *
  * Why integers: AVX-512 VNNI's vpdpbusd takes 64 byte products an instruction, where a float
- * kernel takes 16 multiply-adds an instruction plus the widening of every weight; on an AMD
- * EPYC with AVX-512 a prompt's products ran about 3 times as fast (bench/README). llama.cpp
+ * kernel takes 16 multiply-adds an instruction plus the widening of every weight (what that
+ * gives: bench/README.md, "Figures behind constants"). llama.cpp
  * multiplies its 8-bit weights (Q8_0: a scale per 32) with activations quantized the same way.
  *
  * Layout (fast_weights.Int8Linear): the rows are padded with zero rows to a multiple of
@@ -136,8 +136,8 @@ static inline void store(const float *chains, float *out, int64_t columns) {
  *
  * Where the tile is the first over its panels (`ahead`), each panel's lines AHEAD bytes on are
  * asked into L2 as the block is taken: the weights stream from memory once a step, and the
- * processor's own prefetching left the core waiting on them while it multiplied (a step's
- * products 0.88 times the time for one row, 0.85 for four); one past the last panel never faults. */
+ * processor's own prefetching leaves the core waiting on them while it multiplies
+ * (bench/README.md, "Figures behind constants"); one past the last panel never faults. */
 static inline __attribute__((always_inline)) void tile(const uint8_t *w, const _Float16 *sw, int64_t panel_bytes,
                                                       const activations *a, int64_t first, int P, int R, float *out,
                                                       int64_t outputs, int64_t columns, int ahead) {
@@ -187,8 +187,7 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *w, const _
                                                  acc[p * R + i]);
         }
     }
-    /* stored straight from the registers, masked to the real rows (through a copy: 0.97 times
-     * a step's products) */
+    /* stored straight from the registers, masked to the real rows (a copy between is slower) */
 #pragma GCC unroll 4
     for (int p = 0; p < P; p++) {
         const int64_t real = columns - p * PANEL;
@@ -309,8 +308,8 @@ static void item_times(const uint8_t *w, const _Float16 *sw, const activations *
     default: TILE(P, 4, 0, 0); TILE(P, 4, 0, 4);                                                                \
     }
     /* Past 4 rows, two tiles of all the panels (the item's weights read again from the core's
-     * cache) rather than half the panels against all of them: 1.05-1.08 times as fast for steps.
-     * 4 rows in one tile rather than two of 2: 0.95 times a step's products. */
+     * cache) rather than half the panels against all of them; 4 rows in one tile rather than two
+     * of 2. Both the faster for steps (bench/README.md, "Figures behind constants"). */
     if (panels == ITEM) {
         TILES(ITEM)
     } else {
@@ -376,7 +375,7 @@ int lmw_int8_matmul(const uint8_t *packed, const _Float16 *scales, int64_t outpu
                          a.offsets + i * a.blocks);
         if (parts == 1) {
             /* A step's few rows: each thread a run of half items of its own. In whole items, SmolLM2's
-             * products of 576 outputs (9 items) kept one thread idle a fifth of their time. */
+             * products of 576 outputs (9 items) would leave one of 2 threads idle a fifth of the time. */
             const int64_t halves = 2 * items, share = omp_threads(), at = omp_thread();
             halves_times(packed, scales, &a, halves * at / share, halves * (at + 1) / share, n, out, outputs);
         } else {

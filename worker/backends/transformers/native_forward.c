@@ -274,7 +274,7 @@ static void rotate(float *row, int64_t heads, int64_t dim, const float *cos, con
     for (int64_t h = 0; h < heads; h++) {
         float *head = row + h * dim;
         memcpy(x, head, (size_t)dim * sizeof(float));
-        /* x[(d + half) % dim], in two halves (a division per number cost more than the rest) */
+        /* x[(d + half) % dim], in two halves (a division per number would cost more than the rest) */
         for (int64_t d = 0; d < half; d++) head[d] = x[d] * cos[d] + x[d + half] * sin[d];
         for (int64_t d = half; d < dim; d++) head[d] = x[d] * cos[d] + x[d - half] * sin[d];
     }

@@ -1,11 +1,11 @@
 """A forward pass of a Llama or Gemma 3 model with quantized weights in one native call.
 
 decode_step.py computes a decode step with PyTorch's operations, one by one: about 30 a
-layer, each with its dispatch, its output tensor and its line of Python. For SmolLM2 on two
-cores that framework work took longer than the products themselves (bench/README.md:
-about 10 of a 16 ms step, the int8 products 6). native_forward.c does a whole pass (every
-layer, then the logits of the rows asked for) in one call, calling the same product and
-attention kernels, so a step costs little more than its arithmetic.
+layer, each with its dispatch, its output tensor and its line of Python. For a small model
+on a CPU that framework work takes longer than the products themselves (bench/README.md,
+"Figures behind constants"). native_forward.c does a whole pass (every layer, then the
+logits of the rows asked for) in one call, calling the same product and attention kernels,
+so a step costs little more than its arithmetic.
 
 What it computes differs from decode_step's PyTorch operations in the last bits of the
 steps it computes itself, RMSNorm's sum and the activation's exponential (native_forward.c
@@ -152,8 +152,9 @@ def llama_cpp_arithmetic(config: PretrainedConfig, quantization: str, *, mapped:
     """Whether the passes are computed in llama.cpp's arithmetic: a Llama model on the gguf blocks
     of a converted directory (the shipped default loaded with quantization gguf), so that its
     greedy output is llama.cpp's token for token. A mapped gguf's passes are the worker's own:
-    the attention llama.cpp computes for batches under 64 rows takes one key at a time (a
-    2,048-token prompt of SmolLM2 took 20 times as long, decode after it 30 times)."""
+    the attention llama.cpp computes for batches under 64 rows takes one key at a time, many
+    times slower over a long context than the worker's (bench/README.md, "Figures behind
+    constants")."""
     scaling = getattr(config, "rope_scaling", None) or {}
     return (
         not mapped and quantization == "gguf" and config.model_type == "llama"
@@ -358,8 +359,8 @@ class NativeForward(Passes):
         self, sequences: Sequence[Sequence[int]], caches: Sequence[TorchCache], last: Sequence[int] | None = None
     ) -> tuple[torch.Tensor, list[int]]:
         """The highest of each row found by the threads that computed its parts, in their
-        cores' caches: read by another thread, a row of SmolLM2's 49,152 logits took 50-120 µs
-        to come across, a tenth of a millisecond a stream a step."""
+        cores' caches: read by another thread, a row of a vocabulary's logits first has to come
+        across from the other core's cache (bench/README.md, "Figures behind constants")."""
         rows = [len(sequence) for sequence in sequences]
         lengths = [cache.length for cache in caches]
         ids = torch.tensor([token for sequence in sequences for token in sequence], dtype=torch.long)

@@ -5,16 +5,16 @@ The model thread runs the decode steps with torch's default intra-op threads (on
 core). Each other OS thread that runs a parallel torch operation gets an OpenMP thread
 pool of its own, and while such a pool exists, more OpenMP threads exist than cores:
 OpenMP then lets idle threads sleep at once instead of spinning briefly, and each of the
-several hundred small parallel operations of a decode step waits for its threads to wake.
-Measured on SmolLM2 with int8 weights on 2 cores: 25 ms a step alone, 46–52 ms while the
-cache I/O thread that had stored a cache was alive. Torch work on the other threads
-(restoring, copying and storing caches) therefore runs on one thread, which makes no pool.
+several hundred small parallel operations of a decode step waits for its threads to wake
+(bench/README.md, "Figures behind constants", has what that cost). Torch work on the other
+threads (restoring, copying and storing caches) therefore runs on one thread, which makes no
+pool.
 
 A core another process keeps busy (the Node host, a build) hurts the same way: each of those
-small operations waits at its end for the thread that shares a core with that process, so
-decode on 2 cores with one kept busy ran at a quarter of its quiet speed (12 against 44–51
-tokens/s), and at 28–32 on one thread. :class:`CoreShare` measures how much of the cores
-others use and gives the model thread one thread fewer for each core they take.
+small operations waits at its end for the thread that shares a core with that process, and
+one thread on a core of its own is faster than two that share one with it (bench/README.md).
+:class:`CoreShare` measures how much of the cores others use and gives the model thread one
+thread fewer for each core they take.
 
 It does so only for a model whose every pass is the worker's native pass (native_forward.c:
 the int8 and gguf products split their outputs between threads, never a sum, and the
@@ -46,8 +46,9 @@ SHARE_FROM = 1 << 16
 
 def attention_work(pairs: int, dim: int) -> int:
     """The multiply-adds of attention over ``pairs`` query-key pairs of ``dim``-float heads: a
-    score and a weighted sum each (native_forward.c counts them the same way). Counted in pairs,
-    a decode step at a 2,000-token context stayed on one thread, its attention ~40% of the step."""
+    score and a weighted sum each (native_forward.c counts them the same way), so that
+    attention is measured against SHARE_FROM in the products' unit: counted in pairs, a decode
+    step's attention at a long context would stay on one thread."""
     return pairs * 2 * dim
 
 _state = threading.local()
@@ -97,7 +98,7 @@ def keep_to_one_thread() -> None:
 
 TAKE_AT = 0.5  # a core counts as taken once other processes keep more than half of one busy
 GIVE_BACK_BELOW = 0.3  # and is given back once they use less than 0.3 of it: no flapping at the edge
-INTERVAL_S = 0.25  # how often the model thread looks (a reading costs ~50 µs)
+INTERVAL_S = 0.25  # how often the model thread looks (a reading of /proc/stat is cheap beside a step)
 STALE_S = 1.0  # a longer look spans a time the model was idle: start a new one instead
 
 
