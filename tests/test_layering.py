@@ -21,10 +21,11 @@ def imported_top_levels(path: Path) -> set[str]:
             names.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module.split(".")[0])
-        elif isinstance(node, ast.Call) and _imports_by_name(node.func) and node.args:
-            first = node.args[0]
-            if isinstance(first, ast.Constant) and isinstance(first.value, str):
-                names.add(first.value.split(".")[0])
+        elif isinstance(node, ast.Call) and _imports_by_name(node.func):
+            named = node.args[:1] + [keyword.value for keyword in node.keywords if keyword.arg == "name"]
+            for first in named:
+                if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                    names.add(first.value.split(".")[0])
     return names
 
 
@@ -85,8 +86,8 @@ def test_the_checker_sees_imports_by_name(tmp_path: Path):
     module = tmp_path / "by_name.py"
     module.write_text("import importlib\nfrom importlib import import_module\n"
                       "def f():\n    importlib.import_module('torch.nn')\n    import_module('transformers')\n"
-                      "    __import__('numpy')\n")
-    assert imported_top_levels(module) == {"importlib", "torch", "transformers", "numpy"}
+                      "    __import__('numpy')\n    importlib.import_module(name='safetensors')\n")
+    assert imported_top_levels(module) == {"importlib", "torch", "transformers", "numpy", "safetensors"}
 
 
 def test_the_checker_reads_the_worker_s_and_the_protocol_s_files():
