@@ -30,7 +30,7 @@ from worker.kvcache.container import Identity, TensorEntry, cut_point
 from worker.kvcache.store import MEMORY, Candidate, CacheStore, StorableCache
 
 if TYPE_CHECKING:
-    from worker.constraints import OutputConstraint
+    from worker.grammar import OutputConstraint
 
 C = TypeVar("C", bound=StorableCache)
 

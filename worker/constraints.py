@@ -4,6 +4,8 @@
 llguidance grammar; at each token the backend sets the logits of every token the grammar does
 not allow to minus infinity before it chooses, and the grammar then takes the token chosen.
 Once the grammar is complete only an end-of-sequence token is allowed, so the output ends there.
+This module decides which grammar a request asks for; the grammar object a backend advances,
+and the model's vocabulary it needs, are worker/grammar.py's.
 
 llguidance (MIT) computes a token mask in well under a millisecond on the CPU for the schemas
 the tests use (bench/constraint_bench.py), checks a schema before any token is computed, and
@@ -17,12 +19,13 @@ spaces, a failure of small models that flexible whitespace allows.
 from __future__ import annotations
 
 import json
-import threading
 from typing import TYPE_CHECKING, Any
 
 from protocol.errors import ErrorKind, RpcError
 from protocol.methods import GenerateParams, JsonObjectFormat, JsonSchemaFormat, NamedToolChoice
 from worker.backends.base import Model
+from worker.grammar import GrammarError, OutputConstraint, short
+from worker.tool_calls import arguments_schema, forced_grammar
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -63,8 +66,6 @@ def _tool_schema_problems(params: GenerateParams, tokenizer: Any):
     """The fields of the tools' parameters that no grammar can be made of, one by one."""
     from llguidance import LLMatcher
 
-    from worker.tool_calls import arguments_schema
-
     for i, tool in enumerate(params.tools or []):
         try:
             grammar = LLMatcher.grammar_from_json_schema(arguments_schema(tool, i))
@@ -94,8 +95,6 @@ def grammar_for(
                 f"format ({tool_format or 'unknown'}) does not allow; use tool_choice \"auto\".",
                 field="params.tool_choice",
             )
-        from worker.tool_calls import forced_grammar
-
         only = params.tool_choice.function.name if isinstance(params.tool_choice, NamedToolChoice) else None
         grammar = forced_grammar(tool_format, params.tools or [], only, parallel=params.parallel_tool_calls)
         return grammar, "params.tool_choice"
@@ -111,84 +110,9 @@ def _json_grammar(schema: dict[str, Any], field: str) -> str:
     try:
         return LLMatcher.grammar_from_json_schema(schema, overrides=COMPACT_JSON)
     except ValueError as exc:  # not JSON llguidance can read (an integer past 64 bits, say)
-        raise RpcError(ErrorKind.INVALID_PARAMS, f"The JSON Schema is not valid: {_short(str(exc))}", field=field) from exc
+        raise RpcError(ErrorKind.INVALID_PARAMS, f"The JSON Schema is not valid: {short(str(exc))}", field=field) from exc
 
 
 def _choice(params: GenerateParams) -> str:
     choice = params.tool_choice
     return json.dumps(choice if isinstance(choice, str) else {"function": {"name": choice.function.name}})
-
-
-class GrammarTokenizer:
-    """A model's vocabulary as llguidance sees it; made once per model, on first use (about half
-    a second for a 49,152-token vocabulary)."""
-
-    def __init__(self, hf_tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
-        self._hf = hf_tokenizer
-        self._eos = sorted(eos_token_ids)
-        self._made: Any = None
-        self._lock = threading.Lock()
-
-    def get(self) -> Any:
-        with self._lock:
-            if self._made is None:
-                import llguidance.hf
-
-                self._made = llguidance.hf.from_tokenizer(self._hf, eos_token=self._eos)
-            return self._made
-
-
-class GrammarError(Exception):
-    """What a grammar cannot do, in one short line."""
-
-
-def _short(problem: str) -> str:
-    """llguidance's errors can carry the whole grammar (megabytes): the first line, cut short."""
-    line = problem.strip().split("\n", 1)[0]
-    return line if len(line) <= 300 else line[:300] + "…"
-
-
-class OutputConstraint:
-    """One request's grammar, advanced token by token (only the model thread touches it)."""
-
-    def __init__(self, tokenizer: Any, grammar: str, field: str) -> None:
-        """Raises GrammarError for a grammar llguidance refuses, or one that fails at once."""
-        from llguidance import LLMatcher
-
-        problem = LLMatcher.validate_grammar(grammar, tokenizer)
-        if problem:
-            raise GrammarError(_short(problem))
-        self._matcher = LLMatcher(tokenizer, grammar)
-        self._vocab = tokenizer.vocab_size
-        self._field = field
-        self._taken = 0
-        self._matcher.compute_bitmask()  # the first mask: where most such grammars fail
-        if self._matcher.is_error():
-            raise GrammarError(_short(self._matcher.get_error()))
-
-    def allowed(self, vocab_size: int) -> Any:
-        """A boolean numpy array of ``vocab_size``: True for the tokens that may come next."""
-        import numpy as np
-
-        bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        self._check()
-        allowed = np.zeros(vocab_size, dtype=bool)
-        n = min(vocab_size, self._vocab, bits.size)
-        allowed[:n] = bits[:n].astype(bool)
-        return allowed
-
-    def accept(self, token: int) -> None:
-        self._matcher.consume_token(token)
-        self._taken += 1
-        self._check()
-
-    def _check(self) -> None:
-        """A grammar can also fail later, when its parser reaches a limit (a schema that can only
-        recurse forever, a pattern too large, too many alternatives): the request fails then."""
-        if self._matcher.is_error():
-            raise RpcError(
-                ErrorKind.INVALID_PARAMS,
-                f"The output cannot be constrained to this: {_short(self._matcher.get_error())} "
-                f"(after {self._taken} tokens). Remove or rewrite that part.",
-                field=self._field,
-            )

@@ -18,13 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from worker.backends.base import Model, ReasoningModel
-
-
-class Markers(NamedTuple):
-    start: str
-    end: str
-
+from worker.backends.base import Markers, Model, ReasoningModel
 
 # The markers lm-worker recognizes, as a chat template declares them.
 KNOWN = (Markers("<think>", "</think>"),)

@@ -23,20 +23,19 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import msgspec
 
 from protocol.errors import RpcError
 from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo, Tool, ToolCall
+from worker.grammar import GrammarTokenizer, OutputConstraint
 
 # The scheduler feeds a prompt in chunks of at most this many tokens, so that a cancel is
 # seen within one chunk.
 PREFILL_CHUNK_TOKENS = 256
 
 if TYPE_CHECKING:  # the container is imported only where caches are used
-    from worker.constraints import GrammarTokenizer, OutputConstraint
-    from worker.reasoning import Markers
     from worker.kvcache.container import Header, Identity, LoadedCache, TensorEntry
     from worker.kvcache.store import StorableCache
 
@@ -136,6 +135,13 @@ class DraftingDecoding(Decoding, Protocol):
         """Whether another token can be chosen before the next step: a step that checked
         drafted tokens gives one more for each one the previous choice took."""
         ...
+
+
+class Markers(NamedTuple):
+    """What a reasoning model's thinking goes between, as its chat template declares them."""
+
+    start: str
+    end: str
 
 
 @runtime_checkable

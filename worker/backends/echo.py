@@ -22,7 +22,7 @@ CONTEXT_LENGTH = 1 << 20
 
 if TYPE_CHECKING:
     from worker.backends.base import Decoding
-    from worker.constraints import GrammarTokenizer, OutputConstraint
+    from worker.grammar import GrammarTokenizer, OutputConstraint
 
 
 class EchoModel:

@@ -52,7 +52,7 @@ from worker.backends.openai.engine import MAX_EVENT_BYTES, Engine, EngineAddress
 from worker.tool_calls import template_dict
 
 if TYPE_CHECKING:
-    from worker.constraints import GrammarTokenizer, OutputConstraint
+    from worker.grammar import GrammarTokenizer, OutputConstraint
 
 T = TypeVar("T")
 

@@ -31,13 +31,13 @@ from worker import chat_template, prompt_lookup, reasoning, tool_calls
 from worker.files import is_regular
 from worker.backends.base import PREFILL_CHUNK_TOKENS, Decoding
 from worker.backends.transformers.torch_threads import CoreShare
-from worker.constraints import GrammarTokenizer
+from worker.grammar import GrammarTokenizer
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
-    from worker.constraints import OutputConstraint
+    from worker.grammar import OutputConstraint
     from worker.kvcache.container import Header, Identity, LoadedCache, TensorEntry, TensorSpec
     from worker.backends.transformers.torch_adapter import TorchCache
 
