@@ -23,23 +23,23 @@ CODE = (
 
 def test_the_draft_is_what_followed_the_latest_earlier_occurrence_of_the_tail():
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
-    assert draft(tokens, max_tokens=2, ngram_max=3, ngram_min=1) == [7, 8]
+    assert draft(tokens, draft_tokens=2, ngram_max=3, ngram_min=1) == [7, 8]
 
 
 def test_the_longest_tail_that_occurred_before_wins_over_a_later_shorter_one():
     tokens = [4, 2, 3, 5, 6, 9, 3, 7, 4, 2, 3]  # "3" alone was last followed by 7; "2 3" by 5
-    assert draft(tokens, max_tokens=2, ngram_max=2, ngram_min=1) == [5, 6]
-    assert draft(tokens, max_tokens=2, ngram_max=1, ngram_min=1) == [7, 4]
+    assert draft(tokens, draft_tokens=2, ngram_max=2, ngram_min=1) == [5, 6]
+    assert draft(tokens, draft_tokens=2, ngram_max=1, ngram_min=1) == [7, 4]
 
 
 def test_no_draft_without_an_earlier_occurrence_or_room():
-    assert draft([1, 2, 3, 4], max_tokens=4, ngram_max=3, ngram_min=1) == []
-    assert draft([5, 6, 5, 6], max_tokens=4, ngram_max=3, ngram_min=3) == []
-    assert draft([5, 6, 5, 6], max_tokens=0, ngram_max=2, ngram_min=1) == []
+    assert draft([1, 2, 3, 4], draft_tokens=4, ngram_max=3, ngram_min=1) == []
+    assert draft([5, 6, 5, 6], draft_tokens=4, ngram_max=3, ngram_min=3) == []
+    assert draft([5, 6, 5, 6], draft_tokens=0, ngram_max=2, ngram_min=1) == []
 
 
 def test_a_draft_stops_at_the_end_of_the_sequence():
-    assert draft([7, 1, 7], max_tokens=8, ngram_max=1, ngram_min=1) == [1, 7]
+    assert draft([7, 1, 7], draft_tokens=8, ngram_max=1, ngram_min=1) == [1, 7]
 
 
 async def loaded(spawn_worker: SpawnWorker, model: str, *flags: str, **load) -> Host:

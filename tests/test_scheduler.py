@@ -108,8 +108,8 @@ class CountingDecoding:
     prompt_left: int
     tokens: int = 0
 
-    def feed(self, max_tokens: int) -> None:
-        self.prompt_left -= min(self.prompt_left, max_tokens)
+    def feed(self, chunk_tokens: int) -> None:
+        self.prompt_left -= min(self.prompt_left, chunk_tokens)
 
     def next_token(self) -> int:
         self.tokens += 1
@@ -133,9 +133,9 @@ class CountingModel:
         self.steps.append(len(decodings))
         self.chunks_in_steps.append(len(chunks))
         self.clock[0] += self.step_s + self.seq_s * len(decodings)
-        for decoding, max_tokens in chunks:
+        for decoding, chunk_tokens in chunks:
             before = decoding.prompt_left
-            decoding.feed(max_tokens)
+            decoding.feed(chunk_tokens)
             self.chunks.append(before - decoding.prompt_left)
             self.clock[0] += self.chunk_s(self.chunks[-1])
 
@@ -154,9 +154,9 @@ class CountingTask:
     def is_cancelled(self) -> bool:
         return self.cancelled
 
-    def feed(self, max_tokens: int) -> None:
+    def feed(self, chunk_tokens: int) -> None:
         before = self.decoding.prompt_left
-        self.decoding.feed(max_tokens)
+        self.decoding.feed(chunk_tokens)
         fed = before - self.decoding.prompt_left
         self.model.chunks.append(fed)
         self.model.clock[0] += self.model.chunk_s(fed)

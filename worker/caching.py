@@ -119,8 +119,8 @@ class Prefill:
         self._is_cancelled = is_cancelled
         self._progress = _progress(send_progress, request_id, len(tokens), reused)
 
-    def feed(self, max_tokens: int) -> None:
-        self.decoding.feed(max_tokens)
+    def feed(self, chunk_tokens: int) -> None:
+        self.decoding.feed(chunk_tokens)
         self.chunk_taken()
 
     def chunk_taken(self) -> None:

@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def draft(tokens: Sequence[int], *, max_tokens: int, ngram_max: int, ngram_min: int) -> list[int]:
-    """At most ``max_tokens`` tokens that followed the latest earlier occurrence of the
+def draft(tokens: Sequence[int], *, draft_tokens: int, ngram_max: int, ngram_min: int) -> list[int]:
+    """At most ``draft_tokens`` tokens that followed the latest earlier occurrence of the
     sequence's last n tokens, for the longest n from ``ngram_max`` down to ``ngram_min``
     that occurred before; none when none did."""
-    if max_tokens <= 0:
+    if draft_tokens <= 0:
         return []
     length = len(tokens)
     for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
@@ -26,5 +26,5 @@ def draft(tokens: Sequence[int], *, max_tokens: int, ngram_max: int, ngram_min: 
         # the latest occurrence that ends before the tail does, scanning backwards
         for start in range(length - n - 1, -1, -1):
             if tokens[start] == tail[0] and list(tokens[start : start + n]) == tail:
-                return list(tokens[start + n : start + n + max_tokens])
+                return list(tokens[start + n : start + n + draft_tokens])
     return []

@@ -99,8 +99,8 @@ class Decoding(Protocol):
         """Prompt tokens not fed yet."""
         ...
 
-    def feed(self, max_tokens: int) -> None:
-        """Feed the next at most ``max_tokens`` (at least one) prompt tokens. A backend may
+    def feed(self, chunk_tokens: int) -> None:
+        """Feed the next at most ``chunk_tokens`` (at least one) prompt tokens. A backend may
         feed fewer, to stop at a position where its cache can be cut back later."""
         ...
 

@@ -106,8 +106,8 @@ class EchoDecoding:
         self._delay_s = delay_s
         self.prompt_left = len(prompt)
 
-    def feed(self, max_tokens: int) -> None:
-        self.prompt_left = max(0, self.prompt_left - max(1, max_tokens))
+    def feed(self, chunk_tokens: int) -> None:
+        self.prompt_left = max(0, self.prompt_left - max(1, chunk_tokens))
         if not self.prompt_left and self._delay_s:  # the first token takes a step too
             time.sleep(self._delay_s)
 

@@ -431,7 +431,7 @@ class EngineDecoding:
         self._params = params
         threading.Thread(target=self._read, name="lm-worker-engine-stream", daemon=True).start()
 
-    def feed(self, max_tokens: int) -> None:
+    def feed(self, chunk_tokens: int) -> None:
         raise AssertionError("the engine computes the prompt: nothing to feed")
 
     def has_next(self) -> bool:

@@ -700,7 +700,7 @@ class TransformersDecoding:
         if self._lookup is not None:
             room = self._max_length - len(self.tokens) - 1  # the step chooses one token past the draft
             self._draft = prompt_lookup.draft(
-                self.tokens, max_tokens=min(self._draft_length, room),
+                self.tokens, draft_tokens=min(self._draft_length, room),
                 ngram_max=self._lookup.ngram_max, ngram_min=self._lookup.ngram_min,
             )
             self.drafted_tokens += len(self._draft)
@@ -715,14 +715,14 @@ class TransformersDecoding:
         longer = max(self._draft_length, 2 * taken) if taken == len(self._draft) else taken + 1
         self._draft_length = min(self._lookup.draft_tokens, longer)
 
-    def next_chunk(self, max_tokens: int) -> list[int]:
-        """The next at most ``max_tokens`` prompt tokens, for a step that feeds them beside
+    def next_chunk(self, chunk_tokens: int) -> list[int]:
+        """The next at most ``chunk_tokens`` prompt tokens, for a step that feeds them beside
         decoding sequences (models without linear-attention states only: no cut to keep)."""
         assert not self.cache.has_states
         start = self.cache.length
-        return self.tokens[start : min(self._prompt_length, start + max(1, max_tokens))]
+        return self.tokens[start : min(self._prompt_length, start + max(1, chunk_tokens))]
 
-    def feed(self, max_tokens: int) -> None:
+    def feed(self, chunk_tokens: int) -> None:
         """A cache with linear-attention states keeps them at the last two positions of the
         prompt (a later request can then reuse the whole sequence, or all of it but the last
         token, which a prompt equal to this one feeds again): a chunk that holds the last
@@ -730,7 +730,7 @@ class TransformersDecoding:
         import torch
 
         start, end = self.cache.length, self._prompt_length
-        stop = min(end, start + max(1, max_tokens))
+        stop = min(end, start + max(1, chunk_tokens))
         cuts = [end - 1, stop] if self.cache.has_states and start < end - 1 < stop else [stop]
         with torch.inference_mode():
             for cut in cuts:
