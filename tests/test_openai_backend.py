@@ -245,7 +245,7 @@ def test_a_step_waiting_on_quiet_streams_returns_when_the_lane_is_woken(misbehav
     model.step([decoding])
     while not decoding.has_next():
         model.step([decoding])
-    decoding.next_delta()
+    decoding.next_piece()
     threading.Timer(0.2, model.wake).start()
     started = time.monotonic()
     model.step([decoding])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import msgspec
 
@@ -25,7 +25,7 @@ from protocol.methods import (
     SkippedCache,
 )
 from worker.backends.base import CachingDecoding, CachingModel, Decoding, Model
-from worker.generation import CacheReport, prefill_prompt
+from worker.generation import AUTO, CacheReport, prefill_prompt
 from worker.kvcache.container import Identity, TensorEntry, cut_point
 from worker.kvcache.store import MEMORY, Candidate, CacheStore, StorableCache
 
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 
 C = TypeVar("C", bound=StorableCache)
 
-AUTO: Final = "auto"
 AUTO_PREFIX = "auto-"  # the refs auto stores under; an auto cache another one extends is deleted
 # Restoring a token costs far less than computing it (bench/README.md, "Figures behind
 # constants"), so a stored cache is worth loading when it saves a few tokens and at least

@@ -1,12 +1,18 @@
-"""The generate request, backend-independent: prompt, limits, streaming, counts, timings."""
+"""The generate request, backend-independent: prompt, limits, streaming, counts, timings.
+
+A generation takes its tokens from a :class:`TokenSource`: a local model's steps
+(:class:`LocalSteps`), or an engine's stream (worker/backends/openai/generation.py). One loop
+(:meth:`Generation.advance`) takes what the source made since the last step, and every limit
+(the context, max_tokens, stop strings, a cancel) is applied there, the same way to both.
+"""
 
 from __future__ import annotations
 
 import time
-from typing import Literal, Protocol
+from typing import Final, Literal, Protocol
 
 import msgspec
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from protocol.errors import ErrorKind, RpcError
 from protocol.methods import (
@@ -16,29 +22,23 @@ from protocol.methods import (
     GenerateParams,
     GenerateResult,
     PrefillParams,
-    PrefillResult,
     StopReason,
     Timings,
     Tool,
     ToolCall,
     Usage,
 )
-from worker.backends.base import (
-    Decoding,
-    DraftingDecoding,
-    DraftingModel,
-    EngineDelta,
-    EngineModel,
-    Model,
-    StreamedDecoding,
-    StreamEnd,
-)
-from worker.constraints import OutputConstraint
+from worker.backends.base import Decoding, DraftingDecoding, DraftingModel, Model, Piece
+from worker.grammar import OutputConstraint
 from worker.reasoning import ReasoningSplitter, splitter_for
 from worker.streaming import IncrementalDetokenizer, StopMatcher
 from worker.tool_calls import call_reader, for_template, request_tools
 
 SendChunk = Callable[[GenerateChunk], None]
+
+# The cache ref that leaves the choice to the worker (caching.py) or an engine: reuse the longest
+# stored prefix, store the sequence computed.
+AUTO: Final = "auto"
 
 
 class PromptSource(msgspec.Struct, frozen=True):
@@ -145,7 +145,10 @@ def prefill_prompt(model: Model, params: PrefillParams) -> list[int]:
     return tokens
 
 
-def check_context(model: Model, prompt_length: int, max_tokens: int) -> None:
+def check_context(model: Model, prompt_length: int | None, max_tokens: int) -> None:
+    """A prompt has tokens, and leaves room for max_tokens in the model's context: where its
+    length is known (``prompt_length`` None: an engine has not counted it yet, so max_tokens must
+    leave room for one token), and the model's context is (0: the backend cannot tell)."""
     if prompt_length == 0:
         raise RpcError(
             ErrorKind.INVALID_PARAMS,
@@ -153,6 +156,18 @@ def check_context(model: Model, prompt_length: int, max_tokens: int) -> None:
             field="params.prompt",
         )
     context = model.info.context_length
+    if not context:
+        return
+    if prompt_length is None:
+        if max_tokens >= context:
+            raise RpcError(
+                ErrorKind.CONTEXT_OVERFLOW,
+                f"max_tokens is {max_tokens}, which leaves no room for a prompt in the model's context of "
+                f"{context} tokens; lower max_tokens.",
+                field="params.max_tokens",
+                limit=context,
+            )
+        return
     if prompt_length + max_tokens > context:
         raise RpcError(
             ErrorKind.CONTEXT_OVERFLOW,
@@ -160,44 +175,6 @@ def check_context(model: Model, prompt_length: int, max_tokens: int) -> None:
             f"the model's context of {context} tokens; shorten the prompt or lower max_tokens.",
             field="params.max_tokens",
             limit=context,
-        )
-
-
-def check_engine_request(model: Model, params: GenerateParams) -> None:
-    """What a request to an engine may not ask (the engine resolves the prompt and keeps its
-    own cache; the rest of the checks are the engine's)."""
-    check_source(PromptSource(params.prompt, params.tokens, params.messages))
-    request_tools(params)
-    check_draft(model, params)
-    if params.cache not in (None, "auto") or params.cache_trim_tokens is not None:
-        field = "params.cache" if params.cache_trim_tokens is None else "params.cache_trim_tokens"
-        raise RpcError(
-            ErrorKind.UNSUPPORTED,
-            f"The {model.info.backend} backend's server keeps the KV cache in its own memory, so the worker "
-            'cannot store or read a named or memory:// cache; send cache: "auto" to let the server reuse '
-            "prefixes it has computed (usage.cache_read_tokens reports them), or no cache.",
-            field=field,
-        )
-    if params.tools and params.messages is None:
-        raise RpcError(
-            ErrorKind.UNSUPPORTED,
-            f"The {model.info.backend} backend passes tools to the server's chat endpoint, which takes "
-            "'messages'; send the conversation as messages.",
-            field="params.tools",
-        )
-    # What can be told before the engine counts the prompt, refused as a local model refuses it
-    # (the engine's own refusals name no field, or the wrong error kind).
-    if params.prompt == "" or params.tokens == []:
-        check_context(model, 0, params.max_tokens)  # the engine has no tokens to start from either
-    elif params.tokens is not None and model.info.context_length:
-        check_context(model, len(params.tokens), params.max_tokens)
-    elif 0 < model.info.context_length <= params.max_tokens:
-        raise RpcError(
-            ErrorKind.CONTEXT_OVERFLOW,
-            f"max_tokens is {params.max_tokens}, which leaves no room for a prompt in the model's context of "
-            f"{model.info.context_length} tokens; lower max_tokens.",
-            field="params.max_tokens",
-            limit=model.info.context_length,
         )
 
 
@@ -220,48 +197,80 @@ def check_draft(model: Model, params: GenerateParams) -> None:
         )
 
 
-class Generation:
-    """One generate request on its way: the scheduler feeds its prompt and steps it; each token
-    goes through the stream (text deltas, stop strings) and the limits, until something stops it."""
+class TokenSource(Protocol):
+    """Where a generation's tokens come from: a local model's steps (LocalSteps) or an engine's
+    stream (worker/backends/openai/generation.py's EngineStream)."""
+
+    @property
+    def decoding(self) -> Decoding:
+        """What the scheduler feeds and steps."""
+        ...
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's tokens; 0 until counted (an engine counts them once its stream begins)."""
+        ...
+
+    @property
+    def cached_tokens(self) -> int:
+        """Of the prompt's tokens, those a cache supplied."""
+        ...
+
+    @property
+    def reasoning(self) -> ReasoningSplitter | None:
+        """What tells the thinking in the text apart from the answer; None: none of it is thinking."""
+        ...
+
+    @property
+    def drafted_tokens(self) -> int: ...
+
+    @property
+    def accepted_tokens(self) -> int: ...
+
+    def pieces(self) -> Iterator[Piece]:
+        """What the last step (or the prompt's last chunk) made, each piece computed only when it
+        is taken: a generation that stops takes no more."""
+        ...
+
+    def end(self, tokens: Sequence[int]) -> StopReason | None:
+        """How the source itself ended the sequence (``tokens``: those taken), once every piece
+        is taken; None while it goes on. Raises what broke it."""
+        ...
+
+    def flush(self) -> str:
+        """The text held back at the end (the start of a character not yet whole)."""
+        ...
+
+    def close(self) -> None:
+        """Stop the source's work (an engine's request); idempotent."""
+        ...
+
+    def report(self, tokens: Sequence[int]) -> CacheReport | None:
+        """After the last token: what the result says of the cache (None: no cache was asked for)."""
+        ...
+
+
+class LocalSteps:
+    """A local model's decoding as a token source: each step chooses one token, or more where it
+    checked a draft; its text comes from the incremental detokenizer."""
 
     def __init__(
         self,
         model: Model,
         params: GenerateParams,
-        prompt: list[int],
-        *,
-        request_id: int | str,
-        is_cancelled: Callable[[], bool],
-        send_chunk: SendChunk,
-        queued_ms: float,
-        acked: Callable[[], int] = lambda: -1,
+        prompt: Sequence[int],
         cache: CacheLifecycle | None = None,
-        started: float | None = None,
         constraint: OutputConstraint | None = None,
-        streamed: StreamedDecoding | None = None,
     ) -> None:
-        """``streamed``: the request as an engine runs it (an EngineModel's submit); then
-        ``prompt`` is empty, and the engine's counts arrive with its stream."""
-        self.model = model
-        self._params = params
-        self._is_cancelled = is_cancelled
-        self._queued_ms = queued_ms
-        self._cache = cache
-        self._started = started or time.perf_counter()
-        detokenizer = None if streamed is not None else IncrementalDetokenizer(model.detokenize, prompt)
+        self._eos = model.eos_token_ids
+        self._detokenizer = IncrementalDetokenizer(model.detokenize, prompt)
         # A constrained output is the answer the grammar asked for, never thinking: after a prompt
         # that opens the thinking too, and a marker inside it (a JSON string's "<think>") is text.
-        answer_only = streamed is not None or constraint is not None
-        self._stream = _Stream(
-            model, params, request_id, len(prompt), cache.reused if cache else 0, send_chunk, acked, detokenizer,
-            None if answer_only else splitter_for(model, prompt),
-        )
-        self._first_token_at: float | None = None
-        self._stop: StopReason | None = None
-        self._streamed = streamed
-        if streamed is not None:
-            self.decoding: Decoding = streamed
-        elif cache is not None:
+        self.reasoning = None if constraint is not None else splitter_for(model, prompt)
+        self.prompt_tokens = len(prompt)
+        self.cached_tokens = cache.reused if cache is not None else 0
+        self._cache = cache
+        if cache is not None:
             self.decoding = cache.start(params, constraint)
         else:
             self.decoding = model.start(prompt, params, constraint=constraint)
@@ -269,9 +278,69 @@ class Generation:
         drafting = self.decoding if params.draft is not None else None
         self._drafting = drafting if isinstance(drafting, DraftingDecoding) else None
 
-    def feed(self, max_tokens: int) -> None:
+    @property
+    def drafted_tokens(self) -> int:
+        return self._drafting.drafted_tokens if self._drafting else 0
+
+    @property
+    def accepted_tokens(self) -> int:
+        return self._drafting.accepted_tokens if self._drafting else 0
+
+    def pieces(self) -> Iterator[Piece]:
+        while True:
+            token = self.decoding.next_token()
+            eos = token in self._eos
+            yield Piece(tokens=[token], text="" if eos else self._detokenizer.push(token), eos=eos)
+            if self._drafting is None or not self._drafting.has_next():
+                return
+
+    def end(self, tokens: Sequence[int]) -> StopReason | None:
+        return None  # a local model's sequence ends with one of its tokens (Piece.eos)
+
+    def flush(self) -> str:
+        return self._detokenizer.flush()
+
+    def close(self) -> None:
+        pass  # nothing runs outside the model lane's steps
+
+    def report(self, tokens: Sequence[int]) -> CacheReport | None:
+        return self._cache.finish(tokens) if self._cache is not None else None
+
+
+class Generation:
+    """One generate request on its way: the scheduler feeds its prompt and steps it; what each
+    step made goes through the stream (text deltas, stop strings) and the limits, until
+    something stops it."""
+
+    def __init__(
+        self,
+        model: Model,
+        params: GenerateParams,
+        source: TokenSource,
+        *,
+        request_id: int | str,
+        is_cancelled: Callable[[], bool],
+        send_chunk: SendChunk,
+        queued_ms: float,
+        acked: Callable[[], int] = lambda: -1,
+        started: float | None = None,
+    ) -> None:
+        self.model = model
+        self.decoding = source.decoding
+        self._params = params
+        self._source = source
+        self._is_cancelled = is_cancelled
+        self._queued_ms = queued_ms
+        self._started = started or time.perf_counter()
+        self._stream = _Stream(
+            model, params, request_id, source.prompt_tokens, source.cached_tokens, send_chunk, acked, source.reasoning
+        )
+        self._first_token_at: float | None = None
+        self._stop: StopReason | None = None
+
+    def feed(self, chunk_tokens: int) -> None:
         """A chunk of the prompt; the first token once the prompt is in."""
-        self.decoding.feed(max_tokens)
+        self.decoding.feed(chunk_tokens)
         self.chunk_taken()
 
     def chunk_taken(self) -> None:
@@ -280,82 +349,52 @@ class Generation:
             self.advance()
 
     def advance(self) -> None:
-        """Take the tokens the last step (or the prompt's last chunk) made possible: one, or
-        more where it checked a draft; a request cancelled meanwhile takes none."""
-        if self._streamed is not None:
-            try:
-                self._take_deltas(self._streamed)
-            except BaseException:
-                self.close()  # the request fails here: the engine must not go on computing it
-                raise
-            return
-        while not self.done:
-            token = self.decoding.next_token()
-            self._first_token_at = self._first_token_at or time.perf_counter()
-            self._stop = self._stream.push(token)
-            if self._stop is None and len(self._stream.tokens) >= self._params.max_tokens:
-                self._stop = _reason("max_tokens")
-            if self._drafting is None or not self._drafting.has_next():
-                return
+        """Take what the last step (or the prompt's last chunk) made, until something stops the
+        generation; a request cancelled meanwhile takes nothing."""
+        try:
+            self._count_prompt()
+            pieces = self._source.pieces()
+            while not self.done and (piece := next(pieces, None)) is not None:
+                self._first_token_at = self._first_token_at or time.perf_counter()
+                self._stop = self._stream.push(piece)
+                if self._stop is None and self._stream.generated >= self._params.max_tokens:
+                    self._stop = stop_reason("max_tokens")
+            if not self.done:
+                self._stop = self._source.end(self._stream.tokens)
+        except BaseException:
+            self.close()  # the request fails here: an engine must not go on computing it
+            raise
 
-    def _take_deltas(self, decoding: StreamedDecoding) -> None:
-        """Everything an engine's stream has received since the last step: any number of deltas,
-        none included; then how the stream ended, once it has."""
+    def _count_prompt(self) -> None:
+        """The prompt's counts as the source has them. A prompt counted only once the source runs
+        (an engine's) is checked against the context then, as a local one was before it started."""
         counted_before = self._stream.prompt_tokens
-        self._stream.counts(decoding.prompt_tokens, decoding.cached_tokens or 0)
-        if decoding.prompt_tokens and not counted_before and self.model.info.context_length:
-            # The engine would cut max_tokens short in silence; a local model refuses: so does this.
-            check_context(self.model, decoding.prompt_tokens, self._params.max_tokens)
-        while not self.done and decoding.has_next():
-            self._first_token_at = self._first_token_at or time.perf_counter()
-            self._stop = self._stream.push_delta(decoding.next_delta())
-            if self._stop is None and self._stream.generated >= self._params.max_tokens:
-                self._stop = _reason("max_tokens")
-        end = decoding.end
-        if self.done or end is None or decoding.has_next():
-            return
-        if end.error is not None:
-            raise end.error
-        self._stop = _engine_stop(end, self._stream.tokens)
+        self._stream.counts(self._source.prompt_tokens, self._source.cached_tokens)
+        if self._source.prompt_tokens and not counted_before:
+            check_context(self.model, self._source.prompt_tokens, self._params.max_tokens)
 
     @property
     def done(self) -> bool:
         if self._stop is None and self._is_cancelled():
-            self._stop = _reason("cancelled")
+            self._stop = stop_reason("cancelled")
         return self._stop is not None
 
-    def _engine_cache_use(self) -> CacheUse | None:
-        """What ``cache: "auto"`` did on an engine: its prefix cache's reuse; nothing is stored by
-        the worker (the engine keeps what it computed as long as its memory allows)."""
-        if self._streamed is None or self._params.cache != "auto":
-            return None
-        reused = self._stream.cache_read_tokens
-        return CacheUse(
-            mode="auto", ref=None, reused_tokens=reused,
-            reason=None if reused else "the server's prefix cache held none of this prompt",
-            skipped=[], stored=None, stored_tokens=0,
-            store_reason="the server keeps its own prefix cache; the worker stores nothing on this backend",
-        )
-
     def close(self) -> None:
-        """Let go of the engine's request, if any (it stops computing): after the end, a
-        cancel or a failure."""
-        if self._streamed is not None:
-            self._streamed.close()
+        """Let go of the source's work: after the end, a cancel or a failure."""
+        self._source.close()
 
     def finish(self) -> GenerateResult:
         assert self.done  # which sets _stop for a cancel
         stop = self._stop
         assert stop is not None
         self.close()
-        if self._streamed is not None:  # the counts as the engine's last events gave them
-            self._stream.counts(self._streamed.prompt_tokens, self._streamed.cached_tokens or 0)
-        self._stream.finish()
+        self._stream.counts(self._source.prompt_tokens, self._source.cached_tokens)  # as an engine's last events gave them
+        self._stream.finish(self._source.flush())
         finished = time.perf_counter()
         first = self._first_token_at or finished
         decode_s = finished - first
         tokens = self._stream.tokens
-        report = self._cache.finish(tokens) if self._cache is not None else None
+        report = self._source.report(tokens)
         calls = self._stream.tool_calls
         made_calls = any(call.error is None for call in calls) and stop.kind in ("eos", "stop_string")
         return GenerateResult(
@@ -373,80 +412,16 @@ class Generation:
                 cache_write_tokens=report.written_tokens if report else 0,
                 reasoning_tokens=self._stream.reasoning_tokens,
             ),
-            cache=report.use if report else self._engine_cache_use(),
+            cache=report.use if report else None,
             timings=Timings(
                 queued_ms=self._queued_ms,
                 prompt_ms=(first - self._started) * 1000.0,
                 decode_ms=decode_s * 1000.0,
                 total_ms=(finished - self._started) * 1000.0,
                 tokens_per_second=(self._stream.generated - 1) / decode_s if decode_s > 0 and self._stream.generated > 1 else 0.0,
-                draft_tokens=self._drafting.drafted_tokens if self._drafting else 0,
-                draft_accepted_tokens=self._drafting.accepted_tokens if self._drafting else 0,
+                draft_tokens=self._source.drafted_tokens,
+                draft_accepted_tokens=self._source.accepted_tokens,
             ),
-        )
-
-
-class EnginePrefill:
-    """A prefill on an engine: the prompt sent as a request for one token, so that the engine's
-    prefix cache holds it for the requests after; what the engine read from that cache and
-    computed is the answer. Only ``cache: "auto"`` names where the result goes: the engine's
-    own memory."""
-
-    def __init__(self, generation: Generation, started: float) -> None:
-        self._generation = generation
-        self._started = started
-        self.model = generation.model
-        self.decoding = generation.decoding
-
-    @classmethod
-    def start(
-        cls, model: EngineModel, params: PrefillParams, *, request_id: int | str, is_cancelled: Callable[[], bool]
-    ) -> EnginePrefill:
-        started = time.perf_counter()
-        backend = model.info.backend
-        if params.cache != "auto" or params.base is not None or params.trim_to_tokens is not None:
-            field = "params.cache" if params.cache != "auto" else "params.base" if params.base else "params.trim_to_tokens"
-            raise RpcError(
-                ErrorKind.UNSUPPORTED,
-                f"The {backend} backend's server keeps the KV cache in its own memory, so a prefill cannot store a "
-                'named or memory:// cache or start from one; send cache: "auto" (and no base) to compute the '
-                "prompt into the server's prefix cache.",
-                field=field,
-            )
-        one = GenerateParams(
-            prompt=params.prompt, tokens=params.tokens, messages=params.messages, tools=params.tools,
-            add_special_tokens=params.add_special_tokens, max_tokens=1, stream=False,
-        )
-        check_engine_request(model, one)  # what is known bad (an empty prompt, one past the context) is not sent
-        decoding = model.submit(one, add_generation_prompt=params.add_generation_prompt)
-        generation = Generation(
-            model, one, [], request_id=request_id, is_cancelled=is_cancelled, send_chunk=lambda chunk: None,
-            queued_ms=0.0, started=started, streamed=decoding,
-        )
-        return cls(generation, started)
-
-    def feed(self, max_tokens: int) -> None:
-        raise AssertionError("the engine computes the prompt")
-
-    def chunk_taken(self) -> None:
-        raise AssertionError("the engine computes the prompt")
-
-    def advance(self) -> None:
-        self._generation.advance()
-
-    @property
-    def done(self) -> bool:
-        return self._generation.done
-
-    def finish(self) -> PrefillResult:
-        result = self._generation.finish()
-        if result.finish_reason == "cancelled":
-            raise RpcError(ErrorKind.REQUEST_CANCELLED, "prefill was cancelled; the server may hold part of it.")
-        usage = result.usage
-        return PrefillResult(
-            cache="auto", token_count=usage.prompt_tokens, cache_read_tokens=usage.cache_read_tokens,
-            cache_write_tokens=usage.prompt_tokens - usage.cache_read_tokens, bytes=0,
-            time_ms=(time.perf_counter() - self._started) * 1000.0,
         )
 
 
@@ -459,7 +434,7 @@ def cancelled_before_start(queued_ms: float) -> GenerateResult:
         reasoning="",
         tool_calls=[],
         finish_reason="cancelled",
-        stop_reason=_reason("cancelled"),
+        stop_reason=stop_reason("cancelled"),
         usage=Usage(prompt_tokens=0, completion_tokens=0, cache_read_tokens=0, cache_write_tokens=0, reasoning_tokens=0),
         timings=Timings(
             queued_ms=queued_ms, prompt_ms=0.0, decode_ms=0.0, total_ms=0.0, tokens_per_second=0.0,
@@ -469,18 +444,8 @@ def cancelled_before_start(queued_ms: float) -> GenerateResult:
     )
 
 
-def _reason(kind: StopKind, *, token: int | None = None, stop: str | None = None) -> StopReason:
+def stop_reason(kind: StopKind, *, token: int | None = None, stop: str | None = None) -> StopReason:
     return StopReason(kind=kind, token=token, stop=stop)
-
-
-def _engine_stop(end: StreamEnd, tokens: list[int]) -> StopReason:
-    """How an engine's own end reads in the worker's terms: its length limit (or context) as
-    max_tokens, its stop string as one, anything else (end of sequence, tool calls) as eos."""
-    if end.reason == "length":
-        return _reason("max_tokens")
-    if end.stop is not None:
-        return _reason("stop_string", stop=end.stop)
-    return _reason("eos", token=tokens[-1] if tokens else None)
 
 
 StopKind = Literal["eos", "stop_string", "max_tokens", "cancelled"]
@@ -490,7 +455,8 @@ _FINISH_REASONS: dict[StopKind, Literal["stop", "length", "cancelled"]] = {
 
 
 class _Stream:
-    """Token ids in; stable text deltas out as chunks; the final text is their concatenation.
+    """Pieces in (token ids and their text); stable text deltas out as chunks; the final text is
+    their concatenation.
 
     With a ``stream_window``, at most that many chunks are out past the last one the host
     acknowledged; the text of later tokens waits unsent, merged into one chunk, until an ack
@@ -506,19 +472,15 @@ class _Stream:
         cache_read_tokens: int,
         send_chunk: SendChunk,
         acked: Callable[[], int],
-        detokenizer: IncrementalDetokenizer | None,
-        reasoning: ReasoningSplitter | None = None,
+        reasoning: ReasoningSplitter | None,
     ) -> None:
-        """``detokenizer`` None: the text comes with the tokens (an engine's deltas, push_delta).
-        ``reasoning`` None: no text is thinking (worker/reasoning.py)."""
-        self._eos = model.eos_token_ids
-        self._detok = detokenizer
+        """``reasoning`` None: no text is thinking (worker/reasoning.py)."""
         self._stops = StopMatcher(params.stop)
         self._send = send_chunk if params.stream else None
         self._request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.cache_read_tokens = cache_read_tokens
-        self._pieces: list[str] = []
+        self._texts: list[str] = []
         self._contents: list[str] = []
         self._reasoning = reasoning
         self._reasonings: list[str] = []
@@ -534,12 +496,12 @@ class _Stream:
         self._made_calls: list[ToolCall] = []
 
     def counts(self, prompt_tokens: int, cache_read_tokens: int) -> None:
-        """The prompt's counts as an engine reported them (known only once its stream starts)."""
+        """The prompt's counts as the source has them (an engine's, once its stream has said)."""
         self.prompt_tokens, self.cache_read_tokens = prompt_tokens, cache_read_tokens
 
     @property
     def text(self) -> str:
-        return "".join(self._pieces)
+        return "".join(self._texts)
 
     @property
     def content(self) -> str:
@@ -553,37 +515,26 @@ class _Stream:
     def tool_calls(self) -> list[ToolCall]:
         return self._made_calls
 
-    def push(self, token: int) -> StopReason | None:
-        assert self._detok is not None
-        self.tokens.append(token)
-        self.generated += 1
-        if token in self._eos:
-            self._emit("", [token])
-            return _reason("eos", token=token)
-        text, stop = self._stops.push(self._detok.push(token))
-        self._emit(text, [token])
+    def push(self, piece: Piece) -> StopReason | None:
+        """A piece's text (stop strings matched here), its token ids, and the calls an engine's
+        parser completed with it."""
+        self.tokens += piece.tokens
+        self.generated += piece.counted
+        text, stop = self._stops.push(piece.text)
+        self._emit(text, piece.tokens, calls=piece.calls)
+        if piece.eos:
+            return stop_reason("eos", token=piece.tokens[-1])
         if stop is not None:
             self._stopped = True
-            return _reason("stop_string", stop=stop)
+            return stop_reason("stop_string", stop=stop)
         return None
 
-    def push_delta(self, delta: EngineDelta) -> StopReason | None:
-        """An engine's delta: its text (stop strings matched here, as for local models), its
-        token ids, and the calls its parser completed."""
-        self.tokens += delta.tokens
-        self.generated += delta.counted
-        text, stop = self._stops.push(delta.text)
-        self._emit(text, delta.tokens, text, delta.calls)
-        if stop is not None:
-            self._stopped = True
-            return _reason("stop_string", stop=stop)
-        return None
-
-    def finish(self) -> None:
-        """Emit what was held back (unless a stop string ended the text), and what a slow
-        reader's window left unsent: the stream is whole before the result."""
+    def finish(self, held: str) -> None:
+        """Emit what was held back (``held``: the source's text, then the stop matcher's), unless a
+        stop string ended the text, and what a slow reader's window left unsent: the stream is
+        whole before the result."""
         if not self._stopped:
-            text, stop = self._stops.push(self._detok.flush() if self._detok else "")
+            text, stop = self._stops.push(held)
             tail = text + ("" if stop is not None else self._stops.flush())
             if tail or (self._reasoning is not None and self._reasoning.holding):
                 self._emit(tail, [], final=True)
@@ -598,12 +549,14 @@ class _Stream:
         *, final: bool = False,
     ) -> None:
         """``text`` goes through the reasoning splitter and the tool-call reader, when there are
-        ones, for ``reasoning``, ``content`` and ``calls`` (``final``: the splitter's last text)."""
-        self._pieces.append(text)
+        ones, for ``reasoning`` and ``content``; the calls the reader completes join ``calls``
+        (``content`` given: the reader's last, read already; ``final``: the splitter's last text)."""
+        self._texts.append(text)
         reasoning = ""
         if content is None:
             answer, reasoning = self._split(text, tokens, final=final)
-            content, calls = self._calls.feed(answer) if self._calls else (answer, ())
+            content, read = self._calls.feed(answer) if self._calls else (answer, [])
+            calls = [*read, *calls]
         self._contents.append(content)
         self._reasonings.append(reasoning)
         self._made_calls += calls

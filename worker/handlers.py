@@ -53,12 +53,12 @@ from worker.backends.base import (
 if TYPE_CHECKING:
     from worker.caching import Prefill
     from worker.kvcache.store import CacheStore
+from worker.backends.openai.generation import EnginePrefill, EngineStream, check_engine_request
 from worker.constraints import output_constraint
 from worker.generation import (
-    EnginePrefill,
     Generation,
+    LocalSteps,
     check_draft,
-    check_engine_request,
     check_vocabulary,
     prefill_prompt,
     prompt_tokens,
@@ -256,8 +256,9 @@ class Handlers:
         if isinstance(model, EngineModel):
             check_engine_request(model, params)
             return Generation(
-                model, params, [], request_id=ctx.id, is_cancelled=ctx.cancelled.is_set, send_chunk=send_chunk,
-                acked=ctx.acked, queued_ms=ctx.queued_ms, started=started, streamed=model.submit(params),
+                model, params, EngineStream(model.submit(params), params), request_id=ctx.id,
+                is_cancelled=ctx.cancelled.is_set, send_chunk=send_chunk, acked=ctx.acked, queued_ms=ctx.queued_ms,
+                started=started,
             )
         prompt = ctx.prompt if ctx.prompt is not None else prompt_tokens(model, params)
         constraint = output_constraint(model, params)
@@ -265,15 +266,13 @@ class Handlers:
         return Generation(
             model,
             params,
-            prompt,
+            LocalSteps(model, params, prompt, start_generate(self._store(), model, params, prompt), constraint),
             request_id=ctx.id,
             is_cancelled=ctx.cancelled.is_set,
             send_chunk=send_chunk,
             acked=ctx.acked,
             queued_ms=ctx.queued_ms,
-            cache=start_generate(self._store(), model, params, prompt),
             started=started,
-            constraint=constraint,
         )
 
     def prefill(self, ctx: Context, params: PrefillParams) -> Prefill | EnginePrefill:

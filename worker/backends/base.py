@@ -215,13 +215,15 @@ class CachingDecoding(Decoding, Protocol[CacheT_co]):
     def cache(self) -> CacheT_co: ...
 
 
-class EngineDelta(msgspec.Struct, frozen=True):
-    """What a stream from an engine received at once: text with the token ids it came from."""
+class Piece(msgspec.Struct, frozen=True):
+    """Tokens with their text, as a generation takes them: a token a local model chose, or what
+    an engine's stream received at once."""
 
     tokens: list[int]  # empty where the engine does not return token ids
     text: str
-    calls: list[ToolCall]  # tool calls the engine's parser completed with it
-    counted: int  # tokens this delta counts for: len(tokens), or 1 where ids are not returned
+    calls: list[ToolCall] = []  # tool calls the engine's parser completed with it
+    counted: int = 1  # tokens this piece counts for: len(tokens), or 1 where ids are not returned
+    eos: bool = False  # a local model's end-of-sequence token (an engine's end is its StreamEnd)
 
 
 class StreamEnd(msgspec.Struct, frozen=True):
@@ -235,16 +237,16 @@ class StreamEnd(msgspec.Struct, frozen=True):
 class StreamedDecoding(Decoding, Protocol):
     """A request running on an engine (another program computes it): its prompt is never fed
     (``prompt_left`` is 0, ``feed`` and ``next_token`` are never called), and what it produces
-    arrives as deltas, any number per step."""
+    arrives as pieces, any number per step."""
 
     prompt_tokens: int  # as the engine counted them, once its stream has said
     cached_tokens: int | None  # prompt tokens the engine's prefix cache supplied; None until said
     exact: bool  # whether every delta so far came with its token ids
-    end: StreamEnd | None  # set once the stream has ended; deltas may still be queued
+    end: StreamEnd | None  # set once the stream has ended; pieces may still be queued
 
     def has_next(self) -> bool: ...
 
-    def next_delta(self) -> EngineDelta: ...
+    def next_piece(self) -> Piece: ...
 
     def close(self) -> None:
         """Stop the request on the engine (closes its connection); idempotent, any thread."""

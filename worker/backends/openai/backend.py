@@ -47,7 +47,7 @@ from protocol.methods import (
     ToolCall,
     ToolCallSupport,
 )
-from worker.backends.base import EngineDelta, StreamEnd
+from worker.backends.base import Piece, StreamEnd
 from worker.backends.openai.engine import MAX_EVENT_BYTES, Engine, EngineAddress, EngineStatusError, EventStream
 from worker.tool_calls import template_dict
 
@@ -409,7 +409,7 @@ class EngineDecoding:
     ) -> None:
         self._arrived = arrived
         self._engine = engine
-        self._deltas: collections.deque[EngineDelta] = collections.deque()
+        self._deltas: collections.deque[Piece] = collections.deque()
         self._tools = {tool.function.name for tool in params.tools or []}
         self._stops = set(params.stop)
         self._response_format = params.response_format is not None
@@ -420,7 +420,7 @@ class EngineDecoding:
         self.cached_tokens: int | None = None  # None until the engine has reported it
         self.exact = True  # token ids came with every delta so far
         self.end: StreamEnd | None = None
-        self._last: EngineDelta | None = None
+        self._last: Piece | None = None
         self._finish: StreamEnd | None = None
         self._stream: EventStream[_Event] | None = None
         self._closed = False
@@ -437,11 +437,11 @@ class EngineDecoding:
     def has_next(self) -> bool:
         return bool(self._deltas)
 
-    def next_delta(self) -> EngineDelta:
+    def next_piece(self) -> Piece:
         return self._deltas.popleft()
 
     def next_token(self) -> int:
-        raise AssertionError("an engine's stream is taken by delta (next_delta)")
+        raise AssertionError("an engine's stream is taken by piece (next_piece)")
 
     def close(self) -> None:
         """Stop the request (a cancel, a stop string, the end): the engine sees the connection close."""
@@ -519,7 +519,7 @@ class EngineDecoding:
             if tokens is None:
                 self.exact = False
             counted = len(tokens) if tokens is not None else 1
-            delta = EngineDelta(tokens=tokens or [], text=text, calls=calls, counted=counted)
+            delta = Piece(tokens=tokens or [], text=text, calls=calls, counted=counted)
         if choice.finish_reason is None:
             if delta is not None:
                 self._push(delta)
@@ -555,7 +555,7 @@ class EngineDecoding:
         self._calls.clear()
         return calls
 
-    def _push(self, delta: EngineDelta) -> None:
+    def _push(self, delta: Piece) -> None:
         with self._arrived:
             self._deltas.append(delta)
             self._arrived.notify_all()
