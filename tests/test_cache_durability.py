@@ -23,7 +23,7 @@ from protocol.errors import ErrorKind, RpcError
 from tests.cache_samples import IDENTITY, TOKENS, write_small_cache
 from tests.conftest import TORCH_ENV, SpawnWorker
 from worker.host import REPO_ROOT, Host, WorkerError
-from worker.kvcache import container
+from worker.kvcache import container, memory
 from worker.kvcache.store import CacheStore
 
 SEED = int(os.environ.get("LM_WORKER_DURABILITY_SEED", "20240611"))  # set it to replay or vary a run
@@ -306,13 +306,13 @@ def test_memory_is_reserved_for_the_largest_stored_cache_of_the_model_and_no_oth
     tensor_bytes = sum(entry.nbytes for entry in container.read_header(tmp_path / "long.kvc").tensors)
     try:
         assert store.reserve_for(IDENTITY, 1 << 30) == tensor_bytes * 5 // 4
-        assert len(container._reserve.buffer) == tensor_bytes * 5 // 4
+        assert len(memory._reserve.buffer) == tensor_bytes * 5 // 4
         assert CacheStore(tmp_path / "none").reserve_for(IDENTITY, 1 << 30) == 0
-        assert container._reserve.buffer is None
+        assert memory._reserve.buffer is None
         assert store.reserve_for(IDENTITY, 100) == 100
-        assert store.reserve_for(IDENTITY, 0) == 0 and container._reserve.buffer is None  # --restore-reserve-max-bytes 0
+        assert store.reserve_for(IDENTITY, 0) == 0 and memory._reserve.buffer is None  # --restore-reserve-max-bytes 0
         store.release_memory()  # at unload
-        assert container._reserve.buffer is None
+        assert memory._reserve.buffer is None
     finally:
         container.reserve(0)
 

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 
 from tests.cache_samples import IDENTITY, TOKENS, forge, full_attention_tensors, header_edit, write_small_cache
-from worker.kvcache import checksum, container
+from worker.kvcache import checksum, container, read
 from worker.kvcache.container import CacheFormatError, load
 
 KVC2_MAGIC = b"KVC2\r\n\x1a\n"
@@ -179,8 +179,8 @@ def test_tensors_read_in_small_pieces_on_several_threads_are_whole_and_checked(
 ):
     """However the reader cuts the file (runs of tensors per thread, pieces within a tensor),
     every byte arrives and is checked, and the first damage in file order is named."""
-    monkeypatch.setattr(container, "READ_PIECE", 24)
-    monkeypatch.setattr(container, "CHECK_THREADS", 3)
+    monkeypatch.setattr(read, "READ_PIECE", 24)
+    monkeypatch.setattr(read, "CHECK_THREADS", 3)
     path = tmp_path / "small.kvc"
     write_small_cache(path, format=format)
     loaded = load(path, IDENTITY, room=lambda entry: 1)

@@ -15,7 +15,7 @@ import pytest
 from tests.cache_samples import (
     IDENTITY, TOKENS, contents, forge, full_attention_tensors, header_edit, write_kvc1_file, write_small_cache,
 )
-from worker.kvcache import checksum, container
+from worker.kvcache import checksum, container, memory
 from worker.kvcache.container import (
     ALIGNMENT,
     CacheFormatError,
@@ -103,7 +103,7 @@ def test_reads_the_system_cuts_short_still_fill_every_tensor(cache_file: Path, m
     def five_bytes_at_most(fd, buffers, offset):
         return preadv(fd, [memoryview(buffers[0])[:5]], offset)
 
-    monkeypatch.setattr(container.os, "preadv", five_bytes_at_most)
+    monkeypatch.setattr(os, "preadv", five_bytes_at_most)
     loaded = load(cache_file, IDENTITY, room=lambda entry: 2)
     for entry, view, shape, (_, data) in zip(loaded.header.tensors, loaded.tensors, loaded.shapes, tensors()):
         assert heads_of(view, shape, entry.shape[2]) == heads_of(memoryview(data), entry.shape, entry.shape[2])
@@ -225,7 +225,7 @@ def test_a_restore_reads_into_the_memory_reserved_for_it_and_leaves_it_filled_fo
     again, its pages kept (not given back as other memory is)."""
     try:
         assert container.reserve(1 << 20) == 1 << 20
-        reserved = container._reserve.buffer
+        reserved = memory._reserve.buffer
         first = load(cache_file, IDENTITY, room=lambda entry: 2)
         assert all(tensor.obj is reserved for tensor in first.tensors)
         second = load(cache_file, IDENTITY)
@@ -245,16 +245,16 @@ def test_a_restore_reads_into_the_memory_reserved_for_it_and_leaves_it_filled_fo
 def test_a_reserve_replaced_while_a_restore_holds_it_is_never_handed_to_another(cache_file: Path):
     try:
         container.reserve(1 << 20)
-        old = container._reserve.buffer
+        old = memory._reserve.buffer
         held = load(cache_file, IDENTITY)
         assert held.tensors[0].obj is old
         container.reserve(1 << 20)
         new = load(cache_file, IDENTITY)
-        assert new.tensors[0].obj is container._reserve.buffer is not old
+        assert new.tensors[0].obj is memory._reserve.buffer is not old
         del held  # the old reserve's tensors going must not free the new one under `new`
-        assert load(cache_file, IDENTITY).tensors[0].obj is not container._reserve.buffer
+        assert load(cache_file, IDENTITY).tensors[0].obj is not memory._reserve.buffer
         del new
-        assert load(cache_file, IDENTITY).tensors[0].obj is container._reserve.buffer
+        assert load(cache_file, IDENTITY).tensors[0].obj is memory._reserve.buffer
     finally:
         container.reserve(0)
 
@@ -268,7 +268,7 @@ def test_a_damaged_file_read_into_the_reserve_leaves_it_free_for_the_next_restor
         container.reserve(1 << 20)
         with pytest.raises(CacheFormatError, match="checksum mismatch"):
             load(damaged, IDENTITY)
-        assert load(cache_file, IDENTITY).tensors[0].obj is container._reserve.buffer
+        assert load(cache_file, IDENTITY).tensors[0].obj is memory._reserve.buffer
     finally:
         container.reserve(0)
 

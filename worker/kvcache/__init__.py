@@ -1,1 +1,1 @@
-"""Persistent, verified KV prompt caches: the KVC1 container (torch-free) and, later, the store."""
+"""Persistent, verified KV prompt caches: the KVC3 file (container.py, torch-free) and the store of them."""
