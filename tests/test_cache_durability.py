@@ -255,6 +255,19 @@ async def test_workers_sharing_a_cache_directory_see_whole_caches_or_none_while_
 
 # --- a cache deleted between listing and use ----------------------------------------------
 
+class AsRead:
+    """A store.load reader that takes a verified file as it is read: no room, no checks of its own."""
+
+    def cache_room(self, entry: container.TensorEntry, max_positions: int, /) -> int:
+        return 0
+
+    def cache_problem(self, header: container.Header) -> str | None:
+        return None
+
+    def load_cache(self, loaded: container.LoadedCache) -> container.LoadedCache:
+        return loaded
+
+
 @pytest.mark.parametrize("moment", ["before it is opened", "after its header is read"])
 def test_a_cache_another_worker_deletes_between_listing_and_use_is_not_found_never_corrupt(
     tmp_path, monkeypatch, moment
@@ -280,10 +293,10 @@ def test_a_cache_another_worker_deletes_between_listing_and_use_is_not_found_nev
     write_small_cache(path)
     if moment == "before it is opened":
         with pytest.raises(RpcError) as caught:
-            store.load("gone", IDENTITY, lambda loaded: loaded)
+            store.load("gone", IDENTITY, AsRead(), max_positions=len(TOKENS))
         assert caught.value.kind == ErrorKind.CACHE_NOT_FOUND, caught.value.message
     else:  # read and verified before it went: still whole, and used
-        assert store.load("gone", IDENTITY, lambda loaded: loaded)[0] == TOKENS
+        assert store.load("gone", IDENTITY, AsRead(), max_positions=len(TOKENS))[0] == TOKENS
     write_small_cache(path)
     with pytest.raises(RpcError) as caught:
         store.info("gone")

@@ -16,7 +16,6 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple, Protocol, Self, TypeVar, cast
 
@@ -67,6 +66,26 @@ class StorableCache(Protocol):
 
 
 C = TypeVar("C", bound=StorableCache)
+C_co = TypeVar("C_co", bound=StorableCache, covariant=True)
+
+
+class CacheReader(Protocol[C_co]):
+    """What the store asks of the model a stored file is read for (a CachingModel is one)."""
+
+    def cache_room(self, entry: TensorEntry, max_positions: int, /) -> int:
+        """Positions of room to grow to read a key or value tensor with (container.load's ``room``),
+        for a request whose cache will hold at most ``max_positions``."""
+        ...
+
+    def cache_problem(self, header: Header) -> str | None:
+        """What makes a sound header of the model's identity other than what it computes, or None
+        (container.load's ``check``)."""
+        ...
+
+    def load_cache(self, loaded: LoadedCache) -> C_co:
+        """The model's own cache object of a verified file; raises UnsupportedCache where its layers
+        are not the model's."""
+        ...
 
 
 class _MemoryCache:
@@ -210,12 +229,11 @@ class CacheStore:
     # --- reading ------------------------------------------------------------------
 
     def load(
-        self, ref: str, identity: Identity, restore: Callable[[LoadedCache], C], *, field: str = "params.cache",
-        room: Callable[[TensorEntry], int] | None = None, check: Callable[[Header], str | None] | None = None,
+        self, ref: str, identity: Identity, reader: CacheReader[C], *, max_positions: int, field: str = "params.cache",
     ) -> tuple[list[int], C]:
-        """The tokens a cache covers and a cache object of them that the caller may change;
-        ``restore`` turns a verified file into that object (the model's own cache type), read
-        with the ``room`` to grow and the model's ``check`` of its header that container.load take."""
+        """The tokens a cache covers and a cache object of them that the caller may change: the
+        ``reader``'s own cache type, a file read with the room to grow it asks for a request whose
+        cache will hold at most ``max_positions``."""
         if ref.startswith(MEMORY):
             with self._lock:
                 entry = self._memory.get(ref)
@@ -226,11 +244,13 @@ class CacheStore:
             except IdentityMismatch as exc:
                 raise _mismatch(ref, exc, field) from exc
             entry.last_used = time.time()
-            # Saved by a model of this identity, so of the type ``restore`` makes.
+            # Saved by a model of this identity, so of the type ``reader.load_cache`` makes.
             return list(entry.tokens), cast(C, entry.cache.copy())
         path = self._path(ref)
         try:
-            loaded = container.load(path, identity, room=room, check=check)
+            loaded = container.load(
+                path, identity, room=lambda entry: reader.cache_room(entry, max_positions), check=reader.cache_problem
+            )
         except IdentityMismatch as exc:
             raise _mismatch(ref, exc, field) from exc
         except CacheMissing as exc:  # there is none, or another worker deleted it
@@ -242,7 +262,7 @@ class CacheStore:
                 field=field,
             ) from exc
         try:
-            cache = restore(loaded)
+            cache = reader.load_cache(loaded)
         except UnsupportedCache as exc:  # its layers are not this model's: a header forged to pass
             raise RpcError(
                 ErrorKind.CACHE_CORRUPT,
