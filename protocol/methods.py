@@ -7,7 +7,7 @@ params with these types, ``python -m protocol.schema`` turns them into
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -509,29 +509,42 @@ class CancelResult(Result):
 
 # --- the registry -------------------------------------------------------------
 
+P = TypeVar("P", bound=Params)
+R = TypeVar("R", bound="Result | None")
 
-class MethodSpec(msgspec.Struct, frozen=True):
-    params: type[Params]
-    result: Any  # a Result subclass, or None for methods that answer null
+
+class MethodSpec(msgspec.Struct, Generic[P, R], frozen=True):
+    """A method on the wire. Each has a constant below, typed with its params and result, for
+    the worker's declaration of it (worker/policy.py) to be checked against."""
+
+    name: str
+    params: type[P]
+    result: type[R]  # a Result subclass, or type(None) for a method that answers null
     summary: str
 
 
-METHODS: dict[str, MethodSpec] = {
-    "capabilities": MethodSpec(NoParams, CapabilitiesResult, "What this worker speaks and can run."),
-    "load": MethodSpec(LoadParams, ModelInfo, "Load a model, replacing any loaded one."),
-    "unload": MethodSpec(NoParams, UnloadResult, "Unload the model and free its memory."),
-    "tokenize": MethodSpec(TokenizeParams, TokenizeResult, "Text to token ids."),
-    "detokenize": MethodSpec(DetokenizeParams, DetokenizeResult, "Token ids to text."),
-    "render": MethodSpec(RenderParams, RenderResult, "Chat messages to prompt text and tokens."),
-    "generate": MethodSpec(GenerateParams, GenerateResult, "Generate a continuation, streaming chunks."),
-    "prefill": MethodSpec(PrefillParams, PrefillResult, "Compute a prompt's KV cache once and store it."),
-    "cache/list": MethodSpec(NoParams, CacheListResult, "The stored caches, most recently used first."),
-    "cache/info": MethodSpec(CacheRefParams, CacheInfo, "One cache's header, without loading its tensors."),
-    "cache/delete": MethodSpec(CacheRefParams, CacheDeleteResult, "Delete a cache."),
-    "models/list": MethodSpec(NoParams, ModelsListResult, "The models on this machine that load can name."),
-    "cancel": MethodSpec(CancelParams, CancelResult, "Cancel a queued or running request."),
-    "shutdown": MethodSpec(NoParams, None, "Finish up; answers after every earlier request."),
-}
+METHODS: dict[str, MethodSpec[Any, Any]] = {}  # every method, in the order capabilities lists them
+
+
+def _method(name: str, params: type[P], result: type[R], summary: str) -> MethodSpec[P, R]:
+    METHODS[name] = spec = MethodSpec(name, params, result, summary)
+    return spec
+
+
+CAPABILITIES = _method("capabilities", NoParams, CapabilitiesResult, "What this worker speaks and can run.")
+LOAD = _method("load", LoadParams, ModelInfo, "Load a model, replacing any loaded one.")
+UNLOAD = _method("unload", NoParams, UnloadResult, "Unload the model and free its memory.")
+TOKENIZE = _method("tokenize", TokenizeParams, TokenizeResult, "Text to token ids.")
+DETOKENIZE = _method("detokenize", DetokenizeParams, DetokenizeResult, "Token ids to text.")
+RENDER = _method("render", RenderParams, RenderResult, "Chat messages to prompt text and tokens.")
+GENERATE = _method("generate", GenerateParams, GenerateResult, "Generate a continuation, streaming chunks.")
+PREFILL = _method("prefill", PrefillParams, PrefillResult, "Compute a prompt's KV cache once and store it.")
+CACHE_LIST = _method("cache/list", NoParams, CacheListResult, "The stored caches, most recently used first.")
+CACHE_INFO = _method("cache/info", CacheRefParams, CacheInfo, "One cache's header, without loading its tensors.")
+CACHE_DELETE = _method("cache/delete", CacheRefParams, CacheDeleteResult, "Delete a cache.")
+MODELS_LIST = _method("models/list", NoParams, ModelsListResult, "The models on this machine that load can name.")
+CANCEL = _method("cancel", CancelParams, CancelResult, "Cancel a queued or running request.")
+SHUTDOWN = _method("shutdown", NoParams, type(None), "Finish up; answers after every earlier request.")
 
 # Notifications by direction: what the host may send, what the worker sends.
 HOST_NOTIFICATIONS: dict[str, type[Params]] = {
