@@ -26,7 +26,7 @@ from protocol.methods import (
 )
 from worker.backends.base import CachingDecoding, CachingModel, Decoding, Model
 from worker.generation import AUTO, CacheReport, prefill_prompt
-from worker.kvcache.container import Identity, TensorEntry, cut_point
+from worker.kvcache.container import Identity, cut_point
 from worker.kvcache.store import MEMORY, Candidate, CacheStore, StorableCache
 
 if TYPE_CHECKING:
@@ -106,8 +106,7 @@ class Prefill:
             reused, cache = start.reused, start.cache
         elif params.base is not None:
             base_tokens, cache = store.load(
-                params.base, self._identity, model.load_cache, field="params.base", room=_room(model, len(tokens)),
-                check=model.cache_problem,
+                params.base, self._identity, model, max_positions=len(tokens), field="params.base"
             )
             limit = len(base_tokens) if params.trim_to_tokens is None else min(params.trim_to_tokens, len(base_tokens))
             reused = model.reusable_tokens(cache, common_prefix(base_tokens[:limit], tokens))
@@ -284,9 +283,7 @@ class NoCache:
 def _start_from_ref(
     store: CacheStore, model: CachingModel[C], ref: str, prompt: Sequence[int], trim: int | None, max_positions: int
 ) -> RequestCache[C]:
-    cached, cache = store.load(
-        ref, model.cache_identity(), model.load_cache, room=_room(model, max_positions), check=model.cache_problem
-    )
+    cached, cache = store.load(ref, model.cache_identity(), model, max_positions=max_positions)
     usable = cached if trim is None else cached[:trim]
     matched = common_prefix(usable, prompt)
     if matched < len(usable) and matched < len(prompt):
@@ -316,9 +313,7 @@ def _start_auto(
         if not _worth_loading(_reusable(candidate, prompt), len(candidate.tokens)):
             continue
         try:
-            cached, cache = store.load(
-                candidate.ref, identity, model.load_cache, room=_room(model, max_positions), check=model.cache_problem
-            )
+            cached, cache = store.load(candidate.ref, identity, model, max_positions=max_positions)
         except RpcError as exc:  # damaged, or deleted by another worker since it was listed
             skipped.append(SkippedCache(ref=candidate.ref, reason=exc.message))
             continue
@@ -332,11 +327,6 @@ def _start_auto(
         )
     reason = _why_nothing_reused(candidates, skipped, prompt)
     return RequestCache(store, model, prompt, model.new_cache(), mode=AUTO, reason=reason, skipped=skipped)
-
-
-def _room(model: CachingModel[Any], max_positions: int) -> Callable[[TensorEntry], int]:
-    """The room to read a stored cache with, for a request whose cache will hold at most ``max_positions``."""
-    return lambda entry: model.cache_room(entry, max_positions)
 
 
 def _reusable(candidate: Candidate, prompt: Sequence[int]) -> int:
