@@ -157,7 +157,8 @@ def loaded_back(model, cache, tokens: list[int], tmp_path: Path):
 
     path = tmp_path / "cache.kvc"
     save(path, model._model, cache, tokens)
-    return model.load_cache(load(path, identity(model._model), room=room_of(model._model, held=len(tokens) + 40)))
+    room = room_of(model._model, max_positions=len(tokens) + 40)
+    return model.load_cache(load(path, identity(model._model), room=room))
 
 
 def assert_a_batch_steps_as_each_alone(model, prompts: list[list[int]]) -> None:

@@ -54,13 +54,13 @@ def family_hf(request, tiny_models):
     return AutoModelForCausalLM.from_pretrained(directory).eval(), AutoTokenizer.from_pretrained(directory)
 
 
-def room_of(model, held: int = 10**6):
+def room_of(model, max_positions: int = 10**6):
     """The room to grow that the worker reads a file of this model's cache with, for a request
-    whose cache will hold at most ``held`` positions."""
+    whose cache will hold at most ``max_positions`` positions."""
     from worker.backends.transformers.torch_adapter import TorchCache, room_to_grow
 
     kinds = TorchCache(model.config).kinds
-    return lambda entry: room_to_grow(kinds, "cpu", entry, held)
+    return lambda entry: room_to_grow(kinds, "cpu", entry, max_positions)
 
 
 @pytest.mark.parametrize("room", [False, True], ids=["as-stored", "with-room"])
@@ -189,7 +189,7 @@ def test_a_cache_read_with_room_grows_into_it_without_moving_its_positions(tiny_
     feed(model, computed, ids[:-4])
     path = tmp_path / "prefix.kvc"
     save(path, model, computed, ids[:-4])
-    loaded = load(path, identity(model), room=room_of(model, held=len(ids) - 1))
+    loaded = load(path, identity(model), room=room_of(model, max_positions=len(ids) - 1))
     restored = TorchCache.from_file(loaded, model.config, "cpu")
     places = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in restored.kv.layers]
     assert all(layer.capacity == len(ids) - 1 for layer in restored.kv.layers)
@@ -215,7 +215,7 @@ def test_the_room_read_is_what_the_request_holds_up_to_a_growth_step_on_growing_
     kinds = ["full", "sliding", "full+linear"]
     assert room_to_grow(kinds, "cpu", entry(0), 1010) == 10
     assert room_to_grow(kinds, "cpu", entry(0), 10**6) == 500  # a growth step: half as much again
-    assert room_to_grow(kinds, "cpu", entry(0), 900) == 0  # cut back, then fed less than it held
+    assert room_to_grow(kinds, "cpu", entry(0), 900) == 0  # cut back: the request holds fewer positions than the file
     assert room_to_grow(kinds, "cpu", entry(1), 1010) == 10  # a sliding window's layer keeps every position
     assert room_to_grow(kinds, "cpu", entry(2), 1010) == 0
     assert room_to_grow(kinds, "cuda", entry(0), 1010) == 0

@@ -163,7 +163,7 @@ class GrowingKeysAndValues(KeysAndValues):
     positions the layer holds (``hold``), and the views are made when next read (by the one
     thread that uses the cache at a time, as every method here assumes)."""
 
-    _unviewed: int | None = None  # positions held (hold) whose views are not made yet
+    _unviewed: int | None = None  # positions recorded by hold whose views are not made yet
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -173,25 +173,26 @@ class GrowingKeysAndValues(KeysAndValues):
 
     @property
     def keys(self) -> Any:
-        self._view_held()
+        self._make_views()
         return self._keys
 
     @keys.setter
     def keys(self, keys: Any) -> None:
-        self._view_held()
+        self._make_views()
         self._keys = keys
 
     @property
     def values(self) -> Any:
-        self._view_held()
+        self._make_views()
         return self._values
 
     @values.setter
     def values(self, values: Any) -> None:
-        self._view_held()
+        self._make_views()
         self._values = values
 
-    def _view_held(self) -> None:
+    def _make_views(self) -> None:
+        """The keys' and values' views of the positions ``hold`` recorded, where it recorded any."""
         total = self._unviewed
         if total is not None:
             assert self.buffers is not None
@@ -207,15 +208,15 @@ class GrowingKeysAndValues(KeysAndValues):
         """Append positions; the keys and values of all of them."""
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
-        held = self.held
-        total = held + keys.shape[-2]
+        length = self.length
+        total = length + keys.shape[-2]
         buffers = self.reserve(total, keys, values)
-        buffers[0][..., held:total, :] = keys
-        buffers[1][..., held:total, :] = values
+        buffers[0][..., length:total, :] = keys
+        buffers[1][..., length:total, :] = values
         return self.take(total)
 
     @property
-    def held(self) -> int:
+    def length(self) -> int:
         """How many positions the layer holds."""
         if self._unviewed is not None:
             return self._unviewed
@@ -226,17 +227,17 @@ class GrowingKeysAndValues(KeysAndValues):
         """Buffers (contiguous) with room for ``total`` positions, beginning with the layer's own:
         the present ones, or larger ones they are copied into; ``keys`` and ``values`` are of
         the positions to come (their shape but for the positions, and their dtype)."""
-        held = self.held
+        length = self.length
         buffers = self.buffers
-        if buffers is None or buffers[0].shape[-2] < total or (held and not _starts(self.keys, buffers[0])):
+        if buffers is None or buffers[0].shape[-2] < total or (length and not _starts(self.keys, buffers[0])):
             capacity = growth_capacity(total)
             buffers = (
                 keys.new_empty((*keys.shape[:-2], capacity, keys.shape[-1])),
                 values.new_empty((*values.shape[:-2], capacity, values.shape[-1])),
             )
-            if held:
-                buffers[0][..., :held, :] = self.keys
-                buffers[1][..., :held, :] = self.values
+            if length:
+                buffers[0][..., :length, :] = self.keys
+                buffers[1][..., :length, :] = self.values
             self.buffers = buffers
         return buffers
 

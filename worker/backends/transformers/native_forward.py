@@ -393,7 +393,7 @@ class NativeForward(Passes):
         if _forward(ctypes.byref(self._model), ctypes.byref(call)) != 0:
             for layers, _ in held:  # what the layers before the failure wrote past their positions is not theirs
                 for layer in layers:
-                    layer.keep_first(layer.held)
+                    layer.keep_first(layer.length)
             raise MemoryError("native forward: no memory for a pass's scratch space")
         for layers, total in held:
             for layer in layers:
