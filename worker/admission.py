@@ -3,7 +3,7 @@
 It does no I/O and starts no thread: the session (worker/session.py) holds it as the model
 lane's queue, and whichever thread holds the session's lock calls it (the reader adds, the
 model lane takes the next job, the thread that answers a job lets it go); the tests drive it
-call by call. The rules come from each method's row in worker/policy.py.
+call by call. The rules come from each method's declaration in worker/policy.py.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Generic, Protocol, TypeVar
 
+from worker.generation import AUTO
 from worker.policy import POLICY
 
 
@@ -32,10 +33,10 @@ class Admission(Generic[J]):
 
     - Requests start in the order they arrive; one that must wait holds back those behind it.
     - A batched request (worker/policy.py: ``generate``, ``prefill``) starts while fewer than
-      ``max_batch`` run, unless it reads or writes a cache that a running prefill is still
-      writing (it would not see it). A request with ``cache: "auto"`` may start from any stored
-      cache, so it waits for every running prefill; it does not wait for auto generates (each is a separate
-      conversation and uses what is stored when it starts).
+      ``max_batch`` run, unless it reads or writes a cache that a running one is still writing
+      (``writes``: a prefill's; it would not see it). A request with ``cache: "auto"`` may start
+      from any stored cache, so it waits for every running prefill; it does not wait for auto
+      generates (each is a separate conversation and uses what is stored when it starts).
     - Any other request starts once nothing runs, and nothing starts while it runs.
     - A cancelled request is let out at once, wherever it is in the queue (it answers without
       running), except one that runs when cancelled (``shutdown``), which keeps its place.
@@ -86,8 +87,5 @@ def _waits_for(job: Queued, running: Queued) -> bool:
     """Whether ``job`` must wait for ``running`` to end before it starts."""
     if not POLICY[running.method].batched:
         return True
-    if running.method != "prefill":  # a generate writes only auto caches, which nothing waits for
-        return False
-    written = running.params.cache
-    read = (job.params.cache, job.params.base) if job.method == "prefill" else (job.params.cache,)
-    return written in read or job.params.cache == "auto"  # auto may start from any stored cache
+    used = POLICY[job.method].caches(job.params)
+    return any(ref in used or AUTO in used for ref in POLICY[running.method].writes(running.params))

@@ -32,15 +32,15 @@ from protocol.methods import (
     WORKER_NOTIFICATIONS,
     AckParams,
     CancelParams,
-    CancelResult,
     Params,
 )
 from worker.cache_io import CacheIO
-from worker.handlers import Context, Handlers
+from worker.handlers import Handlers
 from worker.locked_session import LockedSession
 from worker.model_lane import ModelLane
 from worker.render_threads import RenderThreads
-from worker.responder import Replies, Responder, Route
+from worker.policy import POLICY
+from worker.responder import Replies, Responder
 from worker.scheduler import DEFAULT_MAX_BATCH
 from worker.text_lane import TextLane
 
@@ -60,26 +60,8 @@ class Dispatcher:
     ) -> None:
         self._replies = replies
         self._drain_on_eof = drain_on_eof
-        # Each method's handler; how it runs (lane, batching, cancels) is its row in worker/policy.py.
-        self._routes: dict[str, Route] = {
-            "capabilities": handlers.capabilities,
-            "load": handlers.load,
-            "unload": handlers.unload,
-            "tokenize": handlers.tokenize,
-            "detokenize": handlers.detokenize,
-            "render": handlers.render,
-            "generate": handlers.generate,
-            "prefill": handlers.prefill,
-            "cache/list": handlers.cache_list,
-            "cache/info": handlers.cache_info,
-            "cache/delete": handlers.cache_delete,
-            "models/list": handlers.models_list,
-            "cancel": self._cancel,
-            "shutdown": lambda ctx, params: None,
-        }
-        assert self._routes.keys() == METHODS.keys(), "every protocol method needs a route"
         self._session = LockedSession(max_batch, wake_model=handlers.wake_model)
-        self._responder = Responder(self._routes, replies, self._session, handlers.prompt)
+        self._responder = Responder(handlers, replies, self._session)
         self._cache_io = CacheIO(handlers.prepare_side_thread)
         self._renders = RenderThreads()
         self._lanes = [
@@ -131,11 +113,12 @@ class Dispatcher:
             self._responder.run(job)
 
     def _on_request(self, request: Request) -> None:
-        if request.method not in self._routes:
-            self._replies.send_error(request.id, _unknown_method(request.method, list(self._routes)))
+        declared = POLICY.get(request.method)
+        if declared is None:
+            self._replies.send_error(request.id, _unknown_method(request.method, list(POLICY)))
             return
         try:
-            params = _decode_params(request.method, request.params, METHODS[request.method].params)
+            params = _decode_params(request.method, request.params, declared.spec.params)
             job = self._session.receive(request.id, request.method, params, time.perf_counter())
         except RpcError as exc:
             self._replies.send_error(request.id, exc)
@@ -146,7 +129,7 @@ class Dispatcher:
     def _on_notification(self, notification: Notification) -> None:
         params_type = HOST_NOTIFICATIONS.get(notification.method)
         if params_type is None:
-            if notification.method in self._routes:
+            if notification.method in POLICY:
                 twin = _ANSWERLESS.get(notification.method)
                 also = f", or send {twin!r}, which does the same without an answer" if twin else ""
                 log.warning(
@@ -162,15 +145,12 @@ class Dispatcher:
             log.warning("ignored notification: %s", exc.message)
             return
         if isinstance(params, CancelParams):
-            self._cancel(None, params)
+            self._session.cancel(params.id)
         elif isinstance(params, AckParams):
             self._session.ack(params.id, params.index)
         else:  # exit: 0 after a shutdown request, 1 without one (as LSP does)
             exit_code = 0 if self._session.shutdown_requested else 1
             self.end("exit notification", cancel=True, exit_code=exit_code, withdraw=True)
-
-    def _cancel(self, ctx: Context | None, params: CancelParams) -> CancelResult:
-        return self._session.cancel(params.id)
 
     # --- lifecycle --------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""What each model-facing method does. The server decides when and on which thread."""
+"""What each method does. Its declaration in worker/policy.py decides when and on which thread."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from protocol.methods import (
     CacheInfo,
     CacheListResult,
     CacheRefParams,
+    CancelParams,
+    CancelResult,
     PrefillParams,
     PrefillProgress,
     CapabilitiesResult,
@@ -77,6 +79,8 @@ class Context(msgspec.Struct, frozen=True):
     send_notification: Callable[[str, msgspec.Struct], None]
     acked: Callable[[], int] = lambda: -1  # the last generate/chunk index the host acknowledged
     prompt: list[int] | None = None  # a generate's or prefill's messages, rendered already (Handlers.prompt)
+    # Cancels another request in flight (the session's cancel); without a session, none is in flight.
+    cancel: Callable[[RequestId], CancelResult] = lambda _: CancelResult(cancelled=False, state="unknown")
 
 
 def _load_cancelled() -> RpcError:
@@ -312,6 +316,13 @@ class Handlers:
             if isinstance(backend, LocalModelBackend):
                 own += backend.own_model_names()
         return model_refs.list_models(self._places, own)
+
+    def cancel(self, ctx: Context, params: CancelParams) -> CancelResult:
+        return ctx.cancel(params.id)
+
+    def shutdown(self, ctx: Context, params: NoParams) -> None:
+        """Answers null once every earlier request has answered: the session did the rest when
+        it received the request (its declaration's ends_session)."""
 
     def prepare_side_thread(self) -> None:
         """Before the loaded model's work on a thread other than the model thread."""

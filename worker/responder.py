@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -23,15 +23,13 @@ from protocol.errors import ErrorKind, RpcError
 from protocol.methods import Params
 from worker import stopping
 from worker.generation import cancelled_before_start
-from worker.handlers import Context
+from worker.handlers import Context, Handlers
 from worker.locked_session import LockedSession
-from worker.policy import POLICY
+from worker.policy import POLICY, BatchedMethod, Method
 from worker.scheduler import Task
 from worker.session import Job
 
 log = logging.getLogger(__name__)
-
-Route = Callable[[Context, Any], Any]
 
 
 class Replies(Protocol):
@@ -45,29 +43,28 @@ class Replies(Protocol):
 
 
 class Responder:
-    def __init__(self, routes: Mapping[str, Route], replies: Replies, session: LockedSession, prompt: Route) -> None:
-        """``prompt``: a generate's or prefill's prompt rendered from its messages (Handlers.prompt)."""
-        self._routes = routes
+    def __init__(self, handlers: Handlers, replies: Replies, session: LockedSession) -> None:
+        """Each method's handler is its declaration's (worker/policy.py), run on ``handlers``."""
+        self._handlers = handlers
         self._replies = replies
         self._session = session
-        self._prompt = prompt
 
     def answer_now(self, request_id: RequestId, method: str, params: Params) -> None:
         """A request that is not queued: run its handler on this thread and answer."""
-        ctx = Context(request_id, threading.Event(), 0.0, self._replies.send_notification)
-        self._answer(request_id, method, lambda: self._routes[method](ctx, params))
+        ctx = Context(request_id, threading.Event(), 0.0, self._replies.send_notification, cancel=self._session.cancel)
+        self._answer(request_id, method, lambda: _answered(method).handler(self._handlers, ctx, params))
 
     def run(self, job: Job) -> None:
         """Run a queued job to its answer (one that is not a task, or one cancelled while it waited)."""
 
         def run() -> Any:
-            policy = POLICY[job.method]
-            if job.cancelled.is_set() and not policy.runs_when_cancelled:
-                if policy.cancelled_result:
+            declared = POLICY[job.method]
+            if job.is_cancelled() and not declared.runs_when_cancelled:
+                if declared.cancelled_result:
                     return cancelled_before_start(_ms_since(job.queued_at))
                 raise RpcError(ErrorKind.REQUEST_CANCELLED, f"Request {job.id!r} was cancelled before it ran.")
             with stopping.scope(job.stop):  # a wait on a server in it stops with a cancel
-                return self._routes[job.method](self._context(job), job.params)
+                return _answered(job.method).handler(self._handlers, self._context(job), job.params)
 
         self._answer(job.id, job.method, run, job)
 
@@ -76,7 +73,7 @@ class Responder:
         task is made; False when that failed or the request was cancelled meanwhile (answered then)."""
         try:
             with stopping.scope(job.stop):  # a cancel ends the template's rendering at once
-                job.prompt = self._prompt(self._context(job), job.params)
+                job.prompt = _batched(job.method).prompt(self._handlers, self._context(job), job.params)
             return True
         except BaseException as exc:  # a library's BaseException too (_answer says why)
             if job.is_cancelled():
@@ -89,7 +86,7 @@ class Responder:
     def make_task(self, job: Job) -> Task | None:
         """The task of a generate or prefill; None when making it failed (answered then)."""
         try:
-            return self._routes[job.method](self._context(job), job.params)
+            return _batched(job.method).task(self._handlers, self._context(job), job.params)
         except BaseException as exc:  # a library's BaseException too (_answer says why)
             self._session.release(job)
             self._replies.send_error(job.id, _as_rpc_error(job.method, exc))
@@ -106,7 +103,7 @@ class Responder:
     def _context(self, job: Job) -> Context:
         return Context(
             job.id, job.cancelled, _ms_since(job.queued_at), self._replies.send_notification, lambda: job.acked,
-            job.prompt,
+            job.prompt, self._session.cancel,
         )
 
     def _answer(self, msg_id: RequestId, method: str, run: Callable[[], Any], job: Job | None = None) -> None:
@@ -126,6 +123,18 @@ class Responder:
             except Exception as exc:  # a result that does not encode
                 error = _as_rpc_error(method, exc)
         self._replies.send_error(msg_id, error)
+
+
+def _answered(method: str) -> Method[Any, Any]:
+    declared = POLICY[method]
+    assert isinstance(declared, Method), f"{method!r} is batched: its task answers it (make_task, finish)"
+    return declared
+
+
+def _batched(method: str) -> BatchedMethod[Any, Any]:
+    declared = POLICY[method]
+    assert isinstance(declared, BatchedMethod), f"{method!r} is not batched: its handler answers it (run)"
+    return declared
 
 
 def _as_rpc_error(method: str, exc: BaseException) -> RpcError:

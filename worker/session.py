@@ -5,14 +5,15 @@ who runs when is here, so that tests drive it call by call. worker/locked_sessio
 under one lock for the threads that call it (the reader, the lanes, the cache I/O thread), and
 the lanes wait on that lock when it says nothing is ready yet.
 
-- A request runs on the lane its method's row in worker/policy.py names: answered at once by
+- A request runs on the lane its method's declaration in worker/policy.py names: answered at once by
   the reader (``INLINE``), on the text lane, or on the model lane, whose order and batching
   :class:`~worker.admission.Admission` decides. Some wait behind earlier model-lane requests
   to see their effect (``policy.waits_behind``): text requests behind a ``load``/``unload``
   (they run on the model lane then), ``cache/*`` behind a ``prefill`` or a ``generate`` that
   uses a cache.
 - An id is in flight from the request until its answer is sent; a second request with it is
-  refused. After ``shutdown`` every new request is refused, and what was in flight is cancelled.
+  refused. After ``shutdown`` (``ends_session``) every new request is refused, and what was in
+  flight is cancelled.
 - A queued request cancelled by the host (``cancel``, ``shutdown``, the end of input) is
   withdrawn from its queue, for the reader to answer at once (``take_withdrawn``), rather than
   when its lane comes to it: a running ``load`` holds the model lane for as long as it takes.
@@ -64,7 +65,7 @@ class Session:
         self._withdrawn: list[Job] = []  # cancelled while queued, taken off their queues: to answer now
 
     def receive(self, request_id: RequestId, method: str, params: Params, now: float) -> Job | None:
-        """A request to queue (a method of worker/policy.py's table): its job, or None when the
+        """A request to queue (a method of worker/policy.py's POLICY): its job, or None when the
         reader answers it at once.
         Raises RpcError for an id already in flight and for any request after shutdown."""
         if request_id in self.jobs:
@@ -79,19 +80,20 @@ class Session:
                 "The worker is shutting down after a 'shutdown' request and takes no more requests; "
                 "send 'exit', or start a new worker.",
             )
-        lane = POLICY[method].lane
+        declared = POLICY[method]
+        lane = declared.lane
         behind = lane is Lane.MODEL or any(
             not job.text_lane and waits_behind(lane, job.method, job.params) for job in self.jobs.values()
         )
         job = None
         if behind or lane is Lane.TEXT:
-            job = Job(request_id, method, params, now, text_lane=not behind, stop=Stop(sticky=POLICY[method].stoppable))
+            job = Job(request_id, method, params, now, text_lane=not behind, stop=Stop(sticky=declared.stoppable))
             self.jobs[request_id] = job
             if behind:
                 self.admission.add(job)
             else:
                 self.text_queue.append(job)
-        if method == "shutdown":  # the one method with this rule: it ends the session
+        if declared.ends_session:
             self.shutdown_requested = True
             self.cancel_all(withdraw=True, but=job)
         return job
