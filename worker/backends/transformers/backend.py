@@ -203,7 +203,7 @@ def _kept_int8(params: LoadParams, path: Path, dtype: str, device: str, quantiza
         return None
     try:
         with LOADING:
-            tokenizer = AutoTokenizer.from_pretrained(path)
+            tokenizer = AutoTokenizer.from_pretrained(path, config=config)  # read once, and without Llama's heavy module
     except Exception:
         return None
     identity = _identity(path, config, tokenizer, dtype, quantization, device, data_dir / "digests")
