@@ -9,6 +9,8 @@ own (``lm-worker-engine-stream``); the model lane only collects what each stream
 (``Model.step`` waits until some stream has something, or the session wakes it for a new
 request, a cancel or an ack), so requests run side by side on the engine, bounded by
 ``--max-batch``. A cancel closes the request's connection, which makes the engine drop it.
+What the worker refuses before it sends a request, and the stream as a generation's token source,
+are generation.py's, beside this module.
 
 - ``prompt`` and ``tokens`` go to ``/v1/completions`` (token ids as the prompt where given),
   ``messages`` to ``/v1/chat/completions`` with the tools, so that the engine applies its own
