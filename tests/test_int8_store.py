@@ -153,7 +153,37 @@ def test_a_fifo_or_a_directory_in_the_kept_file_s_place_is_never_opened_and_the_
     (kept / "x").write_text("in the way")
     blocked = load(tiny_model_dir, tmp_path)
     assert type(blocked._model).__name__ != "ShellModel" and kept.is_dir()
-    assert not [p for p in kept.parent.iterdir() if p.name.startswith(".int8-")]  # no partial file left
+    assert not [p for p in kept.parent.iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+def test_a_temporary_a_killed_writer_left_is_removed_by_the_next_writer_and_a_live_writer_s_is_not(
+    tiny_model_dir: Path, tmp_path: Path
+):
+    import signal
+    import subprocess
+    import sys
+
+    load(tiny_model_dir, tmp_path)
+    kept = kept_file(tmp_path)
+    kept.unlink()
+    hold = (f"import sys, time; from pathlib import Path; from worker.kvcache.write import _locked_temporary; "
+            f"_locked_temporary(Path({str(kept)!r})); print('held', flush=True); time.sleep(600)")
+    killed, live = (subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True) for _ in range(2))
+    try:
+        for writer in (killed, live):
+            assert writer.stdout is not None and writer.stdout.readline() == "held\n"
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        temporaries = lambda: sorted(p.name for p in kept.parent.iterdir() if p.name.startswith("."))  # noqa: E731
+        left = temporaries()
+        assert len(left) == 2
+        load(tiny_model_dir, tmp_path)
+        assert kept.is_file()
+        (remaining,) = temporaries()
+        assert remaining in left and f".{killed.pid}." not in remaining and f".{live.pid}." in remaining
+    finally:
+        live.kill()
+        live.wait()
 
 
 async def test_greedy_from_a_cache_made_before_the_weights_were_kept_equals_greedy_without_one_after(

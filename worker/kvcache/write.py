@@ -12,7 +12,9 @@ import hashlib
 import math
 import os
 import re
+from collections.abc import Generator
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 
@@ -65,25 +67,34 @@ def write(
         )
     if PREFIX.size + len(header_bytes) > data_start:
         raise AssertionError("header outgrew its reserved space")
-    target = Path(path)
+    with atomic_file(Path(path)) as file:
+        file.write(PREFIX.pack(magic, len(header_bytes), hashlib.sha256(header_bytes).digest()))
+        file.write(header_bytes)
+        position = PREFIX.size + len(header_bytes)
+        for entry, view in zip(header.tensors, views, strict=True):
+            file.write(bytes(entry.offset - position))
+            file.write(view)
+            position = entry.offset + entry.nbytes
+    return position
+
+
+@contextlib.contextmanager
+def atomic_file(target: Path) -> Generator[BinaryIO]:
+    """A file to write ``target``'s bytes to: a locked temporary beside it, flushed to disk and
+    renamed over ``target`` when the block ends, removed where it raises. Readers of ``target``
+    see the old file or the whole new one; remove_stale_temporaries recognises what a killed
+    writer leaves."""
     fd, temporary = _locked_temporary(target)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # as open() would: others sharing the directory can read it
         with os.fdopen(fd, "wb") as file:
-            file.write(PREFIX.pack(magic, len(header_bytes), hashlib.sha256(header_bytes).digest()))
-            file.write(header_bytes)
-            position = PREFIX.size + len(header_bytes)
-            for entry, view in zip(header.tensors, views, strict=True):
-                file.write(bytes(entry.offset - position))
-                file.write(view)
-                position = entry.offset + entry.nbytes
+            yield file
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, target)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
-    return position
 
 
 def _locked_temporary(target: Path) -> tuple[int, str]:

@@ -18,7 +18,8 @@ The header: ``{"key": ..., "crc32c": CRC-32C of the data, "tensors": {name: [dty
 offset, bytes]}}``; a linear's tensors are ``<module>.packed`` (uint8), ``<module>.scale``
 (float16) and ``<module>.bias`` (float32, where it has one), every other parameter (the
 embedding, the norms) ``<parameter name>`` in float32. A file is written beside its place and
-renamed into it, so a worker never maps half of one. Before it is used, the whole file is
+renamed into it, so a worker never maps half of one, as cache files are (kvcache/write.py): a
+temporary a killed writer left is removed by the next writer. Before it is used, the whole file is
 checked: its key, every tensor's place, dtype and shape against the model's, and the
 checksum. A file that fails (damaged, hostile, of another version) is not used: the load
 quantizes the weights again and writes the file again over it, and the log says why.
@@ -31,7 +32,6 @@ import logging
 import mmap
 import os
 import struct
-import tempfile
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,6 +85,7 @@ def write(path: Path, key: str, model: torch.nn.Module) -> None:
     """Keep ``model``'s int8 weights (every linear an Int8Linear: fast_weights.quantize) in
     ``path``, written beside it and renamed into place."""
     from worker.kvcache.checksum import crc32c
+    from worker.kvcache.write import atomic_file, remove_stale_temporaries
 
     tensors = _tensors_of(model)
     table: dict[str, list[Any]] = {}
@@ -103,18 +104,11 @@ def write(path: Path, key: str, model: torch.nn.Module) -> None:
     header = json.dumps({"key": key, "crc32c": checksum, "tensors": table}).encode()
     prefix = _PREFIX.pack(MAGIC, FORMAT, len(header)) + header
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(dir=path.parent, prefix=".int8-", suffix=".partial")
-    try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(prefix + bytes(-len(prefix) % ALIGN))
-            for piece in pieces:
-                out.write(piece)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(partial, path)
-    except BaseException:
-        os.unlink(partial)
-        raise
+    remove_stale_temporaries(path.parent, SUFFIX)  # what writers killed mid-write left
+    with atomic_file(path) as out:
+        out.write(prefix + bytes(-len(prefix) % ALIGN))
+        for piece in pieces:
+            out.write(piece)
 
 
 def read(path: Path, key: str, config: PretrainedConfig) -> Any:
