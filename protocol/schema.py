@@ -26,8 +26,7 @@ def _file_stem(name: str) -> str:
 
 
 def _schema(tp: Any, title: str) -> dict[str, Any]:
-    schema = {"type": "null"} if tp is None else msgspec.json.schema(tp)
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": title, **schema}
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": title, **msgspec.json.schema(tp)}
 
 
 def build() -> dict[str, dict[str, Any]]:
