@@ -569,14 +569,15 @@ INLINE void rows_times(int type, const uint8_t *w, int64_t row_bytes, int64_t by
         const xblock *xs = x + i * blocks;
         int64_t r = first;
 #ifdef WIDE
-        /* Pairs of weight rows where there are several activation rows to share them (for one,
-         * a pair's extra setup costs more than it saves): row r of the item's first half with
-         * its row in the second half, so that each half is read as one stream from memory.
-         * Pairs of neighbouring rows, two streams that jump a row at each pair, are as fast on
-         * weights in cache but far slower on weights from memory (bench/README.md, "Figures
-         * behind constants"). */
+        /* Pairs of weight rows where there are more activation rows than row_times takes in
+         * one pass over a weight row (4): up to 4, row_times on weights from memory is the
+         * faster, and for Q8_0 it is at every count (bench/README.md, "Figures behind
+         * constants"). Row r of the item's first half goes with its row in the second half, so
+         * that each half is read as one stream from memory: pairs of neighbouring rows, two
+         * streams that jump a row at each pair, are as fast on weights in cache but far slower
+         * on weights from memory. */
         const float *s = sums + i * blocks;
-        const int64_t half = left > 1 ? (last - first) / 2 : 0;
+        const int64_t half = left > 4 && type != Q8_0 ? (last - first) / 2 : 0;
         for (; r < first + half; r++) {
             const uint8_t *row = w + r * row_bytes, *other = row + half * row_bytes;
             float *o = out + i * outputs + r;
