@@ -124,3 +124,37 @@ def test_protocol_md_states_the_metadata_size_bound_as_the_code_has_it():
 
     text = " ".join((Path(__file__).parent.parent / "docs" / "PROTOCOL.md").read_text().split())
     assert f"that is not an integer from 1 to {gguf_model.MAX_DIMENSION:,}" in text
+
+
+def test_a_model_file_cut_short_under_a_running_worker_ends_it_with_python_s_report_on_stderr(tiny_gguf: Path, tmp_path: Path):
+    """A mapped gguf truncated in place while the worker computes on it: the next read of a page
+    past its new end is SIGBUS, which no code can answer from. The worker dies of it (as llama.cpp
+    does), but its stderr says so and where, instead of nothing: the host's log explains the exit."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import TORCH_ENV
+
+    model = shutil.copy(tiny_gguf, tmp_path / "victim.gguf")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "worker", "--data-dir", str(tmp_path / "data")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **TORCH_ENV},
+    )
+    try:
+        assert worker.stdin is not None and worker.stdout is not None
+        worker.stdin.write(json.dumps({"jsonrpc": "2.0", "id": 1, "method": "load", "params": {"model": str(model)}}).encode() + b"\n")
+        worker.stdin.flush()
+        assert json.loads(worker.stdout.readline())["result"]["quantization"] == "gguf"
+        os.truncate(model, 4096)
+        request = {"jsonrpc": "2.0", "id": 2, "method": "generate", "params": {"prompt": "hello", "max_tokens": 4}}
+        worker.stdin.write(json.dumps(request).encode() + b"\n")
+        worker.stdin.flush()
+        answer = worker.stdout.readline()  # none: the worker died before it answered
+        _, stderr = worker.communicate(timeout=120)
+    finally:
+        worker.kill()
+    assert worker.returncode == -signal.SIGBUS and answer == b"", answer
+    report = stderr.decode(errors="replace")
+    assert "Fatal Python error" in report and "Bus error" in report and "native_forward.py" in report, report[-3000:]

@@ -38,7 +38,23 @@ def claim_stdout() -> tuple[int, StderrPump]:
         pump.close(STDERR_GRACE_S)
 
     sys.excepthook = report_then_flush
+    _report_fatal_signals(pump.real_stderr)
     return private, pump
+
+
+def _report_fatal_signals(real_stderr: int) -> None:
+    """Python's report of a fatal signal (SIGBUS: a mapped model file cut short or rewritten in
+    place under the worker; SIGSEGV) and where each thread was, written straight to the real
+    stderr: once such a signal arrives the pump's threads never run again. Through an open
+    file description of its own, which never blocks (a dying worker must not wait for a host
+    that does not read stderr) and appends (a log file is not written over)."""
+    import faulthandler
+
+    try:
+        fd = os.open(f"/proc/self/fd/{real_stderr}", os.O_WRONLY | os.O_NONBLOCK | os.O_APPEND | os.O_CLOEXEC)
+    except OSError:  # no /proc, or a socket (which cannot be opened again): no report
+        return
+    faulthandler.enable(file=fd, all_threads=True)
 
 
 class StderrPump:
@@ -49,7 +65,7 @@ class StderrPump:
     nothing that logs ever waits for the host."""
 
     def __init__(self, real_stderr: int, capacity: int = STDERR_BUFFER_BYTES) -> None:
-        self._real = real_stderr
+        self.real_stderr = real_stderr
         self._capacity = capacity
         self._buffer = bytearray()
         self._dropped = 0  # bytes
@@ -78,8 +94,8 @@ class StderrPump:
         os.dup2(null, 2)
         os.close(null)
         if self._written.wait(timeout):
-            os.dup2(self._real, 1)
-            os.dup2(self._real, 2)
+            os.dup2(self.real_stderr, 1)
+            os.dup2(self.real_stderr, 2)
 
     def _drain(self) -> None:
         while data := os.read(self._read_end, 1 << 16):
@@ -109,7 +125,7 @@ class StderrPump:
             try:
                 view = memoryview(data)
                 while view:
-                    view = view[os.write(self._real, view) :]
+                    view = view[os.write(self.real_stderr, view) :]
             except OSError:  # stderr closed: keep draining, into nothing
                 pass
             if ended:
