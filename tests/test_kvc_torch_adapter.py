@@ -227,6 +227,7 @@ def test_extending_a_cache_on_the_cpu_reads_grouped_heads_in_place_with_the_same
 
     from worker.backends.transformers import cache_layers, hf_compat
 
+    hf_compat.register_attention()  # where the stock rule is kept (a load of transformers' classes does it too)
     model, tokenizer = tiny_hf
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped heads
     ids = torch.tensor([tokenizer(PROMPT).input_ids])
