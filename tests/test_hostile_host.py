@@ -229,6 +229,45 @@ async def test_a_host_that_never_reads_stderr_never_stalls_the_worker_and_learns
     assert b"ignored unknown notification 'after-the-gap'" in received[dropped.end() :]
 
 
+async def test_a_fatal_signal_while_the_host_reads_no_stderr_ends_the_worker_and_the_host_then_reads_the_report():
+    """Python's report of a fatal signal goes straight to the real stderr; with that pipe full (a
+    host that does not read it) the report must not wait: the worker dies, it never hangs. A
+    host that does read gets the report (kill -BUS stands for a mapped model file cut short)."""
+    import signal
+
+    for reads in (False, True):
+        read_end, write_end = os.pipe()
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "worker", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=write_end, cwd=REPO_ROOT,
+        )
+        os.close(write_end)
+        received = bytearray()
+
+        def read_stderr() -> None:
+            with os.fdopen(read_end, "rb", buffering=0) as pipe:
+                while chunk := pipe.read(1 << 16):
+                    received.extend(chunk)
+
+        reading = asyncio.ensure_future(asyncio.to_thread(read_stderr)) if reads else None
+        try:
+            noise = json.dumps({"jsonrpc": "2.0", "method": "x" * 10_000}).encode() + b"\n"
+            process.stdin.write(noise * (20 if reads else 400) + b'{"jsonrpc":"2.0","id":1,"method":"capabilities"}\n')
+            await asyncio.wait_for(process.stdin.drain(), 30)
+            assert json.loads(await asyncio.wait_for(process.stdout.readline(), 30))["id"] == 1
+            process.send_signal(signal.SIGBUS)
+            assert await asyncio.wait_for(process.wait(), 30) == -signal.SIGBUS
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+        if reading is not None:
+            await asyncio.wait_for(reading, 30)
+            assert b"Fatal Python error: Bus error" in received
+        else:
+            os.close(read_end)
+
+
 # --- 7: a shared cache directory -------------------------------------------------------------------
 
 
