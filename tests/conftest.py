@@ -181,6 +181,30 @@ def kernel_variant(source: Path, library: Path, flags: list[str], function: str)
     return getattr(ctypes.CDLL(str(library)), function)
 
 
+# What a load computed by the native pass never needs: transformers' modeling code (it imports
+# torch's compiler) and transformers' activations (its Llama configuration's module imports them,
+# and torch.distributed through them).
+HEAVY_MODULES = ("torch._dynamo", "transformers.modeling_utils", "transformers.activations", "torch.distributed.tensor")
+
+
+def load_in_a_fresh_process(model: Path, data_dir: Path) -> str:
+    """The class of the model a backend load of ``model`` makes in a fresh process, and which of
+    HEAVY_MODULES it imported: "ShellModel []" for a load of the native pass alone."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+from pathlib import Path
+from protocol.methods import LoadParams
+from worker.backends.transformers.backend import TransformersBackend
+model = TransformersBackend().load(LoadParams(model={str(model)!r}), data_dir=Path({str(data_dir)!r}))
+print(type(model._model).__name__, sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    return done.stdout.split("\n")[-2]
+
+
 def install_plugin(directory: Path, module: str, source: str, backends: dict[str, str]) -> dict[str, str]:
     """A third-party backend package: a module and a dist-info with ``lm_worker.backends``
     entry points, in ``directory``. Returns the environment that puts it on the path."""

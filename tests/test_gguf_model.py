@@ -426,23 +426,10 @@ def test_on_each_architecture_a_mapped_gguf_s_streams_in_a_batch_and_prompts_cut
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_a_mapped_gguf_loads_without_importing_transformers_modeling_code(gguf_of, tmp_path: Path, arch: str):
-    """In a fresh process, as a worker loads one: transformers' modeling code imports torch's
-    compiler, a second of every load, and the native pass never runs that code; transformers'
-    activations (which its Llama configuration's module imports) import torch.distributed."""
-    import subprocess
-    import sys
+    """In a fresh process, as a worker loads one (tests.conftest.HEAVY_MODULES says why none is needed)."""
+    from tests.conftest import load_in_a_fresh_process
 
-    script = f"""
-import sys
-from pathlib import Path
-from protocol.methods import LoadParams
-from worker.backends.transformers.backend import TransformersBackend
-model = TransformersBackend().load(LoadParams(model={str(gguf_of(arch, 8))!r}), data_dir=Path({str(tmp_path)!r}))
-heavy = ("torch._dynamo", "transformers.modeling_utils", "transformers.activations", "torch.distributed.tensor")
-print(type(model._model).__name__, sorted(m for m in heavy if m in sys.modules))
-"""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
-    assert done.stdout.split("\n")[-2] == "ShellModel []", done.stdout + done.stderr
+    assert load_in_a_fresh_process(gguf_of(arch, 8), tmp_path) == "ShellModel []"
 
 
 TEXT = "the history of the city of rome begins with a small settlement by the river, and so it grew " * 2

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -189,9 +190,14 @@ async def test_a_record_file_that_cannot_be_opened_is_a_usage_error_with_exit_co
 # --- 17: a host that never reads stderr ---------------------------------------------------------------
 
 
-async def test_a_host_that_never_reads_stderr_never_stalls_the_worker_and_learns_what_was_dropped():
-    """Each unknown notification is a warning on stderr; these fill the pipe and the buffer many times.
-    stderr is a pipe nobody reads until the reply came (asyncio's pipes would be read all along)."""
+# An unknown notification, each a warning of some 10 KB on stderr; then a request to answer.
+NOISE = json.dumps({"jsonrpc": "2.0", "method": "x" * 10_000}).encode() + b"\n"
+CAPABILITIES = b'{"jsonrpc":"2.0","id":1,"method":"capabilities"}\n'
+
+
+async def worker_with_unread_stderr() -> tuple[asyncio.subprocess.Process, Callable[[], None], bytearray]:
+    """A worker whose stderr is a pipe nobody reads until the returned reader runs (asyncio's pipes
+    would be read all along), and the bytes that reader receives."""
     read_end, write_end = os.pipe()
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "worker", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
@@ -205,9 +211,14 @@ async def test_a_host_that_never_reads_stderr_never_stalls_the_worker_and_learns
             while chunk := pipe.read(1 << 16):
                 received.extend(chunk)
 
+    return process, read_stderr, received
+
+
+async def test_a_host_that_never_reads_stderr_never_stalls_the_worker_and_learns_what_was_dropped():
+    """The warnings fill the pipe and the buffer many times before the host reads stderr."""
+    process, read_stderr, received = await worker_with_unread_stderr()
     try:
-        noise = json.dumps({"jsonrpc": "2.0", "method": "x" * 10_000}).encode() + b"\n"
-        process.stdin.write(noise * 400 + b'{"jsonrpc":"2.0","id":1,"method":"capabilities"}\n')
+        process.stdin.write(NOISE * 400 + CAPABILITIES)
         await asyncio.wait_for(process.stdin.drain(), 30)  # a worker stalled on stderr stops reading
         reply = await asyncio.wait_for(process.stdout.readline(), 30)
         assert json.loads(reply)["id"] == 1
@@ -236,23 +247,10 @@ async def test_a_fatal_signal_while_the_host_reads_no_stderr_ends_the_worker_and
     import signal
 
     for reads in (False, True):
-        read_end, write_end = os.pipe()
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "worker", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=write_end, cwd=REPO_ROOT,
-        )
-        os.close(write_end)
-        received = bytearray()
-
-        def read_stderr() -> None:
-            with os.fdopen(read_end, "rb", buffering=0) as pipe:
-                while chunk := pipe.read(1 << 16):
-                    received.extend(chunk)
-
+        process, read_stderr, received = await worker_with_unread_stderr()
         reading = asyncio.ensure_future(asyncio.to_thread(read_stderr)) if reads else None
         try:
-            noise = json.dumps({"jsonrpc": "2.0", "method": "x" * 10_000}).encode() + b"\n"
-            process.stdin.write(noise * (20 if reads else 400) + b'{"jsonrpc":"2.0","id":1,"method":"capabilities"}\n')
+            process.stdin.write(NOISE * (20 if reads else 400) + CAPABILITIES)
             await asyncio.wait_for(process.stdin.drain(), 30)
             assert json.loads(await asyncio.wait_for(process.stdout.readline(), 30))["id"] == 1
             process.send_signal(signal.SIGBUS)
@@ -261,11 +259,11 @@ async def test_a_fatal_signal_while_the_host_reads_no_stderr_ends_the_worker_and
             if process.returncode is None:
                 process.kill()
                 await process.wait()
-        if reading is not None:
+        if reading is None:  # what the pipe held when the worker died, read to its end (and closed)
+            await asyncio.wait_for(asyncio.to_thread(read_stderr), 30)
+        else:
             await asyncio.wait_for(reading, 30)
             assert b"Fatal Python error: Bus error" in received
-        else:
-            os.close(read_end)
 
 
 # --- 7: a shared cache directory -------------------------------------------------------------------

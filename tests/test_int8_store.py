@@ -234,21 +234,9 @@ async def test_two_worker_processes_one_after_the_other_quantize_once_and_answer
 
 
 def test_a_load_that_maps_kept_int8_weights_imports_none_of_transformers_heavy_modules(tiny_model_dir: Path, tmp_path: Path):
-    """In a fresh process, as a worker's second load of a Llama directory: transformers' modeling
-    code imports torch's compiler, and its Llama configuration's module imports torch.distributed
-    (through transformers.activations); a load that maps the kept weights needs neither."""
-    import subprocess
-    import sys
+    """In a fresh process, as a worker's second load of a Llama directory (tests.conftest.HEAVY_MODULES
+    says why none is needed)."""
+    from tests.conftest import load_in_a_fresh_process
 
     load(tiny_model_dir, tmp_path)
-    script = f"""
-import sys
-from pathlib import Path
-from protocol.methods import LoadParams
-from worker.backends.transformers.backend import TransformersBackend
-model = TransformersBackend().load(LoadParams(model={str(tiny_model_dir)!r}), data_dir=Path({str(tmp_path)!r}))
-heavy = ("torch._dynamo", "transformers.modeling_utils", "transformers.activations", "torch.distributed.tensor")
-print(type(model._model).__name__, sorted(m for m in heavy if m in sys.modules))
-"""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
-    assert done.stdout.split("\n")[-2] == "ShellModel []", done.stdout + done.stderr
+    assert load_in_a_fresh_process(tiny_model_dir, tmp_path) == "ShellModel []"
