@@ -90,7 +90,7 @@ def pretrained_configuration(directory: Path) -> PretrainedConfig:
     values, _ = PreTrainedConfig.get_config_dict(directory)
     if values.get("model_type") != "llama":
         return AutoConfig.from_pretrained(directory)
-    return LlamaConfig.from_pretrained(directory, name_or_path=str(directory))  # as AutoConfig names it
+    return LlamaConfig.from_dict(values, name_or_path=str(directory))  # the file read once; named as AutoConfig names it
 
 
 def transformers_configuration(config: PretrainedConfig) -> PretrainedConfig:
