@@ -171,7 +171,7 @@ def test_the_pass_finds_each_rows_highest_where_numpys_argmax_does(threads):
 def test_a_pass_gives_the_highest_of_each_logits_row_it_returns(tiny_models, tmp_path: Path, family):
     """Steps of several sequences, a draft's rows and a prompt chunk's: each choice the pass
     reports is where sampling.highest finds the highest of the logits it returned."""
-    from worker.backends.transformers.sampling import highest
+    from worker.sampling import highest
 
     model = load(tiny_models(family), tmp_path)
     ids = model.tokenize(TEXT, add_special_tokens=True)
@@ -180,7 +180,7 @@ def test_a_pass_gives_the_highest_of_each_logits_row_it_returns(tiny_models, tmp
         for cache, cut in zip(caches, (5, 9, 14)):
             model._decode_step.forward([ids[:cut]], [cache])
         logits, best = model._decode_step.forward_highest([[ids[5]], ids[9:12], ids[14:20]], caches, [1, 3, 2])
-    assert best == [highest(row) for row in logits]
+    assert best == [highest(row.numpy()) for row in logits]
 
 def test_a_cache_stepped_in_inference_mode_is_cut_back_outside_it(tiny_models, tmp_path: Path):
     """The worker steps in inference mode and cuts a drafting sequence's cache back outside it:

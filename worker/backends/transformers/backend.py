@@ -660,7 +660,7 @@ class TransformersDecoding:
         cache: TorchCache,
         constraint: OutputConstraint | None,
     ):
-        from worker.backends.transformers.sampling import Sampler
+        from worker.sampling import Sampler
 
         self.cache = cache
         self.tokens = list(prompt)  # the prompt and the tokens chosen so far
@@ -674,7 +674,7 @@ class TransformersDecoding:
         self.drafted_tokens = self.accepted_tokens = 0
         self._owner = owner
         self._prompt_length = len(self.tokens)
-        self._sampler = Sampler(params, owner.device) if params is not None else None
+        self._sampler = Sampler(params) if params is not None else None
         self._constraint = constraint
 
     @property
@@ -740,13 +740,12 @@ class TransformersDecoding:
 
     def next_token(self) -> int:
         assert self._sampler is not None and self._logits is not None, "a prefill chooses no tokens"
-        logits = self._logits[self._row : self._row + 1]
+        import numpy as np
+
+        logits = self._logits[self._row].float().cpu().numpy()  # no copy of a CPU float32 row
         highest = self.highest[self._row] if self.highest is not None else None
         if self._constraint is not None:
-            import torch
-
-            allowed = torch.from_numpy(self._constraint.allowed(logits.shape[-1]))
-            logits, highest = logits.masked_fill(~allowed.to(logits.device), float("-inf")), None
+            logits, highest = np.where(self._constraint.allowed(logits.size), logits, np.float32(-np.inf)), None
         token = self._sampler.next_token(self.tokens, logits, highest)
         if self._constraint is not None:
             self._constraint.accept(token)
