@@ -169,7 +169,7 @@ def kernel_variant(source: Path, library: Path, flags: list[str], function: str)
     import shutil
     import subprocess
 
-    from worker.backends.transformers.exact_attention import FLAGS
+    from worker.c_build import FLAGS
 
     compiler = shutil.which("cc")
     if compiler is None:

@@ -247,11 +247,12 @@ def test_vectors_of_8_and_of_16_floats_give_the_same_bits(kernel, tmp_path: Path
 
 
 def test_the_kernel_is_built_once_per_machine_and_reused(kernel, tmp_path: Path):
+    from worker import c_build
     from worker.backends.transformers import exact_attention
 
-    built = exact_attention._build(tmp_path)
+    built = c_build._build(tmp_path, exact_attention.SOURCE)
     stamp = built.stat().st_mtime_ns
-    assert exact_attention._build(tmp_path) == built and built.stat().st_mtime_ns == stamp
+    assert c_build._build(tmp_path, exact_attention.SOURCE) == built and built.stat().st_mtime_ns == stamp
     assert [path.name for path in tmp_path.iterdir()] == [built.name]  # no partial file left behind
 
 
@@ -278,10 +279,11 @@ async def test_a_damaged_kernel_file_is_built_again_and_two_workers_starting_tog
     """A file under the kernel's name that does not load (damaged, or planted) is built again,
     and two workers starting at once on the same data directory each end with a kernel that
     loads, no partial file left behind, and the same greedy tokens."""
+    from worker import c_build
     from worker.backends.transformers import exact_attention
 
     kernels = tmp_path / "data" / "kernels"
-    name = exact_attention._build(kernels).name
+    name = c_build._build(kernels, exact_attention.SOURCE).name
     (kernels / name).write_bytes(b"not a shared library")
     env = {**TORCH_ENV, "LM_WORKER_DATA_DIR": str(tmp_path / "data")}
     hosts = [await Host.spawn(env=env) for _ in range(2)]
@@ -304,6 +306,7 @@ async def test_a_damaged_kernel_file_is_built_again_and_two_workers_starting_tog
 
 
 def test_a_hung_compiler_is_killed_with_its_children_at_the_timeout(tmp_path: Path, monkeypatch):
+    from worker import c_build
     from worker.backends.transformers import exact_attention
 
     pids = tmp_path / "pids"
@@ -311,10 +314,10 @@ def test_a_hung_compiler_is_killed_with_its_children_at_the_timeout(tmp_path: Pa
     compiler.write_text(f"#!/bin/sh\nsleep 1000 &\necho $! > {pids}\nsleep 1000\n")  # cc1 and as are children too
     compiler.chmod(0o755)
     monkeypatch.setenv("CC", str(compiler))
-    monkeypatch.setattr(exact_attention, "COMPILE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(c_build, "COMPILE_TIMEOUT_S", 1.0)
     started = time.perf_counter()
-    with pytest.raises(exact_attention.KernelUnavailable, match="timed out"):
-        exact_attention._build(tmp_path / "kernels")
+    with pytest.raises(c_build.KernelUnavailable, match="timed out"):
+        c_build._build(tmp_path / "kernels", exact_attention.SOURCE)
     assert time.perf_counter() - started < 10
     child = Path(f"/proc/{pids.read_text().strip()}/stat")
     for _ in range(100):  # killed, then reaped by whoever adopted it

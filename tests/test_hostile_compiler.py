@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TORCH_ENV, SpawnWorker
-from worker.backends.transformers.exact_attention import TIMEOUT_ENV
+from worker.c_build import TIMEOUT_ENV
 from worker.host import WorkerError
 
 BOUND_S = 3.0  # the bound a test worker gives its builds (TIMEOUT_ENV): 30 s otherwise

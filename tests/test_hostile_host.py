@@ -103,10 +103,11 @@ async def test_a_digest_memo_that_is_not_a_small_regular_file_is_passed_over_and
 @pytest.fixture(scope="module")
 def kernel_name(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The file name a worker on this machine gives the attention kernel it builds."""
+    from worker import c_build
     from worker.backends.transformers import exact_attention
 
     # Built here, not loaded: this process may have loaded the kernel already (workers run in it).
-    return exact_attention._build(tmp_path_factory.mktemp("kernel") / "kernels").name
+    return c_build._build(tmp_path_factory.mktemp("kernel") / "kernels", exact_attention.SOURCE).name
 
 
 async def test_a_fifo_under_the_kernels_name_is_built_over_and_the_worker_answers_meanwhile(

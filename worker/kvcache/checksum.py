@@ -3,9 +3,10 @@
 crc32c.c computes it with the processor's own instructions: AVX-512 carry-less multiplies
 (VPCLMULQDQ) where there are, else the SSE4.2 crc32 instruction on three streams, else
 tables; which one is chosen when the library loads (``path``). It is compiled once per
-machine with the system's C compiler (``cc``, or ``CC``) into ``<data dir>/kernels``, as
-the transformers backend's kernels are, and loaded with ctypes (``load_kernel``; the first
-checksum asked for loads it from the default data directory if nothing did before).
+machine with the system's C compiler into ``<data dir>/kernels`` by worker.c_build, as the
+transformers backend's kernels are (within a load, under the load's one bound on the
+compiler's time), and loaded with ctypes (``load_kernel``; the first checksum asked for
+loads it from the default data directory if nothing did before).
 
 Where it cannot be built (no compiler), ``crc32c`` computes the same value with numpy
 (``crc32c_numpy``: many stretches of the buffer a table step at a time, then joined), a
@@ -18,21 +19,15 @@ from __future__ import annotations
 import array
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import signal
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from worker.files import is_regular
+from worker.c_build import KernelUnavailable, built, library_function
 
 if TYPE_CHECKING:
-    from ctypes import _NamedFuncPointer as CFunction  # pyright: ignore[reportPrivateUsage] (typeshed's name for it)
-
     import numpy as np
     from typing_extensions import Buffer
 
@@ -41,45 +36,29 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("crc32c.c")
 POLY = 0x82F63B78  # reflected; x^32 + x^28 + x^27 + ... (0x1EDC6F41) as the CRC's registers hold it
 # The kernel chooses its instructions at run time (target attributes), so one build serves
-# any x86-64 processor; tried in turn, as the other kernels' flags are.
+# any x86-64 processor (its name does not depend on the processor); tried in turn, as the
+# other kernels' flags are.
 FLAGS = ["-O3", "-shared", "-fPIC"]
 _OPTIONS: tuple[list[str], ...] = (["-std=gnu11"], [])
-COMPILE_TIMEOUT_S = 30.0  # a build takes a fraction of a second; one that takes this long is hung
 # A build on first use runs in the request that needs a checksum: a hung compiler holds it this
 # long, once in the process's life, and the numpy path serves from then on.
 FIRST_USE_TIMEOUT_S = 10.0
 PATHS = {0: "tables", 1: "sse4.2 crc32", 2: "avx512 vpclmulqdq"}
 
 
-class KernelUnavailable(Exception):
-    """crc32c.c could not be built or loaded here (the message says why)."""
-
-
 class _Kernel:
     def __init__(self, library: Path) -> None:
-        try:
-            self._library = ctypes.CDLL(str(library))
-            functions: list[CFunction] = [
-                getattr(self._library, name) for name in ("lmw_crc32c", "lmw_crc32c_sse42", "lmw_crc32c_portable")
-            ]
-            path = self._library.lmw_crc32c_path
-        except (OSError, AttributeError) as exc:
-            raise KernelUnavailable(f"could not load {library}: {exc}") from exc
+        functions = [library_function(library, name) for name in ("lmw_crc32c", "lmw_crc32c_sse42", "lmw_crc32c_portable")]
         for function in functions:
             function.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
             function.restype = ctypes.c_uint32
         self.fastest, self.sse42, self.portable = functions
-        try:
-            self.read = self._library.lmw_read_crc32c
-        except AttributeError as exc:
-            raise KernelUnavailable(f"could not load {library}: {exc}") from exc
+        path = library_function(library, "lmw_crc32c_path")
+        self.read = library_function(library, "lmw_read_crc32c")
         self.read.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                               ctypes.POINTER(ctypes.c_uint32)]
         self.read.restype = ctypes.c_int64
-        try:
-            self.run = self._library.lmw_read_check_run
-        except AttributeError as exc:
-            raise KernelUnavailable(f"could not load {library}: {exc}") from exc
+        self.run = library_function(library, "lmw_read_check_run")
         self.run.argtypes = [ctypes.c_int, ctypes.c_int64, *[ctypes.c_void_p] * 4, ctypes.c_int64, ctypes.c_void_p,
                              ctypes.c_void_p]
         self.run.restype = ctypes.c_int64
@@ -92,26 +71,20 @@ _tried: str | None = None  # why there is no kernel, once a load failed
 _lock = threading.Lock()
 
 
-def load_kernel(directory: Path, timeout_s: float = COMPILE_TIMEOUT_S) -> str:
-    """Build crc32c.c into ``directory`` unless it is there (the compiler given ``timeout_s``),
-    and load it; returns the instructions it uses (``path``). Raises KernelUnavailable with
-    the compiler's words. A worker's load may call it with the worker's data directory;
-    otherwise the first checksum builds it into the default one."""
+def load_kernel(directory: Path, timeout_s: float | None = None) -> str:
+    """Build crc32c.c into ``directory`` unless it is there (the compiler given ``timeout_s``
+    outside a load's shared bound), and load it; returns the instructions it uses (``path``).
+    Raises KernelUnavailable with the compiler's words. A worker's load may call it with the
+    worker's data directory; otherwise the first checksum builds it into the default one."""
     global _kernel, _tried
     with _lock:
         if _kernel is None:
             try:
-                _kernel = _Kernel(_build(directory, timeout_s=timeout_s))
+                _kernel = built(directory, SOURCE, _Kernel, flags=FLAGS, options=_OPTIONS, per_machine=False,
+                                bound_s=timeout_s)
             except KernelUnavailable as exc:
-                if "could not load" not in exc.args[0]:
-                    _tried = exc.args[0]
-                    raise
-                log.warning("%s; building it again", exc)  # a file under its name that does not load
-                try:
-                    _kernel = _Kernel(_build(directory, again=True, timeout_s=timeout_s))
-                except KernelUnavailable as again:
-                    _tried = again.args[0]
-                    raise
+                _tried = exc.args[0]
+                raise
             _tried = None
         return _kernel.path
 
@@ -315,58 +288,3 @@ def crc32c_numpy(data: Buffer, value: int = 0) -> int:
     array = _bytes(data)
     start = _shift((value & 0xFFFFFFFF) ^ 0xFFFFFFFF, array.size) if array.size else value ^ 0xFFFFFFFF
     return (start ^ _register(array)) ^ 0xFFFFFFFF
-
-
-# --- building ------------------------------------------------------------------------------------
-
-
-def _build(directory: Path, again: bool = False, timeout_s: float = COMPILE_TIMEOUT_S) -> Path:
-    """The library in ``directory`` (named after the source, the compiler and its flags),
-    compiled unless it is there (or ``again``): written beside and renamed into place, so
-    that workers sharing a data directory never load half a file."""
-    compiler = os.environ.get("CC", "cc")
-    text = SOURCE.read_bytes()
-    built: subprocess.CompletedProcess[str] | None = None
-    for options in _OPTIONS:
-        flags = [*options, *FLAGS]
-        digest = hashlib.sha256(repr((text, compiler, flags)).encode()).hexdigest()[:16]
-        library = directory / f"{SOURCE.stem}-{digest}.so"
-        if is_regular(library) and not again:  # a FIFO there would block the loader
-            return library
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            handle, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
-            os.close(handle)
-        except OSError as exc:
-            raise KernelUnavailable(f"cannot write the kernel into {directory}: {exc.strerror or exc}") from exc
-        try:
-            built = _run_compiler([compiler, *flags, "-o", partial, str(SOURCE)], timeout_s)
-        except OSError as exc:
-            os.unlink(partial)
-            raise KernelUnavailable(f"no C compiler ({compiler!r}: {exc})") from exc
-        except subprocess.TimeoutExpired as exc:
-            os.unlink(partial)
-            raise KernelUnavailable(f"{compiler} did not build {SOURCE.name} in {timeout_s:.0f} s (killed)") from exc
-        if built.returncode == 0:
-            try:
-                os.replace(partial, library)
-            except OSError as exc:  # a directory under the library's name
-                os.unlink(partial)
-                raise KernelUnavailable(f"cannot write the kernel as {library}: {exc.strerror or exc}") from exc
-            return library
-        os.unlink(partial)
-    assert built is not None
-    raise KernelUnavailable(f"{compiler} could not build {SOURCE.name}: {built.stderr.strip()[-2000:]}")
-
-
-def _run_compiler(command: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
-    """The compiler in a process group of its own, all of which is killed at the timeout."""
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as process:
-        try:
-            stdout, stderr = process.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            raise
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)

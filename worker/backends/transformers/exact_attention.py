@@ -14,108 +14,33 @@ to: the same bits in a chunk of any size, in a decode step, and on any thread. F
 attention reaches the same end more slowly (bench/README.md, "Figures behind constants"),
 and is what hf_compat uses where this kernel cannot be built or cannot take a call.
 
-The file is compiled once per machine with the system's C compiler (``cc``, or ``CC``)
-into ``<data dir>/kernels`` when a model with quantized weights is loaded, and loaded
-with ctypes: a build happens once per machine and data directory, and a build that fails
+The file is compiled once per machine with the system's C compiler into ``<data dir>/kernels``
+when a model with quantized weights is loaded, and loaded with ctypes (worker.c_build, which
+the other kernels share, with its one bound on a load's compiler time): a build that fails
 leaves the worker on float64 attention, not without a model.
-
-The kernels a load builds (this one, int8_kernel.c, native_forward.c, gguf_kernel.c) share
-one bound on the compiler's time (COMPILE_TIMEOUT_S, kept in the load's context:
-load_progress.shared): a compiler that hangs is killed once it is spent, and the load's
-later kernels are not tried, each falling back as where there is no compiler; the next load
-tries again. A cancelled load kills the compiler at once (load_progress.cancelled).
 """
 
 from __future__ import annotations
 
-import _ctypes
 import array
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from worker import load_progress
 from worker.backends.transformers.torch_threads import attention_work, threads_for
-from worker.files import is_regular
+from worker.c_build import KernelUnavailable, address, built_function, library_function
 
 if TYPE_CHECKING:
-    from ctypes import _NamedFuncPointer as CFunction  # typeshed's name for a library's function
-
-log = logging.getLogger(__name__)
+    from worker.c_build import CFunction
 
 SOURCE = Path(__file__).with_name("exact_attention.c")
-# -ffp-contract=off: every multiply and add rounds on its own, as the source's order says.
-# -fno-trapping-math: nothing reads the floating-point exception flags, so GCC may compute both
-# sides of a choice in vectors (native_forward's activations); no number changes.
-FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-shared", "-fPIC"]
-# Tried in turn: -march=native for the machine's widest vectors, -fopenmp for threads
-# (linked against libgomp.so.1, the OpenMP runtime torch has loaded, so the kernel's threads
-# are torch's own). Some compilers take neither.
-_OPTIONS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
-# Several times what a load's builds take together (bench/README.md, "Figures behind
-# constants"): a compiler that takes this long over one load's builds is hung, and the load
-# waits on it. One bound for all the builds of a load (_Budget).
-COMPILE_TIMEOUT_S = 30.0
-# For tests only: a worker process's bound in seconds, in place of COMPILE_TIMEOUT_S (PROTOCOL 13).
-TIMEOUT_ENV = "LM_WORKER_COMPILE_TIMEOUT_S"
-_POLL_S = 0.05  # how often a build looks whether its load was cancelled
 _MOST_GROUPS = 64  # query heads per key/value head the kernel takes (MOST_GROUPS there)
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _I64, _I64, _I64] * 3 + [_PTR, _PTR, _PTR] + [_I64] * 5 + [ctypes.c_float, ctypes.c_int]
 _STEP_ARGTYPES = [_PTR, _I64, _I64] * 3 + [_PTR] * 10 + [_I64] * 4 + [ctypes.c_float, ctypes.c_int]
-
-
-_UNLOADABLE = "could not load"
-
-
-class KernelUnavailable(Exception):
-    """The kernel could not be built or loaded on this machine (the message says why)."""
-
-
-def library_function(library: Path, name: str) -> CFunction:
-    """The C function ``name`` of the library at ``library`` (ctypes), or KernelUnavailable."""
-    try:
-        loaded = ctypes.CDLL(str(library))
-    except OSError as exc:
-        raise KernelUnavailable(f"{_UNLOADABLE} {library}: {exc}") from exc
-    try:
-        return getattr(loaded, name)
-    except AttributeError as exc:
-        # Let go of it: a library stays loaded under its name, and the one built over it would never be.
-        _ctypes.dlclose(loaded._handle)
-        raise KernelUnavailable(f"{_UNLOADABLE} {library}: {exc}") from exc
-
-
-def address(function: CFunction) -> int:
-    """Where a loaded C function is, for native code that calls it."""
-    where = ctypes.cast(function, ctypes.c_void_p).value
-    assert where is not None, "a loaded function has an address"
-    return where
-
-
-def built_function(directory: Path, source: Path, name: str) -> CFunction:
-    """The C function ``name`` of ``source``, built into ``directory`` if it is not there yet;
-    raises KernelUnavailable with the compiler's words when it cannot be built."""
-    try:
-        return library_function(_build(directory, source=source), name)
-    except KernelUnavailable as exc:
-        if not exc.args[0].startswith(_UNLOADABLE):
-            raise
-        # A file under the kernel's name that does not load (damaged, or not ours): build it again.
-        log.warning("%s; building it again", exc)
-        return library_function(_build(directory, again=True, source=source), name)
 
 
 class Kernel:
@@ -251,121 +176,3 @@ def loaded() -> Kernel:
     if _loaded is None:
         raise KernelUnavailable("the exact attention kernel was not built")
     return _loaded
-
-
-def _build(directory: Path, again: bool = False, source: Path = SOURCE) -> Path:
-    """The library of the C file ``source`` in ``directory`` (named after the file, the
-    compiler, its flags and the machine), compiled unless it is there (or ``again``)."""
-    compiler = os.environ.get("CC", "cc")
-    path, text = source, source.read_bytes()
-    machine = _machine()
-    for options in _OPTIONS:
-        flags = [*options, *FLAGS]
-        digest = hashlib.sha256(repr((text, compiler, flags, machine)).encode()).hexdigest()[:16]
-        library = directory / f"{path.stem}-{digest}.so"
-        if is_regular(library) and not again:  # a FIFO there would block the loader, holding the GIL
-            return library
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            # Written beside and renamed into place: workers sharing a data directory never load half a file.
-            handle, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
-            os.close(handle)
-        except OSError as exc:
-            raise KernelUnavailable(f"cannot write the kernel into {directory}: {exc.strerror or exc}") from exc
-        try:
-            built = _compile([compiler, *flags, "-o", partial, str(path)])
-        except OSError as exc:
-            os.unlink(partial)
-            raise KernelUnavailable(f"no C compiler ({compiler!r}: {exc})") from exc
-        except BaseException:  # out of time (KernelUnavailable), or the load was cancelled
-            os.unlink(partial)
-            raise
-        if built.returncode == 0:
-            try:
-                os.replace(partial, library)
-            except OSError as exc:  # a directory under the library's name
-                os.unlink(partial)
-                raise KernelUnavailable(f"cannot write the kernel as {library}: {exc.strerror or exc}") from exc
-            return library
-        os.unlink(partial)
-    raise KernelUnavailable(f"{compiler} could not build {path.name}: {built.stderr.strip()[-2000:]}")
-
-
-class _Budget:
-    """The compiler's time left to one load (load_progress.shared; outside a load, to one build):
-    each build takes from it, and once one has run past it no other is tried in that load."""
-
-    def __init__(self) -> None:
-        self.bound_s = _bound_s()
-        self.left_s = self.bound_s
-        self.spent: str | None = None  # why the load's later builds are not tried
-
-
-def _bound_s() -> float:
-    try:
-        bound = float(os.environ.get(TIMEOUT_ENV, COMPILE_TIMEOUT_S))
-    except ValueError:
-        return COMPILE_TIMEOUT_S
-    return bound if 0 < bound <= COMPILE_TIMEOUT_S else COMPILE_TIMEOUT_S
-
-
-def _compile(command: list[str]) -> subprocess.CompletedProcess:
-    """Run the compiler in a process group of its own, all of which is killed when the load's
-    time for builds is spent or the load is cancelled (a compiler's own children, cc1 and as,
-    would otherwise run on): KernelUnavailable then, or the load's -32800. A load sees it as a
-    stage of one step, over when the compiler is, whatever it said."""
-    budget = load_progress.shared("kernel builds", _Budget)
-    if budget.spent is not None:
-        raise KernelUnavailable(budget.spent)
-    report = load_progress.stage("building_kernel", 1, "steps")
-    started = time.monotonic()
-    try:
-        return _run_compiler(command, budget.left_s)
-    except subprocess.TimeoutExpired:
-        budget.left_s = 0.0
-        raise KernelUnavailable(
-            f"the C compiler ({command[0]!r}) timed out: still running when the {budget.bound_s:g} s that a load's "
-            "kernel builds share were spent, so it was killed (the next load tries again)"
-        ) from None
-    finally:
-        budget.left_s -= time.monotonic() - started
-        if budget.left_s <= 0 and budget.spent is None:
-            budget.spent = (
-                f"not tried: the C compiler ({command[0]!r}) timed out earlier in this load, the {budget.bound_s:g} s "
-                "that a load's kernel builds share being spent (the next load tries again)"
-            )
-        report(1)
-
-
-def _run_compiler(command: list[str], timeout_s: float) -> subprocess.CompletedProcess:
-    """The compiler's run; subprocess.TimeoutExpired after ``timeout_s``, and the load's -32800
-    as soon as it is cancelled (load_progress.check), the process group killed either way."""
-    deadline = time.monotonic() + timeout_s
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as process:
-        try:
-            while True:
-                try:  # retried after a timeout, communicate loses no output
-                    stdout, stderr = process.communicate(timeout=max(0.0, min(_POLL_S, deadline - time.monotonic())))
-                    break
-                except subprocess.TimeoutExpired:
-                    load_progress.check()
-                    if time.monotonic() >= deadline:
-                        raise subprocess.TimeoutExpired(command, timeout_s) from None
-        except BaseException:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:  # the group is gone already
-                pass
-            process.communicate()
-            raise
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-
-
-def _machine() -> str:
-    """What code built with -march=native depends on: the processor's instruction sets."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = ""
-    return f"{platform.machine()} {platform.processor()} {sys.platform} {flags}"

@@ -58,7 +58,7 @@ from worker import load_progress
 from worker.backends.transformers.gguf_weights import GgufLinear, float_rows_product
 
 if TYPE_CHECKING:
-    from worker.backends.transformers.exact_attention import CFunction
+    from worker.c_build import CFunction
 
 KERNEL_SOURCE = Path(__file__).with_name("int8_kernel.c")
 # What the cache identity calls the kernel's arithmetic (hf_compat.config_digest): its bits
@@ -80,11 +80,11 @@ log = logging.getLogger(__name__)
 
 
 def load_int8_kernel(data_dir: Path) -> None:
-    """Build (on first use) and load int8_kernel.c; raises exact_attention.KernelUnavailable.
+    """Build (on first use) and load int8_kernel.c; raises c_build.KernelUnavailable.
     Once it is loaded, quantize() gives int8 rows to Int8Linear."""
     global _int8_matmul
     if _int8_matmul is None:
-        from worker.backends.transformers.exact_attention import built_function
+        from worker.c_build import built_function
 
         function = built_function(data_dir / "kernels", KERNEL_SOURCE, "lmw_int8_matmul")
         function.argtypes, function.restype = _ARGTYPES, ctypes.c_int

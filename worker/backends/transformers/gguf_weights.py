@@ -32,7 +32,7 @@ from worker.gguf.types import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from worker.backends.transformers.exact_attention import CFunction
+    from worker.c_build import CFunction
 
 KERNEL_SOURCE = Path(__file__).with_name("gguf_kernel.c")
 ARCHITECTURES = {"llama": "LLAMA"}  # transformers' model_type: gguf's MODEL_ARCH
@@ -55,10 +55,10 @@ _matmul: CFunction | None = None
 
 
 def load_kernel(data_dir: Path) -> None:
-    """Build (on first use) and load gguf_kernel.c; raises exact_attention.KernelUnavailable."""
+    """Build (on first use) and load gguf_kernel.c; raises c_build.KernelUnavailable."""
     global _matmul
     if _matmul is None:
-        from worker.backends.transformers.exact_attention import built_function
+        from worker.c_build import built_function
 
         function = built_function(data_dir / "kernels", KERNEL_SOURCE, "lmw_gguf_matmul")
         function.argtypes, function.restype = _ARGTYPES, ctypes.c_int

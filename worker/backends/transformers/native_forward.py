@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from worker import c_build
 from worker.backends.transformers import decode_step, exact_attention, fast_weights, gguf_weights, hf_compat
 from worker.backends.transformers.torch_threads import SHARE_FROM
 from worker.backends.transformers.decode_step import Passes
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
     from worker.backends.transformers.cache_layers import GrowingKeysAndValues
-    from worker.backends.transformers.exact_attention import CFunction
+    from worker.c_build import CFunction
     from worker.backends.transformers.torch_adapter import TorchCache
 
 SOURCE = Path(__file__).with_name("native_forward.c")
@@ -100,14 +101,14 @@ _highest: CFunction | None = None
 
 
 def load_kernel(data_dir: Path) -> None:
-    """Build (on first use) and load native_forward.c; raises exact_attention.KernelUnavailable."""
+    """Build (on first use) and load native_forward.c; raises c_build.KernelUnavailable."""
     global _forward, _rope, _highest
     if _forward is None:
-        function = exact_attention.built_function(data_dir / "kernels", SOURCE, "lmw_forward")
+        function = c_build.built_function(data_dir / "kernels", SOURCE, "lmw_forward")
         function.argtypes, function.restype = [ctypes.POINTER(_Model), ctypes.POINTER(_Pass)], ctypes.c_int
-        rope = exact_attention.built_function(data_dir / "kernels", SOURCE, "lmw_llama_cpp_rope")
+        rope = c_build.built_function(data_dir / "kernels", SOURCE, "lmw_llama_cpp_rope")
         rope.argtypes, rope.restype = [_I64, _I64, _I64, _FLOAT, _PTR, _PTR], ctypes.c_int
-        highest = exact_attention.built_function(data_dir / "kernels", SOURCE, "lmw_highest")
+        highest = c_build.built_function(data_dir / "kernels", SOURCE, "lmw_highest")
         highest.argtypes, highest.restype = [_PTR, _I64, _I64, _PTR, ctypes.c_int], ctypes.c_int
         _forward, _rope, _highest = function, rope, highest
 
@@ -200,12 +201,12 @@ def _product(linear: torch.nn.Module, biased: bool = False) -> _Product:
         raise TypeError("native_forward adds a bias to q, k and v only")
     if isinstance(linear, fast_weights.Int8Linear):
         return _Product(
-            exact_attention.address(linear.function), -1, linear.packed.data_ptr(), linear.scale.data_ptr(),
+            c_build.address(linear.function), -1, linear.packed.data_ptr(), linear.scale.data_ptr(),
             linear.out_features, linear.in_features,
         )
     if isinstance(linear, gguf_weights.GgufLinear):
         return _Product(
-            exact_attention.address(linear.function), linear.kind, linear.blocks.data_ptr(), None,
+            c_build.address(linear.function), linear.kind, linear.blocks.data_ptr(), None,
             linear.out_features, linear.in_features,
         )
     raise TypeError(f"native_forward takes int8 rows and gguf blocks, not {type(linear).__name__}")
