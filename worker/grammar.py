@@ -8,14 +8,16 @@ import threading
 from typing import Any
 
 from protocol.errors import ErrorKind, RpcError
+from worker.tokenizer import Tokenizer
 
 
 class GrammarTokenizer:
     """A model's vocabulary as llguidance sees it; made once per model, on first use (about half
-    a second for a 49,152-token vocabulary)."""
+    a second for a 49,152-token vocabulary). The tokenizer is worker.tokenizer's (made from its
+    tokenizer.json, without transformers) or a transformers fast tokenizer."""
 
-    def __init__(self, hf_tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
-        self._hf = hf_tokenizer
+    def __init__(self, tokenizer: Tokenizer | Any, eos_token_ids: frozenset[int]) -> None:
+        self._tokenizer = tokenizer
         self._eos = sorted(eos_token_ids)
         self._made: Any = None
         self._lock = threading.Lock()
@@ -23,10 +25,17 @@ class GrammarTokenizer:
     def get(self) -> Any:
         with self._lock:
             if self._made is None:
-                import llguidance.hf
-
-                self._made = llguidance.hf.from_tokenizer(self._hf, eos_token=self._eos)
+                self._made = self._make()
             return self._made
+
+    def _make(self) -> Any:
+        if isinstance(self._tokenizer, Tokenizer):
+            from llguidance import LLTokenizer
+
+            return LLTokenizer(self._tokenizer.serialized(), eos_token=self._eos)
+        import llguidance.hf
+
+        return llguidance.hf.from_tokenizer(self._tokenizer, eos_token=self._eos)
 
 
 class GrammarError(Exception):
