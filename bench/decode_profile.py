@@ -80,7 +80,7 @@ def stepper(model, how: str):
 
     if how == "forward":
         return lambda cache: cache.feed(model._model, torch.tensor([[42]]))
-    step = DecodeStep(model._model) if how == "operations" else model._decode_step
+    step = DecodeStep(model._model) if how == "operations" else model._passes
     return lambda cache: step([42], [cache])
 
 

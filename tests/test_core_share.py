@@ -268,7 +268,7 @@ def test_the_thread_count_changes_no_bit_of_the_logits_of_a_model_that_shares_it
             torch.set_num_threads(threads)
             with torch.inference_mode():
                 cache = loaded.new_cache()
-                logits[threads] = (loaded.forward_chunk(cache, ids[:-1]), loaded.forward_chunk(cache, ids[-1:]))
+                logits[threads] = (torch.from_numpy(loaded.forward_chunk(cache, ids[:-1])), torch.from_numpy(loaded.forward_chunk(cache, ids[-1:])))
     finally:
         torch.set_num_threads(before)
         loaded.close()

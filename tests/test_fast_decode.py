@@ -31,12 +31,14 @@ TEXT = "the cat sat on the mat and the dog ran to the river and a red sun rose o
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_rope_tables_give_a_position_the_rotary_embeddings_own_numbers_in_any_pass(tiny_models, tmp_path: Path, family):
+def test_rope_tables_give_a_position_the_rotary_embeddings_own_numbers_in_any_pass(
+    tiny_models, tmp_path: Path, torch_operations, family
+):
     """A pass's (cos, sin) come from tables made once (decode_step.Ropes), grown as positions
     come: each position gets what the model's rotary embedding computes for it in a pass of
     one position, of a chunk, of scattered ones, past the tables' first size, and as before."""
     model = load(tiny_models(family), tmp_path)
-    ropes = model._decode_step._ropes
+    ropes = model._passes._ropes
     hidden = torch.zeros(1, 8)
     passes = [[0], [1], [300], list(range(256)), [7, 900, 3], [5000], list(range(4990, 5010)), [2]]
     with torch.inference_mode():
@@ -55,14 +57,14 @@ def test_a_decode_step_gives_transformers_forward_logits_bit_for_bit(
     tiny_models, tmp_path: Path, torch_operations, family, quantization
 ):
     model = load(tiny_models(family), tmp_path, quantization=quantization)
-    assert model._decode_step is not None
+    assert model._passes is not None
     ids = model.tokenize(TEXT, add_special_tokens=True)
     with torch.inference_mode():
         for cut in (1, 2, 5, 15, 16, len(ids) - 1):
             stepped = model.new_cache()
             model.extend_cache(ids[:cut], stepped)
             forwarded = stepped.copy()
-            ours = model._decode_step([ids[cut]], [stepped])
+            ours = model._passes([ids[cut]], [stepped])
             theirs = forwarded.feed(model._model, torch.tensor([[ids[cut]]]))
             assert torch.equal(ours, theirs), f"step after {cut} tokens"
             assert stepped.length == forwarded.length == cut + 1
@@ -93,7 +95,7 @@ def test_a_prompt_fed_alone_takes_the_step_only_where_it_gives_transformers_forw
         forwarded = model.new_cache()
         logits = [forwarded.feed(model._model, torch.tensor([ids[start : start + 5]])) for start in range(0, len(ids), 5)]
     assert len(passes) == (0 if quantization == "none" else -(-len(ids) // 5))
-    assert torch.equal(decoding.logits, logits[-1])
+    assert torch.equal(torch.from_numpy(decoding.logits), logits[-1])
     for mine, other in zip(fed.kv.layers, forwarded.kv.layers):
         assert torch.equal(mine.keys, other.keys) and torch.equal(mine.values, other.values)
 
@@ -119,7 +121,7 @@ def test_a_step_attends_every_sequence_in_one_kernel_call_with_the_numbers_of_ea
     from worker.backends.transformers.decode_step import DecodeStep
 
     model = load(tiny_models(family), tmp_path, quantization="int8")
-    step = model._decode_step
+    step = model._passes
     assert step._kernel is not None
     calls = []
     at_once = DecodeStep._attend_at_once
@@ -170,8 +172,8 @@ def assert_a_batch_steps_as_each_alone(model, prompts: list[list[int]]) -> None:
             model.extend_cache(prompt[:-1], cache)
             alone.append(cache)
             together.append(cache.copy())
-        expected = [model._decode_step([prompt[-1]], [cache]) for prompt, cache in zip(prompts, alone)]
-        batched = model._decode_step([prompt[-1] for prompt in prompts], together)
+        expected = [model._passes([prompt[-1]], [cache]) for prompt, cache in zip(prompts, alone)]
+        batched = model._passes([prompt[-1] for prompt in prompts], together)
     for row, logits in enumerate(expected):
         assert torch.equal(batched[row : row + 1], logits)
 
@@ -194,9 +196,9 @@ def test_a_prompt_chunk_fed_in_a_step_beside_a_decoding_sequence_matches_transfo
         model.extend_cache(joining[:3], fed)
         model.extend_cache(joining[:3], forwarded)
         # 20 positions joining after 3: past the window of 16
-        both = model._decode_step.forward([running[-1:], joining[3:23]], [decoding, fed])
+        both = model._passes.forward([running[-1:], joining[3:23]], [decoding, fed])
         theirs = forwarded.feed(model._model, torch.tensor([joining[3:23]]))
-        expected = model._decode_step([running[-1]], [alone])
+        expected = model._passes([running[-1]], [alone])
     assert fed.length == forwarded.length == 23 and decoding.length == alone.length == len(running)
     torch.testing.assert_close(both[1:], theirs, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(both[:1], expected, rtol=1e-5, atol=1e-5)
@@ -217,7 +219,7 @@ def test_quantized_weights_give_a_position_the_same_logits_however_its_prompt_wa
     model = load(tiny_models(family), tmp_path, quantization=quantization)
     text = "the cat sat on the mat and the dog ran to the river, a red sun over the hills " * 6
     ids = model.tokenize(text, add_special_tokens=True)[:160]
-    step = model._decode_step or (lambda tokens, caches: caches[0].feed(model._model, torch.tensor([tokens])))
+    step = model._passes or (lambda tokens, caches: caches[0].feed(model._model, torch.tensor([tokens])))
 
     def logits(cuts: list[int], steps_from: int) -> torch.Tensor:
         cache, rows, start = model.new_cache(), [], 0
@@ -426,7 +428,7 @@ async def test_shipped_models_greedy_equals_in_process_generate_on_the_same_weig
     with monkeypatch.context() as patch:  # transformers' own classes, not the shell of the kept int8 weights
         patch.setattr(backend, "_kept_int8", lambda *args: None)
         reference = TransformersBackend().load(LoadParams(model=model, **load_params), data_dir=default_data_dir())
-    assert reference._decode_step is not None
+    assert reference._passes is not None
     texts = ["def fibonacci(n):\n", "Once upon a time, in a land far away,", "1, 2, 3, 4, 5,"]
     host = await Host.start_in_process()
     try:

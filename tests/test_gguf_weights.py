@@ -238,9 +238,9 @@ def test_gguf_weights_keep_a_position_s_logits_however_its_prompt_was_cut_and_ba
         cache, rows, start = model.new_cache(), [], 0
         with torch.inference_mode():
             for cut in [*cuts, steps_from]:  # prompt chunks as the worker feeds them: the native pass
-                rows.append(model.forward_chunk(cache, ids[start:cut]))
+                rows.append(torch.from_numpy(model.forward_chunk(cache, ids[start:cut])))
                 start = cut
-            rows += [model._decode_step([token], [cache]) for token in ids[steps_from:]]
+            rows += [model._passes([token], [cache]) for token in ids[steps_from:]]
         return torch.cat(rows[len(cuts):])
 
     whole = logits([], 100)

@@ -28,7 +28,7 @@ def load(path: Path, data_dir: Path, **params):
 
 def logits_of(model) -> torch.Tensor:
     with torch.inference_mode():
-        return model.forward_chunk(model.new_cache(), model.tokenize(TEXT, add_special_tokens=True))
+        return torch.from_numpy(model.forward_chunk(model.new_cache(), model.tokenize(TEXT, add_special_tokens=True)))
 
 
 def kept_file(data_dir: Path) -> Path:

@@ -34,10 +34,10 @@ def test_llama_and_gemma3_models_with_int8_weights_compute_their_passes_natively
     from worker.backends.transformers.native_forward import NativeForward
 
     for family in ("llama", "gemma3"):
-        assert type(load(tiny_models(family), tmp_path)._decode_step) is NativeForward
+        assert type(load(tiny_models(family), tmp_path)._passes) is NativeForward
     for family, quantization in (("llama", "int4"), ("llama", "none"), ("gemma3", "none")):
-        assert type(load(tiny_models(family), tmp_path, quantization=quantization)._decode_step) is DecodeStep
-    assert load(tiny_models("qwen3_5"), tmp_path)._decode_step is None
+        assert type(load(tiny_models(family), tmp_path, quantization=quantization)._passes) is DecodeStep
+    assert load(tiny_models("qwen3_5"), tmp_path)._passes is None
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -54,13 +54,13 @@ def test_a_native_pass_gives_the_logits_of_the_layers_pytorch_operations_to_roun
     ids = model.tokenize(TEXT, add_special_tokens=True)
     with torch.inference_mode():
         native_cache, torch_cache = model.new_cache(), model.new_cache()
-        ours = model._decode_step.forward([ids], [native_cache], [len(ids)])
+        ours = model._passes.forward([ids], [native_cache], [len(ids)])
         theirs = operations.forward([ids], [torch_cache], [len(ids)])
         for _ in range(12):
             torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
             assert ours[-1].argmax() == theirs[-1].argmax()
             token = int(ours[-1].argmax())
-            ours, theirs = model._decode_step([token], [native_cache]), operations([token], [torch_cache])
+            ours, theirs = model._passes([token], [native_cache]), operations([token], [torch_cache])
     for mine, other in zip(native_cache.kv.layers, torch_cache.kv.layers):
         torch.testing.assert_close(mine.keys, other.keys, rtol=1e-4, atol=1e-4)
 
@@ -73,7 +73,7 @@ def test_steps_drafts_and_a_prompt_chunk_in_one_pass_give_each_sequence_what_it_
     own: every sequence's logits and keys are still those of its positions fed alone, in
     one piece, also where they pass the tiny Gemma 3's window of 16 positions."""
     model = load(tiny_models(family), tmp_path)
-    step = model._decode_step
+    step = model._passes
     ids = model.tokenize(TEXT, add_special_tokens=True)
     # (positions cached before, new positions): a step, a draft of 3, a chunk of 9, a step on an
     # empty cache, a chunk across the window's edge, a step past it
@@ -111,7 +111,7 @@ def test_steps_read_the_keys_they_keep_transposed_and_give_one_pass_numbers_acro
     again after the cache is cut back and goes another way. And a step reads what is kept:
     spoiled, the next step's logits change."""
     model = load(tiny_models(family), tmp_path)
-    step = model._decode_step
+    step = model._passes
     prompt = model.tokenize(TEXT, add_special_tokens=True)
 
     def steps(cache, token: int, count: int) -> tuple[list[int], list]:
@@ -178,8 +178,8 @@ def test_a_pass_gives_the_highest_of_each_logits_row_it_returns(tiny_models, tmp
     caches = [model.new_cache() for _ in range(3)]
     with torch.inference_mode():
         for cache, cut in zip(caches, (5, 9, 14)):
-            model._decode_step.forward([ids[:cut]], [cache])
-        logits, best = model._decode_step.forward_highest([[ids[5]], ids[9:12], ids[14:20]], caches, [1, 3, 2])
+            model._passes.forward([ids[:cut]], [cache])
+        logits, best = model._passes.forward_highest([[ids[5]], ids[9:12], ids[14:20]], caches, [1, 3, 2])
     assert best == [highest(row.numpy()) for row in logits]
 
 def test_a_cache_stepped_in_inference_mode_is_cut_back_outside_it(tiny_models, tmp_path: Path):
@@ -187,7 +187,7 @@ def test_a_cache_stepped_in_inference_mode_is_cut_back_outside_it(tiny_models, t
     the transposed keys' count is cut back there too (as a tensor made in inference mode it
     could not be: every drafted generation failed), and the next steps give one pass's logits."""
     model = load(tiny_models("llama"), tmp_path)
-    step = model._decode_step
+    step = model._passes
     prompt = model.tokenize(TEXT, add_special_tokens=True)
     cache = model.new_cache()
     with torch.inference_mode():
@@ -210,7 +210,7 @@ def test_a_step_whose_pass_fails_leaves_the_cache_as_it_was_and_later_steps_give
     from worker.backends.transformers import native_forward
 
     model = load(tiny_models("llama"), tmp_path)
-    step = model._decode_step
+    step = model._passes
     prompt = model.tokenize(TEXT, add_special_tokens=True)
     real = native_forward._forward
 
@@ -253,7 +253,7 @@ def test_the_cache_identity_names_the_native_pass_and_a_model_without_it_keeps_a
     monkeypatch.setattr(native_forward, "load_kernel", unbuildable)
     with caplog.at_level(logging.WARNING):
         without = load(tiny_model_dir, tmp_path)
-    assert type(without._decode_step) is DecodeStep
+    assert type(without._passes) is DecodeStep
     assert without.cache_identity().config_sha256 == hf_compat.config_digest(
         config, products, device=backend._arithmetic_device("cpu", native=False)
     )

@@ -17,28 +17,21 @@ import importlib.util
 import logging
 import os
 import re
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-import msgspec
-
 from protocol.errors import ErrorKind, RpcError
-from protocol.methods import ChatMessage, GenerateParams, LoadParams, ModelInfo, SpecialToken, Tool
-from worker import chat_template, prompt_lookup, reasoning, tool_calls
+from protocol.methods import LoadParams
 from worker.files import is_regular
-from worker.backends.base import PREFILL_CHUNK_TOKENS, Decoding
+from worker.backends.transformers.local_model import LocalModel, context_length, eos_ids
 from worker.backends.transformers.torch_threads import CoreShare
-from worker.grammar import GrammarTokenizer
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedModel
 
-    from worker.grammar import OutputConstraint
-    from worker.kvcache.container import Header, Identity, LoadedCache, TensorEntry, TensorSpec
+    from worker.kvcache.container import Identity, LoadedCache, TensorEntry
     from worker.backends.transformers.torch_adapter import TorchCache
 
 _DEFAULT_DTYPES = {"cpu": "float32", "cuda": "bfloat16", "mps": "float16"}
@@ -400,7 +393,10 @@ def resolve_weights(params: LoadParams) -> tuple[str, str]:
     return dtype, "int8" if kind == "cpu" else "none"
 
 
-class TransformersModel:
+class TransformersModel(LocalModel["TorchCache"]):
+    """A model computed with PyTorch: transformers' forward, decode_step's operations, or the
+    native pass over a torch model (native_forward)."""
+
     def __init__(
         self, params: LoadParams, path: Path, model: PreTrainedModel, tokenizer, identity: Identity, device: str,
         dtype: str, quantization: str, started: float, llama_cpp: bool = False,
@@ -411,151 +407,67 @@ class TransformersModel:
         from worker.backends.transformers import decode_step, native_forward
 
         self._model: PreTrainedModel | None = model  # None once closed
-        self._decode_step: decode_step.Passes | None = None
-        if native_forward.applies(model.config, dtype, quantization):
-            self._decode_step = native_forward.NativeForward(model, quantization, llama_cpp)
-        elif decode_step.supports(model.config):
-            self._decode_step = decode_step.DecodeStep(model)
-        # A step computes its sequences in one pass, a prompt chunk with them.
-        self.chunks_in_step = self._decode_step is not None
-        # A prompt chunk fed alone goes through the step too where a position's numbers do not
-        # depend on the pass it is in (quantized weights): the native pass, or decode_step's
-        # operations (transformers' forward's numbers bit for bit, fewer operations a layer),
-        # so a prompt and the steps after it are one arithmetic.
-        self._chunk_decode_step = self._decode_step if quantization != "none" else None
-        self._tokenizer = tokenizer
-        self._device = device
+        config = model.config
+        self._model_type = config.model_type
+        passes: decode_step.Passes | None = None
+        if native_forward.applies(config, dtype, quantization):
+            passes = native_forward.NativeForward(model, quantization, llama_cpp)
+        elif decode_step.supports(config):
+            passes = decode_step.DecodeStep(model)
         # Only the native pass's numbers are the same on any thread count (torch_threads).
-        self._cores = CoreShare() if isinstance(self._decode_step, native_forward.NativeForward) else None
-        if self._cores is None and device == "cpu":
+        cores = CoreShare() if isinstance(passes, native_forward.NativeForward) else None
+        if cores is None and device == "cpu":
             log.info("model threads: %d, kept (this model's passes multiply through PyTorch's libraries, "
                      "whose last bits follow the thread count)", torch.get_num_threads())
-        # Fast tokenizers may raise "Already borrowed" when shared between threads.
-        self._lock = threading.Lock()
-        config = model.config
         _check_tokenizer_settings(tokenizer, path)
-        self._vocab_size = max(len(tokenizer), config.vocab_size)
-        self.eos_token_ids = frozenset(_eos_ids(model, tokenizer, path, self._vocab_size))
-        self._bos = tokenizer.bos_token_id
-        self._adds_bos = self._bos is not None and tokenizer("a").input_ids[:1] == [self._bos]
-        self._identity = identity
-        self._cache_kinds: Sequence[str] | None = None
-        self.info = ModelInfo(
-            model=params.model,
-            backend="transformers",
-            path=str(path),
-            vocab_size=self._vocab_size,
-            context_length=_context_length(config, tokenizer, path),
-            special_tokens=_special_tokens(tokenizer, self.eos_token_ids),
-            has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
-            device=device,
-            dtype=dtype,
-            quantization=quantization,
-            tool_calls=tool_calls.support(getattr(tokenizer, "chat_template", None)),
-            load_time_ms=(time.perf_counter() - started) * 1000.0,
+        vocab_size = max(len(tokenizer), config.vocab_size)
+        sources = [(getattr(model, "generation_config", None), "generation_config.json"), (config, "config.json"),
+                   (tokenizer, "the tokenizer")]
+        super().__init__(
+            params, path, tokenizer, identity, device=device, dtype=dtype, quantization=quantization, started=started,
+            vocab_size=vocab_size, eos_token_ids=frozenset(eos_ids(sources, path, vocab_size)),
+            context_length=context_length(getattr(config, "max_position_embeddings", None), tokenizer, path),
+            passes=passes,
+            # A prompt chunk fed alone goes through the step too where a position's numbers do not
+            # depend on the pass it is in (quantized weights): the native pass, or decode_step's
+            # operations (transformers' forward's numbers bit for bit, fewer operations a layer),
+            # so a prompt and the steps after it are one arithmetic.
+            chunk_passes=passes if quantization != "none" else None,
+            cores=cores,
         )
-        self.grammar_tokenizer: GrammarTokenizer | None = GrammarTokenizer(tokenizer, self.eos_token_ids)
-        self.reasoning_markers = reasoning.markers(getattr(tokenizer, "chat_template", None))
-        # What transformers' apply_chat_template passes a template beside the messages: bos_token and the like.
-        self._template_variables = msgspec.to_builtins(dict(tokenizer.special_tokens_map))
-        self._cache_tensors = self._one_position_cache()
+        self._cache_kinds: Sequence[str] | None = None
 
     @property
     def _open_model(self) -> PreTrainedModel:
         assert self._model is not None, "the model is closed"
         return self._model
 
-    @property
-    def device(self) -> str:
-        return self._device
-
-    def forward_chunk(self, cache: TorchCache, tokens: list[int]) -> torch.Tensor:
-        """The logits of ``tokens`` fed after what ``cache`` holds, which then holds them too."""
+    def computing(self):
         import torch
 
-        if self._cores is not None:
-            self._cores.adjust()
-        if self._chunk_decode_step is not None:  # a model the step supports: no linear-attention states to keep
-            return self._chunk_decode_step.forward([tokens], [cache])
-        return cache.feed(self._open_model, torch.tensor([tokens], dtype=torch.long, device=self._device))
+        return torch.inference_mode()
+
+    def _numpy(self, logits):
+        return logits.float().cpu().numpy()  # no copy of CPU float32 logits
+
+    def _feed(self, cache: TorchCache, tokens: list[int]):
+        import torch
+
+        return self._numpy(cache.feed(self._open_model, torch.tensor([tokens], dtype=torch.long, device=self._device)))
+
+    def _step_each(self, decodings) -> None:
+        for decoding in decodings:
+            decoding.logits = self._feed(decoding.cache, decoding.tokens[-1:])
 
     def prepare_side_thread(self) -> None:
         from worker.backends.transformers.torch_threads import keep_to_one_thread
 
         keep_to_one_thread()
 
-    # --- text ---------------------------------------------------------------------
-
-    def tokenize(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        with self._lock:
-            ids = list(self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
-        return self._one_bos(ids)
-
-    def detokenize(self, tokens: Sequence[int], *, skip_special_tokens: bool = False) -> str:
-        with self._lock:
-            # No clean-up of spaces: it rewrites earlier text when a later token arrives.
-            return self._tokenizer.decode(
-                list(tokens), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
-            )
-
-    def render(
-        self,
-        messages: Sequence[ChatMessage],
-        *,
-        tools: Sequence[Tool],
-        add_generation_prompt: bool,
-    ) -> tuple[str, list[int]]:
-        if not self.info.has_chat_template:
-            raise RpcError(
-                ErrorKind.UNSUPPORTED,
-                f"The model {self.info.model!r} has no chat template, so 'messages' cannot be rendered; "
-                "send 'prompt' text or 'tokens' instead.",
-                field="params.messages",
-            )
-        conversation = chat_template.as_template_data([tool_calls.template_dict(m) for m in messages])
-        described = [msgspec.to_builtins(tool) for tool in tools] or None
-        # Rendered in a process of its own, bounded (worker/chat_template.py), as transformers'
-        # apply_chat_template renders it; the tokenizer's lock is taken only to tokenize.
-        text = chat_template.render(
-            self._tokenizer.get_chat_template(None, described), conversation, described,
-            add_generation_prompt=add_generation_prompt, variables=self._template_variables,
-            context_length=self.info.context_length,
-        )
-        with self._lock:
-            ids = list(self._tokenizer(text, add_special_tokens=False).input_ids)
-        if self._adds_bos and ids[:1] != [self._bos]:
-            ids.insert(0, self._bos)
-        return text, ids
-
-    def _one_bos(self, ids: list[int]) -> list[int]:
-        """BOS exactly once, also when the text itself starts with the BOS text."""
-        if self._adds_bos and ids[:2] == [self._bos, self._bos]:
-            del ids[0]
-        return ids
-
-    # --- generation -------------------------------------------------------------------
-
-    def cache_identity(self) -> Identity:
-        return self._identity
-
     def new_cache(self) -> TorchCache:
         from worker.backends.transformers.torch_adapter import TorchCache
 
         return TorchCache(self._open_model.config)
-
-    def extend_cache(self, tokens: Sequence[int], cache: TorchCache) -> None:
-        decoding = self.start(tokens, None, cache)
-        while decoding.prompt_left:
-            decoding.feed(PREFILL_CHUNK_TOKENS)
-
-    def cached_tokens(self, cache: TorchCache) -> int:
-        return cache.length
-
-    def reusable_tokens(self, cache: TorchCache, tokens: int) -> int:
-        return cache.reusable(tokens)
-
-    def crop_cache(self, cache: TorchCache, keep_tokens: int) -> None:
-        cache.crop(keep_tokens)
 
     def cache_room(self, entry: TensorEntry, max_positions: int) -> int:
         from worker.backends.transformers.torch_adapter import room_to_grow
@@ -564,202 +476,13 @@ class TransformersModel:
             self._cache_kinds = self.new_cache().kinds
         return room_to_grow(self._cache_kinds, self._device, entry, max_positions)
 
-    def _one_position_cache(self) -> list[TensorSpec] | None:
-        """The tensors of a cache of one position: a stored cache's must be of their shapes and dtypes."""
-        from worker.kvcache.container import UnsupportedCache
-
-        cache = self.new_cache()
-        self.extend_cache([self._bos or 0], cache)
-        try:
-            return [spec for spec, _ in cache.to_file()[2]]
-        except UnsupportedCache:  # no cache of this model is ever stored, so none is read
-            return None
-
-    def cache_problem(self, header: Header) -> str | None:
-        from worker.kvcache.container import layout_problem
-
-        return layout_problem(header, self._cache_tensors, self.info.context_length)
-
     def load_cache(self, loaded: LoadedCache) -> TorchCache:
         from worker.backends.transformers.torch_adapter import TorchCache
 
         return TorchCache.from_file(loaded, self._open_model.config, self._device)
 
-    def start(
-        self,
-        prompt: Sequence[int],
-        params: GenerateParams | None,
-        cache: TorchCache | None = None,
-        constraint: OutputConstraint | None = None,
-    ) -> TransformersDecoding:
-        return TransformersDecoding(self, prompt, params, cache if cache is not None else self.new_cache(), constraint)
-
-    def drafting(self) -> str | None:
-        if self._decode_step is None:
-            model_type = self._open_model.config.model_type
-            return (
-                f"'draft' needs a model of the Llama or Gemma 3 architecture (this one is {model_type!r}): "
-                "its decode step checks a draft in one pass. Leave out 'draft'."
-            )
-        if self.info.quantization == "none":
-            return (
-                "'draft' needs quantized weights (load with quantization 'auto' or 'int8' on the CPU): with them a "
-                "position's numbers are the same however many positions a pass computes, so a checked draft gives "
-                "exactly the output of plain decoding; with dense weights they may differ in the last bits. "
-                "Leave out 'draft', or load quantized weights."
-            )
-        return None
-
-    def step(self, decodings: Sequence[Decoding], chunks: Sequence[tuple[Decoding, int]] = ()) -> None:
-        import torch
-
-        # The worker steps only decodings this model started.
-        decodings = cast("Sequence[TransformersDecoding]", decodings)
-        chunks = cast("Sequence[tuple[TransformersDecoding, int]]", chunks)
-        if self._cores is not None:
-            self._cores.adjust()
-
-        with torch.inference_mode():
-            if self._decode_step is not None:
-                drafts = [d.propose() for d in decodings]
-                sequences = [d.tokens[-1:] + draft for d, draft in zip(decodings, drafts)]
-                outputs = [1 + len(draft) for draft in drafts]
-                fed = [*decodings, *(decoding for decoding, _ in chunks)]
-                sequences += [decoding.next_chunk(tokens) for decoding, tokens in chunks]
-                outputs += [1] * len(chunks)
-                logits, highest = self._decode_step.forward_highest(sequences, [d.cache for d in fed], outputs)
-                first = 0
-                for decoding, rows in zip(fed, outputs):
-                    decoding.logits = logits[first : first + rows]
-                    decoding.highest = None if highest is None else highest[first : first + rows]
-                    first += rows
-                return
-            assert not chunks, "this model feeds prompt chunks on their own"
-            for decoding in decodings:
-                token = torch.tensor([decoding.tokens[-1:]], dtype=torch.long, device=self._device)
-                decoding.logits = decoding.cache.feed(self._open_model, token)
-
     def close(self) -> None:
         self._model = None
-
-
-
-class TransformersDecoding:
-    """A prompt fed into a TorchCache in chunks, then tokens chosen from the logits.
-
-    With ``params.draft``, each step also feeds the tokens prompt lookup drafts after the
-    last one, and its logits have a row for each position: a token chosen from a row that
-    equals the draft's token there lets the next row be chosen from too (the cache already
-    holds that token); at the first that differs, the cache is cut back to the tokens chosen."""
-
-    def __init__(
-        self,
-        owner: TransformersModel,
-        prompt: Sequence[int],
-        params: GenerateParams | None,
-        cache: TorchCache,
-        constraint: OutputConstraint | None,
-    ):
-        from worker.sampling import Sampler
-
-        self.cache = cache
-        self.tokens = list(prompt)  # the prompt and the tokens chosen so far
-        self._logits = None  # of the positions fed last: one, or one per drafted token and one
-        self.highest: list[int] | None = None  # the index of each row's highest, where the pass found it
-        self._row = 0  # the row the next token is chosen from
-        self._draft: list[int] = []  # the tokens drafted after tokens[-1] in the last step
-        self._lookup = params.draft if params is not None else None
-        self._draft_length = self._lookup.draft_tokens if self._lookup is not None else 0
-        self._max_length = len(self.tokens) + (params.max_tokens if params is not None else 0)
-        self.drafted_tokens = self.accepted_tokens = 0
-        self._owner = owner
-        self._prompt_length = len(self.tokens)
-        self._sampler = Sampler(params) if params is not None else None
-        self._constraint = constraint
-
-    @property
-    def prompt_left(self) -> int:
-        return max(0, self._prompt_length - self.cache.length)
-
-    @property
-    def logits(self):
-        return self._logits
-
-    @logits.setter
-    def logits(self, logits) -> None:
-        self._logits, self._row, self.highest = logits, 0, None
-
-    def propose(self) -> list[int]:
-        """The tokens to feed after the last one in this step: a draft that does not reach past
-        max_tokens (none without ``params.draft``).
-
-        Each drafted token makes the step dearer, taken or not: after a draft taken
-        whole the next may be twice as long (up to ``draft_tokens``); after one taken in part,
-        one token longer than the part taken."""
-        self._draft = []
-        if self._lookup is not None:
-            room = self._max_length - len(self.tokens) - 1  # the step chooses one token past the draft
-            self._draft = prompt_lookup.draft(
-                self.tokens, draft_tokens=min(self._draft_length, room),
-                ngram_max=self._lookup.ngram_max, ngram_min=self._lookup.ngram_min,
-            )
-            self.drafted_tokens += len(self._draft)
-        return self._draft
-
-    def has_next(self) -> bool:
-        return self._logits is not None and self._row < self._logits.shape[0]
-
-    def _adapt_draft_length(self, *, taken: int) -> None:
-        """After a draft: twice as long if it was taken whole, else one longer than the part taken."""
-        assert self._lookup is not None
-        longer = max(self._draft_length, 2 * taken) if taken == len(self._draft) else taken + 1
-        self._draft_length = min(self._lookup.draft_tokens, longer)
-
-    def next_chunk(self, chunk_tokens: int) -> list[int]:
-        """The next at most ``chunk_tokens`` prompt tokens, for a step that feeds them beside
-        decoding sequences (models without linear-attention states only: no cut to keep)."""
-        assert not self.cache.has_states
-        start = self.cache.length
-        return self.tokens[start : min(self._prompt_length, start + max(1, chunk_tokens))]
-
-    def feed(self, chunk_tokens: int) -> None:
-        """A cache with linear-attention states keeps them at the last two positions of the
-        prompt (a later request can then reuse the whole sequence, or all of it but the last
-        token, which a prompt equal to this one feeds again): a chunk that holds the last
-        token is fed in two parts."""
-        import torch
-
-        start, end = self.cache.length, self._prompt_length
-        stop = min(end, start + max(1, chunk_tokens))
-        cuts = [end - 1, stop] if self.cache.has_states and start < end - 1 < stop else [stop]
-        with torch.inference_mode():
-            for cut in cuts:
-                self.logits = self._owner.forward_chunk(self.cache, self.tokens[self.cache.length : cut])
-                if cut >= end - 1:
-                    self.cache.checkpoint()
-
-    def next_token(self) -> int:
-        assert self._sampler is not None and self._logits is not None, "a prefill chooses no tokens"
-        import numpy as np
-
-        logits = self._logits[self._row].float().cpu().numpy()  # no copy of a CPU float32 row
-        highest = self.highest[self._row] if self.highest is not None else None
-        if self._constraint is not None:
-            logits, highest = np.where(self._constraint.allowed(logits.size), logits, np.float32(-np.inf)), None
-        token = self._sampler.next_token(self.tokens, logits, highest)
-        if self._constraint is not None:
-            self._constraint.accept(token)
-        self.tokens.append(token)
-        if self._row < len(self._draft) and token == self._draft[self._row]:
-            self._row += 1
-            self.accepted_tokens += 1
-        else:  # the rest of the draft is not the output: its positions leave the cache
-            if self._draft:
-                self._adapt_draft_length(taken=self._row)
-            self._row = self._logits.shape[0]
-            if self.cache.length >= len(self.tokens):
-                self.cache.crop(len(self.tokens) - 1)
-        return token
 
 
 # The files a tokenizer is made of, beside those named tokenizer*; a model directory's other
@@ -987,32 +710,6 @@ def _check_weights(path: Path, loading: dict) -> None:
         )
 
 
-# The largest context length and token id the protocol carries (a JSON integer every host reads).
-_MAX_INT32 = (1 << 31) - 1
-
-
-def _eos_ids(model, tokenizer, path: Path, vocab_size: int) -> set[int]:
-    """Every EOS id the generation config, the model config and the tokenizer name; one that is
-    not a token of the vocabulary (2^40, -5, "3") is a load error naming the file and the value:
-    the tokenizer cannot convert it, so every request failed with -32603."""
-    ids: set[int] = set()
-    sources = [(getattr(model, "generation_config", None), "generation_config.json"), (model.config, "config.json"),
-               (tokenizer, "the tokenizer")]
-    for source, name in sources:
-        value = getattr(source, "eos_token_id", None)
-        for token in value if isinstance(value, (list, tuple)) else [] if value is None else [value]:
-            if type(token) is not int or not 0 <= token < vocab_size:
-                where = name if path.is_dir() or name == "the tokenizer" else f"the metadata of {path.name}"
-                raise RpcError(
-                    ErrorKind.MODEL_LOAD_FAILED,
-                    f"{where} names the EOS token {token!r}, which is no token of this model (its ids are 0 to "
-                    f"{vocab_size - 1}); fix eos_token_id there.",
-                    field="params.model",
-                )
-            ids.add(token)
-    return ids
-
-
 def _check_tokenizer_settings(tokenizer, path: Path) -> None:
     """The settings of the tokenizer's files (tokenizer_config.json, a gguf's metadata, a kept copy)
     the worker reads beside the tokenizer's own (hf_compat.tokenizer_settings_problem): a load error
@@ -1023,38 +720,6 @@ def _check_tokenizer_settings(tokenizer, path: Path) -> None:
     if problem is not None:
         where = "tokenizer_config.json" if path.is_dir() else f"the tokenizer of {path.name}"
         raise RpcError(ErrorKind.MODEL_LOAD_FAILED, f"{where} gives {problem}", field="params.model")
-
-
-def _context_length(config, tokenizer, path: Path) -> int:
-    """``max_position_embeddings``, which must be 1 to 2^31-1 tokens (a load error naming the file
-    and value otherwise: -1 was reported as the context); without it, the tokenizer's
-    ``model_max_length``, at most 2^31-1 (transformers' 10^30 says there is no limit)."""
-    value = getattr(config, "max_position_embeddings", None)
-    if value is None:
-        return max(1, min(int(tokenizer.model_max_length), _MAX_INT32))
-    if type(value) is not int or not 1 <= value <= _MAX_INT32:
-        where = "config.json" if path.is_dir() else f"the metadata of {path.name}"
-        raise RpcError(
-            ErrorKind.MODEL_LOAD_FAILED,
-            f"{where} gives the context length (max_position_embeddings) as {value!r}; it must be 1 to "
-            f"{_MAX_INT32} tokens. Fix it there.",
-            field="params.model",
-        )
-    return value
-
-
-def _special_tokens(tokenizer, eos_ids: frozenset[int]) -> list[SpecialToken]:
-    tokens = []
-    for role in ("bos", "pad", "unk"):
-        token_id = getattr(tokenizer, f"{role}_token_id", None)
-        if token_id is not None:
-            tokens.append(SpecialToken(role=role, id=token_id, text=tokenizer.convert_ids_to_tokens(token_id)))
-    tokens += [
-        SpecialToken(role="eos", id=token_id, text=tokenizer.convert_ids_to_tokens(token_id))
-        for token_id in sorted(eos_ids)
-    ]
-    return tokens
-
 
 
 if TYPE_CHECKING:  # the registry finds backends by import path: these hold the classes to the boundary
