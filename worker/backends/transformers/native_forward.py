@@ -10,10 +10,12 @@ so a step costs little more than its arithmetic.
 What it computes differs from decode_step's PyTorch operations in the last bits of the
 steps it computes itself, RMSNorm's sum and the activation's exponential (native_forward.c
 says how: one fixed order, the same bits on every machine), where PyTorch's are blocked by
-the processor's vectors. It is the model's arithmetic for every pass, the prompt's chunks
-as well as the steps and drafts, so a position's numbers still depend on its tokens alone,
-and the cache identity names it (``FORWARD``: hf_compat.config_digest), so caches computed
-with PyTorch's operations are another identity.
+the processor's vectors, and in its RoPE tables (rope_tables: the same bits on every
+machine; PyTorch's for a RoPE type rope_tables does not compute). It is the model's
+arithmetic for every pass, the prompt's chunks as well as the steps and drafts, so a
+position's numbers still depend on its tokens alone, and the cache identity names it
+(``FORWARD``: hf_compat.config_digest), so caches computed with PyTorch's operations are
+another identity.
 
 A Llama model on a gguf file's own blocks (``quantization: "gguf"``) is computed as llama.cpp's
 CPU backend computes it, not in the worker's own order (``FORWARD_LLAMA_CPP``): RMSNorm's squares
@@ -37,12 +39,13 @@ import ctypes
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
 import torch
 
 from worker import c_build
-from worker.backends.transformers import decode_step, exact_attention, fast_weights, gguf_weights, hf_compat
+from worker.backends.transformers import decode_step, exact_attention, fast_weights, gguf_weights, hf_compat, rope_tables
 from worker.backends.transformers.torch_threads import SHARE_FROM
 from worker.backends.transformers.decode_step import Passes
 
@@ -57,7 +60,8 @@ if TYPE_CHECKING:
 
 SOURCE = Path(__file__).with_name("native_forward.c")
 # What the cache identity calls this arithmetic (hf_compat.config_digest), and llama.cpp's.
-FORWARD = "lm_worker_native"
+# Its RoPE tables are rope_tables' ("lm_worker_native" named those of PyTorch's rotary embedding).
+FORWARD = "lm_worker_native_rope64"
 FORWARD_LLAMA_CPP = "lm_worker_native_llama_cpp"
 _OWN, _LLAMA_CPP = 0, 1  # native_forward.c's enum arithmetic
 
@@ -164,7 +168,7 @@ def llama_cpp_arithmetic(config: PretrainedConfig, quantization: str, *, mapped:
 
 
 class _LlamaCppRopes:
-    """llama.cpp's (cos, signed sin) for a Llama model's positions (decode_step.Ropes's interface),
+    """llama.cpp's (cos, signed sin) for a Llama model's positions (rope_tables.Tables's interface),
     from native_forward.c, in a table grown as positions come."""
 
     def __init__(self, model: LlamaForCausalLM, dim: int) -> None:
@@ -173,19 +177,47 @@ class _LlamaCppRopes:
         base = hf_compat.rope_theta(model.config)
         assert base is not None, "a Llama model has a RoPE base"
         self._dim, self._base = dim, base
-        self._cos = self._sin = torch.empty(0, dim)
+        self._cos = self._sin = np.empty((0, dim), np.float32)
 
-    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+    def __call__(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         needed, have = int(positions.max()) + 1, self._cos.shape[0]
         if needed > have:
             size = max(needed, 2 * have, 256)
-            cos, sin = torch.empty(size, self._dim), torch.empty(size, self._dim)
+            cos, sin = np.empty((size, self._dim), np.float32), np.empty((size, self._dim), np.float32)
             cos[:have], sin[:have] = self._cos, self._sin
             assert _rope is not None
-            _rope(have, size - have, self._dim, self._base, cos[have:].data_ptr(), sin[have:].data_ptr())
+            _rope(have, size - have, self._dim, self._base, cos[have:].ctypes.data, sin[have:].ctypes.data)
             self._cos, self._sin = cos, sin
-        rows = positions.view(-1)
-        return {None: (self._cos[rows].unsqueeze(1), self._sin[rows].unsqueeze(1))}
+        return self._cos[None, positions], self._sin[None, positions]
+
+
+class _TorchRopes:
+    """PyTorch's tables (decode_step.Ropes), for a rotary embedding rope_tables does not compute
+    (rope_tables.Tables's interface)."""
+
+    def __init__(self, model: LlamaForCausalLM | Gemma3ForCausalLM) -> None:
+        self._ropes = decode_step.Ropes(model)
+        self.kinds, self.of_layers = self._ropes.kinds, self._ropes.of_layers
+        self._like = torch.empty(0)  # the tables' dtype and device
+
+    def __call__(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        tables = self._ropes(self._like, torch.from_numpy(positions)[:, None]).values()  # in the order of kinds
+        cos = torch.stack([cos.reshape(len(positions), -1) for cos, _ in tables])
+        sin = torch.stack([sin.reshape(len(positions), -1) for _, sin in tables])
+        return cos.numpy(), sin.numpy()
+
+
+def _ropes(model: LlamaForCausalLM | Gemma3ForCausalLM, dim: int) -> rope_tables.Tables | _TorchRopes:
+    """The model's RoPE tables: rope_tables' where it computes its configuration's rotary
+    embeddings and the model's are the configuration's (a gguf's rope_freqs divides the model's
+    frequencies after it: then, as for other RoPE types, PyTorch's tables)."""
+    tables = rope_tables.of_config(model.config, dim, len(model.model.layers))
+    rotary = model.model.rotary_emb
+    remade: Any = type(rotary)  # its class, of the model's configuration
+    made = dict(remade(config=model.config).named_buffers())
+    if tables is None or any(not torch.equal(buffer, made[name]) for name, buffer in rotary.named_buffers()):
+        return _TorchRopes(model)
+    return tables
 
 
 def _activation(config: PretrainedConfig) -> int | None:
@@ -268,7 +300,7 @@ class NativeForward(Passes):
         self._dim = getattr(config, "head_dim", None) or config.hidden_size // self._heads
         self._llama_cpp = llama_cpp
         self._embed = inner.embed_tokens
-        self._ropes = _LlamaCppRopes(cast("LlamaForCausalLM", model), self._dim) if llama_cpp else decode_step.Ropes(model)
+        self._ropes = _LlamaCppRopes(cast("LlamaForCausalLM", model), self._dim) if llama_cpp else _ropes(model, self._dim)
         self._like = torch.empty(1, self._kv_heads, 1, self._dim)  # a layer's positions to come, for its buffers
         self._kept: list[torch.Tensor | torch.nn.Module] = []  # what the call reads that nothing else holds
         decoder_layers = [cast("LlamaDecoderLayer | Gemma3DecoderLayer", layer) for layer in inner.layers]
@@ -365,11 +397,9 @@ class NativeForward(Passes):
         rows = [len(sequence) for sequence in sequences]
         lengths = [cache.length for cache in caches]
         ids = torch.tensor([token for sequence in sequences for token in sequence], dtype=torch.long)
-        positions = torch.tensor([[length + i] for length, n in zip(lengths, rows) for i in range(n)], dtype=torch.long)
+        positions = np.array([length + i for length, n in zip(lengths, rows) for i in range(n)], dtype=np.int64)
         hidden = self._embed(ids).float().contiguous()  # (total, hidden); the call overwrites it
-        tables = self._ropes(hidden, positions).values()  # in the order of Ropes.kinds
-        cos = torch.stack([cos.reshape(len(positions), self._dim) for cos, _ in tables])  # (ropes, total, dim)
-        sin = torch.stack([sin.reshape(len(positions), self._dim) for _, sin in tables])
+        cos, sin = self._ropes(positions)  # (ropes, total, dim), in the order of kinds
         columns = [array.array("q") for _ in _Places.COLUMNS]  # [b * layers + layer]
         held = []
         for cache, length, n in zip(caches, lengths, rows):
@@ -387,7 +417,7 @@ class NativeForward(Passes):
         counts, starts = array.array("q", rows), array.array("q", lengths)
         call = _Pass(
             len(rows), counts.buffer_info()[0], starts.buffer_info()[0], *(column.buffer_info()[0] for column in columns),
-            hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(), wanted.buffer_info()[0], len(wanted), logits.data_ptr(),
+            hidden.data_ptr(), cos.ctypes.data, sin.ctypes.data, wanted.buffer_info()[0], len(wanted), logits.data_ptr(),
             best.buffer_info()[0], torch.get_num_threads(),
         )
         assert _forward is not None
