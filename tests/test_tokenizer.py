@@ -186,7 +186,8 @@ TRUNCATION = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst",
 SETTINGS = {
     "named chat templates": dict(config={"chat_template": NAMED_TEMPLATES}, removed=("chat_template.jinja",)),
     "a chat template file and additional_chat_templates": dict(
-        files={"additional_chat_templates/tool_use.jinja": "tools {{ tools }}", "additional_chat_templates/x.jinja": "x"}),
+        files={"additional_chat_templates/tool_use.jinja": "tools {{ tools }}",
+               "additional_chat_templates/x.jinja": "x"}),
     "special tokens outside the vocabulary": dict(config={
         "mask_token": "<mask>", "image_token": "<image>", "extra_special_tokens": ["<tool>", "<|im_start|>"],
         "sep_token": {"__type": "AddedToken", "content": "<sep>", "lstrip": True, "rstrip": False,
@@ -203,7 +204,9 @@ SETTINGS = {
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
-def test_settings_transformers_applies_beside_tokenizer_json_are_applied_alike(kept_of_tiny, tmp_path: Path, setting: str):
+def test_settings_transformers_applies_beside_tokenizer_json_are_applied_alike(
+    kept_of_tiny, tmp_path: Path, setting: str
+):
     directory = variant(kept_of_tiny("llama"), tmp_path / "tokenizer", **SETTINGS[setting])
     assert differences(directory)[:5] == []
 
