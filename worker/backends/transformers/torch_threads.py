@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,42 @@ def cpu_seconds() -> tuple[float, float]:
     return busy / os.sysconf("SC_CLK_TCK"), time.process_time()
 
 
+class ThreadCount(Protocol):
+    """A thread count CoreShare reads once and then sets."""
+
+    def get(self) -> int: ...
+
+    def set(self, threads: int) -> None: ...
+
+
+class TorchThreads:
+    """torch's intra-op threads on the calling thread."""
+
+    def get(self) -> int:
+        import torch
+
+        return torch.get_num_threads()
+
+    def set(self, threads: int) -> None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+class PassThreads:
+    """The threads a pass of the torch-free native model is given: the cores this process may
+    use, at first (torch's default count on these machines)."""
+
+    def __init__(self) -> None:
+        self.threads = len(os.sched_getaffinity(0))
+
+    def get(self) -> int:
+        return self.threads
+
+    def set(self, threads: int) -> None:
+        self.threads = threads
+
+
 class CoreShare:
     """The model thread's torch threads, one fewer for each core other processes take from
     them (their load past the cores those threads leave free: none on 2 cores and 2 threads).
@@ -143,10 +180,13 @@ class CoreShare:
         read: Callable[[], tuple[float, float]] = cpu_seconds,
         clock: Callable[[], float] = time.monotonic,
         cpus: Callable[[], int] = lambda: len(os.sched_getaffinity(0)),
+        count: ThreadCount | None = None,
     ):
+        """``count``: the thread count it sets (torch's intra-op threads if None)."""
         self._read = read
         self._clock = clock
         self._cpus = cpus
+        self._count = count if count is not None else TorchThreads()
         self._thread: int | None = None  # the thread whose count it sets
         self._most: int | None = None  # that thread's count before the first adjust
         self._taken = 0
@@ -157,11 +197,9 @@ class CoreShare:
         return None if self._most is None else max(1, self._most - self._taken)
 
     def adjust(self) -> None:
-        import torch
-
         now = self._clock()
         if self._most is None:
-            self._thread, self._most = threading.get_ident(), torch.get_num_threads()
+            self._thread, self._most = threading.get_ident(), self._count.get()
         elif threading.get_ident() != self._thread:
             return
         elif self._last is not None and now - self._last[0] < INTERVAL_S:
@@ -178,7 +216,7 @@ class CoreShare:
         taken = cores_taken(max(0.0, others - spare), self._taken, self._most - 1)
         if taken != self._taken:
             self._taken = taken
-            torch.set_num_threads(max(1, self._most - taken))
+            self._count.set(max(1, self._most - taken))
             log.info(
                 "model threads: %d of %d, other processes keep %.1f of the cores busy",
                 self._most - taken, self._most, others,
