@@ -138,6 +138,19 @@ class Tokenizer:
         return self._backend.to_str()
 
 
+def settings_problem(tokenizer: Any) -> str | None:
+    """What is wrong with the settings the worker reads beside a tokenizer's own (a chat template
+    that is text or named texts, a model_max_length that is a number), None where nothing is."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not (template is None or isinstance(template, str) or (
+            isinstance(template, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in template.items()))):
+        return f"a chat_template that is not a text or named texts: {str(template)[:80]}"
+    length = getattr(tokenizer, "model_max_length", None)
+    if isinstance(length, bool) or not isinstance(length, (int, float)) or length != length:
+        return f"model_max_length as {str(length)[:80]!r}, not a number of tokens"
+    return None
+
+
 def _read(directory: Path) -> Tokenizer:
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as Backend

@@ -712,11 +712,11 @@ def _check_weights(path: Path, loading: dict) -> None:
 
 def _check_tokenizer_settings(tokenizer, path: Path) -> None:
     """The settings of the tokenizer's files (tokenizer_config.json, a gguf's metadata, a kept copy)
-    the worker reads beside the tokenizer's own (hf_compat.tokenizer_settings_problem): a load error
+    the worker reads beside the tokenizer's own (worker.tokenizer.settings_problem): a load error
     naming the value, not an internal error at the first tokenize or render."""
-    from worker.backends.transformers.hf_compat import tokenizer_settings_problem
+    from worker.tokenizer import settings_problem
 
-    problem = tokenizer_settings_problem(tokenizer)
+    problem = settings_problem(tokenizer)
     if problem is not None:
         where = "tokenizer_config.json" if path.is_dir() else f"the tokenizer of {path.name}"
         raise RpcError(ErrorKind.MODEL_LOAD_FAILED, f"{where} gives {problem}", field="params.model")

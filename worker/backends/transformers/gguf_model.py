@@ -132,10 +132,12 @@ def tokenizer_of(file: GgufFile, kept: Path):
     built from the metadata and kept there (written beside and renamed into place)."""
     from transformers import AutoTokenizer
 
+    from worker.tokenizer import settings_problem
+
     if is_regular(kept / "tokenizer_config.json"):
         try:
             tokenizer = AutoTokenizer.from_pretrained(kept)
-            problem = hf_compat.tokenizer_settings_problem(tokenizer)
+            problem = settings_problem(tokenizer)
             if problem is not None:
                 raise ValueError(f"it gives {problem}")
         except Exception as exc:  # a damaged copy: build it again over it

@@ -404,19 +404,6 @@ def generation_config(directory: Path):
         return GenerationConfig.from_pretrained(directory, config_file_name="config.json", _from_model_config=True)
 
 
-def tokenizer_settings_problem(tokenizer) -> str | None:
-    """What is wrong with the settings the worker reads beside a tokenizer's own (a chat template
-    that is text or named texts, a model_max_length that is a number), None where nothing is."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not (template is None or isinstance(template, str) or (
-            isinstance(template, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in template.items()))):
-        return f"a chat_template that is not a text or named texts: {str(template)[:80]}"
-    length = getattr(tokenizer, "model_max_length", None)
-    if isinstance(length, bool) or not isinstance(length, (int, float)) or length != length:
-        return f"model_max_length as {str(length)[:80]!r}, not a number of tokens"
-    return None
-
-
 def make_serializable(model: torch.nn.Module) -> None:
     """A model loaded from a gguf file is dense already, but carries a quantizer that
     refuses save_pretrained(); drop it."""
