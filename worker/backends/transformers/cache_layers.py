@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from worker.backends.transformers import hf_compat
+from worker.backends.transformers.kv_buffers import TRANSPOSED_ROOM, growth_capacity
 from worker.kvcache.container import LayerKind
 
 
@@ -40,11 +41,6 @@ def layer_kind(layer) -> hf_compat.CacheLayerKind:
     """The kind of a cache layer (hf_compat.LAYER_KINDS): "none" for layers without a cache,
     "other" for a class lm-worker does not know."""
     return layer.kind if isinstance(layer, KeysAndValues | LinearStates) else hf_compat.layer_kind(layer)
-
-
-def growth_capacity(positions: int) -> int:
-    """How many positions a buffer with room to grow is made for, holding ``positions``."""
-    return max(positions * 3 // 2, positions + 256)
 
 
 class KeysAndValues:
@@ -109,11 +105,6 @@ class WideCopy:
             self.values[..., self.valid:total, :] = values[..., self.valid:total, :]
             self.valid = total
         return self.keys[..., :total, :], self.values[..., :total, :]
-
-
-# Room a layer's transposed keys keep past its buffers' positions: exact_attention.c's tiles of
-# up to 16 keys reach two tiles past the last key at most (lmw_step_attention).
-TRANSPOSED_ROOM = 32
 
 
 class TransposedKeys:
