@@ -151,7 +151,7 @@ def test_the_pass_finds_each_rows_highest_where_numpys_argmax_does(threads):
     signed zeros as numpy orders them, in rows shorter than a vector and parts of any size."""
     import numpy
 
-    from worker.backends.transformers import native_forward
+    from worker.backends.transformers import native_pass
 
     generator = numpy.random.default_rng(7)
     specials = numpy.array([numpy.nan, numpy.inf, -numpy.inf, 0.0, -0.0, 1.0, 2.0], dtype=numpy.float32)
@@ -163,7 +163,7 @@ def test_the_pass_finds_each_rows_highest_where_numpys_argmax_does(threads):
             places = generator.integers(0, n, size=min(n, 4))
             row[places] = generator.choice(specials, size=len(places))
         rows[5, n - 1] = numpy.nan  # a NaN in the last part only
-        found = native_forward.highest(torch.from_numpy(rows), threads)
+        found = native_pass.highest(rows, threads)
         assert found == [int(numpy.argmax(row)) for row in rows], n
 
 
@@ -207,12 +207,12 @@ def test_a_step_whose_pass_fails_leaves_the_cache_as_it_was_and_later_steps_give
     past the cache's positions. It raises MemoryError, and what it wrote is not taken as the
     cache's: steps with other tokens after it give one pass's logits, at each position within
     a tile of the kernel's keys (16 in a row)."""
-    from worker.backends.transformers import native_forward
+    from worker.backends.transformers import native_pass
 
     model = load(tiny_models("llama"), tmp_path)
     step = model._passes
     prompt = model.tokenize(TEXT, add_special_tokens=True)
-    real = native_forward._forward
+    real = native_pass._forward
 
     def fails_after_writing(*args):
         real(*args)
@@ -222,10 +222,10 @@ def test_a_step_whose_pass_fails_leaves_the_cache_as_it_was_and_later_steps_give
         cache, fed = model.new_cache(), list(prompt)
         step.forward([fed], [cache])
         for token in range(100, 116):
-            monkeypatch.setattr(native_forward, "_forward", fails_after_writing)
+            monkeypatch.setattr(native_pass, "_forward", fails_after_writing)
             with pytest.raises(MemoryError):
                 step.forward([[token + 50]], [cache])
-            monkeypatch.setattr(native_forward, "_forward", real)
+            monkeypatch.setattr(native_pass, "_forward", real)
             assert cache.length == len(fed)
             logits = step.forward([[token]], [cache])
             fed.append(token)
@@ -238,7 +238,7 @@ def test_the_cache_identity_names_the_native_pass_and_a_model_without_it_keeps_a
     """The native pass gives a position other last bits than PyTorch's operations: a cache
     computed with one must not be read as the other's. Where native_forward.c cannot be built
     the model keeps PyTorch's operations, and the log says why."""
-    from worker.backends.transformers import backend, exact_attention, hf_compat, native_forward
+    from worker.backends.transformers import backend, exact_attention, hf_compat, native_forward, native_pass
     from worker.backends.transformers.decode_step import DecodeStep
 
     native = load(tiny_model_dir, tmp_path)
@@ -249,7 +249,7 @@ def test_the_cache_identity_names_the_native_pass_and_a_model_without_it_keeps_a
     def unbuildable(data_dir: Path) -> None:
         raise exact_attention.KernelUnavailable("cc could not build native_forward.c: (the compiler's words)")
 
-    monkeypatch.setattr(native_forward, "_forward", None)
+    monkeypatch.setattr(native_pass, "_forward", None)
     monkeypatch.setattr(native_forward, "load_kernel", unbuildable)
     with caplog.at_level(logging.WARNING):
         without = load(tiny_model_dir, tmp_path)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from worker.backends.transformers import native_pass
 from worker.backends.transformers.torch_threads import attention_work, threads_for
 from worker.c_build import KernelUnavailable, address, built_function, library_function
 
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
     from worker.c_build import CFunction
 
 SOURCE = Path(__file__).with_name("exact_attention.c")
-_MOST_GROUPS = 64  # query heads per key/value head the kernel takes (MOST_GROUPS there)
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _I64, _I64, _I64] * 3 + [_PTR, _PTR, _PTR] + [_I64] * 5 + [ctypes.c_float, ctypes.c_int]
@@ -71,7 +71,7 @@ class Kernel:
     @staticmethod
     def takes_heads(heads: int, kv_heads: int, dim: int) -> bool:
         """Whether the kernel takes query and key/value heads of these numbers and size."""
-        return dim % 16 == 0 and heads % kv_heads == 0 and heads // kv_heads <= _MOST_GROUPS
+        return native_pass.takes_heads(heads, kv_heads, dim)
 
     def attention(
         self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
