@@ -187,9 +187,10 @@ def kernel_variant(source: Path, library: Path, flags: list[str], function: str)
 HEAVY_MODULES = ("torch._dynamo", "transformers.modeling_utils", "transformers.activations", "torch.distributed.tensor")
 
 
-def load_in_a_fresh_process(model: Path, data_dir: Path) -> str:
-    """The class of the model a backend load of ``model`` makes in a fresh process, and which of
-    HEAVY_MODULES it imported: "ShellModel []" for a load of the native pass alone."""
+def load_in_a_fresh_process(model: Path, data_dir: Path, modules: tuple[str, ...] = HEAVY_MODULES) -> str:
+    """The class of the model a backend load of ``model`` makes in a fresh process (its torch
+    model's, where it has one), and which of ``modules`` it imported: "ShellModel []" for a load
+    of the native pass over a torch model, "NativeModel []" for one without torch."""
     import subprocess
     import sys
 
@@ -199,7 +200,7 @@ from pathlib import Path
 from protocol.methods import LoadParams
 from worker.backends.transformers.backend import TransformersBackend
 model = TransformersBackend().load(LoadParams(model={str(model)!r}), data_dir=Path({str(data_dir)!r}))
-print(type(model._model).__name__, sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules))
+print(type(getattr(model, "_model", model)).__name__, sorted(m for m in {modules!r} if m in sys.modules))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
     return done.stdout.split("\n")[-2]

@@ -135,13 +135,21 @@ def load(path: Path, data_dir: Path, **params):
     return TransformersBackend().load(LoadParams(model=str(path), **params), data_dir=data_dir)
 
 
+def load_with_torch(path: Path, data_dir: Path, **params):
+    """The model PyTorch computes, where ``load`` takes the file without it (native_model)."""
+    from protocol.methods import LoadParams
+    from worker.backends.transformers.backend import TransformersBackend
+
+    return TransformersBackend().load_with_torch(LoadParams(model=str(path), **params), data_dir=data_dir)
+
+
 def test_a_mapped_gguf_holds_no_float_copy_of_a_matrix(tiny_gguf: Path, tmp_path: Path):
     """Every linear multiplies the file's blocks, the embedding widens the rows it looks up, and
     the only float parameters are the norms' vectors."""
     from worker.backends.transformers import gguf_model
     from worker.backends.transformers.gguf_weights import GgufLinear
 
-    mapped = load(tiny_gguf, tmp_path)
+    mapped = load_with_torch(tiny_gguf, tmp_path)
     assert mapped.info.quantization == "gguf"
     model = mapped._open_model
     assert isinstance(model.model.embed_tokens, gguf_model.GgufEmbedding)
@@ -238,7 +246,7 @@ def test_the_kept_tokenizer_s_config_holds_its_added_tokens_and_one_kept_without
     next load, and loads to the same tokenizer either way."""
     import json
 
-    first = load(tiny_gguf, tmp_path)
+    first = load_with_torch(tiny_gguf, tmp_path)
     config_path = next((tmp_path / "gguf").iterdir()) / "tokenizer_config.json"
     written = json.loads(config_path.read_text())["added_tokens_decoder"]
     assert {int(i): token["content"] for i, token in written.items()} == {
@@ -247,7 +255,7 @@ def test_the_kept_tokenizer_s_config_holds_its_added_tokens_and_one_kept_without
     config = json.loads(config_path.read_text())
     del config["added_tokens_decoder"]
     config_path.write_text(json.dumps(config))
-    again = load(tiny_gguf, tmp_path)
+    again = load_with_torch(tiny_gguf, tmp_path)
     assert json.loads(config_path.read_text())["added_tokens_decoder"] == written
     text = "a red sun over <|im_end|> the sea"
     assert again.tokenize(text, add_special_tokens=True) == first.tokenize(text, add_special_tokens=True)
@@ -391,8 +399,8 @@ def test_each_architecture_loads_mapped_and_computes_the_file_s_model(gguf_of, t
     mapped = load(path, tmp_path)
     dense = load(path, tmp_path, quantization="none")
     assert mapped.info.quantization == "gguf"
-    # the shell where the native pass computes every pass; Phi-3 goes through transformers' forward
-    assert (type(mapped._model).__name__ == "ShellModel") == (family != "phi3")
+    # the native pass without torch; Phi-3 goes through transformers' forward
+    assert (type(mapped).__name__ == "NativeModel") == (family != "phi3")
     text = "the quick brown fox jumps over the lazy dog"
     ids = mapped.tokenize(text, add_special_tokens=True)
     assert ids == dense.tokenize(text, add_special_tokens=True)
@@ -425,12 +433,17 @@ def test_on_each_architecture_a_mapped_gguf_s_streams_in_a_batch_and_prompts_cut
     assert np.array_equal(whole, last)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_a_mapped_gguf_loads_without_importing_transformers_modeling_code(gguf_of, tmp_path: Path, arch: str):
-    """In a fresh process, as a worker loads one (tests.conftest.HEAVY_MODULES says why none is needed)."""
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "gemma3-gguf"])
+def test_a_mapped_gguf_loads_without_importing_torch_or_transformers_once_its_tokenizer_is_kept(
+    gguf_of, tmp_path: Path, arch: str
+):
+    """In a fresh process, as a worker loads one: the first load of a file builds its tokenizer
+    with transformers' converter and keeps it (native_model); every later one imports neither."""
     from tests.conftest import load_in_a_fresh_process
 
-    assert load_in_a_fresh_process(gguf_of(arch, 8), tmp_path) == "ShellModel []"
+    first = load_in_a_fresh_process(gguf_of(arch, 8), tmp_path, ("torch._dynamo", "transformers.modeling_utils"))
+    assert first == "NativeModel []"
+    assert load_in_a_fresh_process(gguf_of(arch, 8), tmp_path, ("torch", "transformers")) == "NativeModel []"
 
 
 TEXT = "the history of the city of rome begins with a small settlement by the river, and so it grew " * 2

@@ -45,13 +45,13 @@ def kernels(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def both(path: Path, data_dir: Path):
     """The torch path (NativeForward over the model a worker's load of ``path`` builds, and the
     load for its caches and tokenizer) and the torch-free pass of the same file, one thread each."""
-    from tests.test_gguf_model import load
+    from tests.test_gguf_model import load_with_torch
     from worker.backends.transformers.gguf_pass import GgufPass
     from worker.backends.transformers.native_forward import NativeForward
     from worker.gguf.reader import read
 
     torch.set_num_threads(1)
-    loaded = load(path, data_dir)
+    loaded = load_with_torch(path, data_dir)
     ours = GgufPass(read(path), data_dir)
     ours.threads = 1
     return loaded, NativeForward(loaded._model, "gguf"), ours

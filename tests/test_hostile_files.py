@@ -157,4 +157,4 @@ def test_a_model_file_cut_short_under_a_running_worker_ends_it_with_python_s_rep
         worker.kill()
     assert worker.returncode == -signal.SIGBUS and answer == b"", answer
     report = stderr.decode(errors="replace")
-    assert "Fatal Python error" in report and "Bus error" in report and "native_forward.py" in report, report[-3000:]
+    assert "Fatal Python error" in report and "Bus error" in report and "native_pass.py" in report, report[-3000:]

@@ -82,9 +82,18 @@ class TransformersBackend:
         if params.model not in SHIPPED:
             _local_model_path(params.model)
 
-    def load(self, params: LoadParams, *, data_dir: Path) -> TransformersModel:
+    def load(self, params: LoadParams, *, data_dir: Path) -> LocalModel:
+        """A .gguf file the native pass computes alone is loaded without torch (native_model);
+        any other model with torch (``load_with_torch``)."""
         self.check(params, data_dir=data_dir)
         started = time.perf_counter()
+        native = _load_native(params, data_dir, started)
+        return native if native is not None else self.load_with_torch(params, data_dir=data_dir, started=started)
+
+    def load_with_torch(self, params: LoadParams, *, data_dir: Path, started: float | None = None) -> TransformersModel:
+        """The model computed with PyTorch (``load`` takes a gguf that native_model computes
+        without it; tests compare the two)."""
+        started = time.perf_counter() if started is None else started
         from worker.backends.transformers import hf_compat  # before transformers: it keeps the hub offline
 
         device = _check_device(params.device)  # the CPU's one name: the worker's CPU rules compare it
@@ -202,6 +211,17 @@ def _kept_int8(params: LoadParams, path: Path, dtype: str, device: str, quantiza
     identity = _identity(path, config, tokenizer, dtype, quantization, device, data_dir / "digests")
     key = int8_store.key_of(identity.weights_sha256, identity.config_sha256)
     return _KeptInt8(path, int8_store.path_of(data_dir, key), key, config, tokenizer, identity)
+
+
+def _load_native(params: LoadParams, data_dir: Path, started: float) -> LocalModel | None:
+    """A .gguf file's model computed without torch (native_model), or None where that path does
+    not take it. The shipped models converted to directories are not files of it."""
+    from worker.backends.transformers import native_model
+    from worker.backends.transformers.shipped import QWEN_CODER, SHIPPED
+
+    if params.model in SHIPPED and params.model != QWEN_CODER:
+        return None
+    return native_model.load(params, _model_path(params.model, data_dir), data_dir, started)
 
 
 def _mappable_gguf(params: LoadParams, path: Path, dtype: str, data_dir: Path):
@@ -555,9 +575,8 @@ def _arithmetic_device(device: str, *, native: bool) -> str | None:
 
 def _check_device(device: str) -> str:
     """The device's name as the worker uses it (``cpu``, ``mps``, ``cuda``, ``cuda:N``); a name
-    of another form is -32602, a device this machine lacks -32002."""
-    import torch
-
+    of another form is -32602, a device this machine lacks -32002. Only a device other than the
+    CPU imports torch, to ask it."""
     form = re.fullmatch(r"(cpu|mps|cuda)(?::([0-9]+))?", device, flags=re.ASCII)
     if form is None:
         raise RpcError(
@@ -566,8 +585,12 @@ def _check_device(device: str) -> str:
             field="params.device",
         )
     kind, index = form[1], form[2]
+    if kind == "cpu":
+        # torch takes "cpu:0" for the one CPU; the worker's rules for the CPU compare the plain name
+        return kind
+    import torch
+
     available = {
-        "cpu": True,
         "cuda": torch.cuda.is_available() and (index is None or int(index) < torch.cuda.device_count()),
         "mps": getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available(),
     }
@@ -580,8 +603,7 @@ def _check_device(device: str) -> str:
             f"Device {device!r} is not available on this machine (torch {torch.__version__}); use {use}.",
             field="params.device",
         )
-    # torch takes "cpu:0" for the one CPU (and "mps:0"); the worker's rules for the CPU compare the plain name
-    return device if kind == "cuda" else kind
+    return device if kind == "cuda" else kind  # torch takes "mps:0" for "mps" too
 
 
 def _model_path(model: str, data_dir: Path) -> Path:

@@ -138,6 +138,9 @@ class LocalModel(Generic[C]):
         """Feed each decoding's last token on its own, for a model without batched passes."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        raise NotImplementedError
+
     def computing(self) -> contextlib.AbstractContextManager[Any]:
         """What a pass runs in (PyTorch's inference mode, for a model of torch's)."""
         return contextlib.nullcontext()

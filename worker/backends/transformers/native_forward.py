@@ -56,10 +56,7 @@ if TYPE_CHECKING:
     from worker.backends.transformers.cache_layers import GrowingKeysAndValues
     from worker.backends.transformers.torch_adapter import TorchCache
 
-# What the cache identity calls this arithmetic (hf_compat.config_digest), and llama.cpp's.
-# Its RoPE tables are rope_tables' ("lm_worker_native" named those of PyTorch's rotary embedding).
-FORWARD = "lm_worker_native_rope64"
-FORWARD_LLAMA_CPP = "lm_worker_native_llama_cpp"
+FORWARD, FORWARD_LLAMA_CPP = native_pass.FORWARD, native_pass.FORWARD_LLAMA_CPP
 
 
 def load_kernel(data_dir: Path) -> None:

@@ -30,6 +30,10 @@ SOURCE = Path(__file__).with_name("native_forward.c")
 ATTENTION_SOURCE = Path(__file__).with_name("exact_attention.c")
 GGUF_SOURCE = Path(__file__).with_name("gguf_kernel.c")
 OWN, LLAMA_CPP = 0, 1  # native_forward.c's enum arithmetic
+# What the cache identity calls this arithmetic, and llama.cpp's. Its RoPE tables are
+# rope_tables' ("lm_worker_native" named those of PyTorch's rotary embedding).
+FORWARD = "lm_worker_native_rope64"
+FORWARD_LLAMA_CPP = "lm_worker_native_llama_cpp"
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # native_forward.c's enum activation
 MOST_GROUPS = 64  # query heads per key/value head exact_attention.c takes (MOST_GROUPS there)
 

@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -152,17 +152,16 @@ class TorchThreads:
 
 
 class PassThreads:
-    """The threads a pass of the torch-free native model is given: the cores this process may
-    use, at first (torch's default count on these machines)."""
+    """The thread count of a torch-free native pass (gguf_pass.GgufPass.threads)."""
 
-    def __init__(self) -> None:
-        self.threads = len(os.sched_getaffinity(0))
+    def __init__(self, passes: Any) -> None:
+        self._passes = passes
 
     def get(self) -> int:
-        return self.threads
+        return self._passes.threads
 
     def set(self, threads: int) -> None:
-        self.threads = threads
+        self._passes.threads = threads
 
 
 class CoreShare:
