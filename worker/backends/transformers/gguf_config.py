@@ -1,10 +1,10 @@
 """A mapped gguf's configuration as the torch-free pass needs it (gguf_pass): the numbers of a
 Llama, Qwen2, Qwen3 or Gemma 3 model read from the file's metadata. Torch-free.
 
-What is read, checked and refused is gguf_model.config_of's: the metadata keys transformers
-maps for the architecture (``KEYS``, held to hf_compat.gguf_config_keys by a test), each value
-of the kind and range the model can be built of, the layer count against the file's tensors,
-and the same messages (GgufError); what the file leaves out takes the default of transformers'
+What is read, checked and refused is gguf_model.config_of's too (``metadata_values``, which both
+use): the metadata keys transformers maps for the architecture (``KEYS``, held to
+hf_compat.gguf_config_keys by a test), each value of the kind and range the model can be built
+of, the layer count against the file's tensors (GgufError); what the file leaves out takes the default of transformers'
 configuration class (a Qwen3's head size, Gemma 3's pattern of sliding layers and their RoPE
 base), so that both paths compute one model. A file the torch-free pass does not compute (another
 architecture, a Mistral named as a Llama) raises NotTaken.
@@ -13,6 +13,7 @@ architecture, a Mistral named as a Llama) raises NotTaken.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import msgspec
 
@@ -36,7 +37,8 @@ KEYS: dict[str, dict[str, str | None]] = {
 }
 # Layers' count bounds a header's block_count before any name is made from it.
 MAX_LAYERS = 1024
-# A model's sizes (hidden, feed-forward, heads, head) from the metadata are at most this (PROTOCOL.md §13).
+# A model's sizes (hidden, feed-forward, heads, head) from the metadata are at most this (PROTOCOL.md §13):
+# the rotary tables are made of the head's size before a tensor is checked against it.
 MAX_DIMENSION = 1 << 20
 _DIMENSIONS = {"hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"}
 # The real values of the configuration, with the open range each must be in.
@@ -96,32 +98,12 @@ def config_of(file: GgufFile) -> GgufConfig:
     arch = file.architecture
     if arch not in ARCHITECTURES:
         raise NotTaken(f"{file.path}: a {arch} model (the torch-free pass computes {', '.join(ARCHITECTURES)})")
-    values: dict[str, int | float] = {}
-    for suffix, name in KEYS[arch].items():
-        value = file.get(f"{arch}.{suffix}", (int, float))
-        if value is not None and name is not None:
-            values[name] = _checked(file, f"{arch}.{suffix}", name, value)
-    layers = values.get("num_hidden_layers")
-    if not isinstance(layers, int) or not 1 <= layers <= MAX_LAYERS:
-        raise GgufError(f"{file.path}: {arch}.block_count is {layers!r}, not a layer count from 1 to {MAX_LAYERS}")
-    present = sum(1 for name in file.tensors if name.startswith(f"blk.{layers - 1}."))
-    beyond = sum(1 for name in file.tensors if name.startswith(f"blk.{layers}."))
-    if not present or beyond:
-        raise GgufError(f"{file.path}: {arch}.block_count says {layers} layers, and the file's tensors "
-                        f"{'have none for layer ' + str(layers - 1) if not present else 'go past them'}")
-    for name in ("hidden_size", "num_attention_heads", "intermediate_size"):
-        if not isinstance(values.get(name), int) or values[name] <= 0:
-            raise GgufError(f"{file.path}: the metadata has no positive {name} ({arch}.*)")
-    hidden, heads, intermediate = int(values["hidden_size"]), int(values["num_attention_heads"]), int(values["intermediate_size"])
-    given_kv_heads = values.get("num_key_value_heads")
-    if given_kv_heads is not None and heads % given_kv_heads:
-        raise GgufError(f"{file.path}: {arch}.attention.head_count_kv is {given_kv_heads}, which does not divide "
-                        f"{arch}.attention.head_count ({heads})")
-    embedding = file.tensors.get("token_embd.weight")
-    if embedding is None or len(embedding.shape) != 2:
-        raise GgufError(f"{file.path}: no token_embd.weight matrix")
+    values = metadata_values(file, KEYS[arch])
     if arch == "llama" and "mistral" in str(file.get("general.name", str, "")).lower():
         raise NotTaken(f"{file.path}: a Mistral model (its configuration is transformers' Mistral one)")
+    layers, hidden = int(values["num_hidden_layers"]), int(values["hidden_size"])
+    heads, intermediate = int(values["num_attention_heads"]), int(values["intermediate_size"])
+    given_kv_heads = values.get("num_key_value_heads")
     kv_heads = int(given_kv_heads if given_kv_heads is not None else _DEFAULT_KV_HEADS.get(arch, heads))
     dim = int(values.get("head_dim") or _DEFAULT_HEAD_DIM.get(arch) or hidden // heads)
     # transformers' own checks of its configuration (a hidden size its heads do not divide, an odd head)
@@ -143,9 +125,47 @@ def config_of(file: GgufFile) -> GgufConfig:
         window, scaling, activation = int(values.get("sliding_window", _GEMMA_WINDOW)), _GEMMA_QUERY_SCALAR**-0.5, "gelu_pytorch_tanh"
     return GgufConfig(
         architecture=arch, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, dim=dim,
-        intermediate=intermediate, vocab=embedding.shape[1], epsilon=epsilon, rope_bases=bases, layer_kinds=kinds,
-        window=window, scaling=scaling, activation=activation, tied="output.weight" not in file.tensors,
+        intermediate=intermediate, vocab=int(values["vocab_size"]), epsilon=epsilon, rope_bases=bases,
+        layer_kinds=kinds, window=window, scaling=scaling, activation=activation,
+        tied=bool(values["tie_word_embeddings"]),
     )
+
+
+def metadata_values(file: GgufFile, keys: Mapping[str, str | None]) -> dict[str, int | float]:
+    """The configuration's values the metadata gives under ``keys`` (the metadata keys after
+    ``<architecture>.``, with the configuration's names: KEYS', or transformers' for an
+    architecture gguf_model alone builds), each checked (``_checked``), then held to the file's
+    tensors: a layer count its blocks hold, positive sizes, key/value heads that divide the
+    heads, an embedding matrix, whose rows are ``vocab_size``; ``tie_word_embeddings`` where the
+    file has no output matrix. GgufError, with the messages both paths give, for a file that
+    cannot make a model."""
+    arch = file.architecture
+    values: dict[str, int | float] = {}
+    for suffix, name in keys.items():
+        value = file.get(f"{arch}.{suffix}", (int, float))
+        if value is not None and name is not None:
+            values[name] = _checked(file, f"{arch}.{suffix}", name, value)
+    layers = values.get("num_hidden_layers")
+    if not isinstance(layers, int) or not 1 <= layers <= MAX_LAYERS:
+        raise GgufError(f"{file.path}: {arch}.block_count is {layers!r}, not a layer count from 1 to {MAX_LAYERS}")
+    present = sum(1 for name in file.tensors if name.startswith(f"blk.{layers - 1}."))
+    beyond = sum(1 for name in file.tensors if name.startswith(f"blk.{layers}."))
+    if not present or beyond:
+        raise GgufError(f"{file.path}: {arch}.block_count says {layers} layers, and the file's tensors "
+                        f"{'have none for layer ' + str(layers - 1) if not present else 'go past them'}")
+    for name in ("hidden_size", "num_attention_heads", "intermediate_size"):
+        if not isinstance(values.get(name), int) or values[name] <= 0:
+            raise GgufError(f"{file.path}: the metadata has no positive {name} ({arch}.*)")
+    heads, kv_heads = values["num_attention_heads"], values.get("num_key_value_heads")
+    if kv_heads is not None and heads % kv_heads:
+        raise GgufError(f"{file.path}: {arch}.attention.head_count_kv is {kv_heads}, which does not divide "
+                        f"{arch}.attention.head_count ({heads})")
+    values["tie_word_embeddings"] = "output.weight" not in file.tensors
+    embedding = file.tensors.get("token_embd.weight")
+    if embedding is None or len(embedding.shape) != 2:
+        raise GgufError(f"{file.path}: no token_embd.weight matrix")
+    values["vocab_size"] = embedding.shape[1]
+    return values
 
 
 def _checked(file: GgufFile, key: str, name: str, value: int | float) -> int | float:

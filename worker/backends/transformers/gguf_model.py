@@ -30,30 +30,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from worker.backends.transformers import gguf_weights, hf_compat
+from worker.backends.transformers import gguf_config, gguf_pass, gguf_weights, hf_compat
 from worker.files import is_regular
-from worker.gguf.reader import GgufError, GgufFile, TensorInfo
-from worker.gguf.types import BF16, F16, F32, type_name
+from worker.gguf.reader import GgufError, GgufFile
 
 if TYPE_CHECKING:
+    import numpy as np
     from transformers import PretrainedConfig, PreTrainedModel
 
 log = logging.getLogger(__name__)
 
 # gguf's general.architecture: transformers' model_type, for the architectures built here
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text", "phi3": "phi3"}
-# Tensors a file may hold beyond the model's parameters, and what is done with them.
-_ROPE_FREQUENCIES = "rope_freqs.weight"  # Llama 3.1's scaled frequencies: divide the rotary ones
-_FLOAT_TYPES = (F32, F16, BF16)
-_TAKEN = "which lm-worker does not multiply; it takes " + ", ".join(type_name(t) for t in sorted(gguf_weights.LAYOUTS))
-# Layers' count bounds a header's block_count before any name is made from it.
-MAX_LAYERS = 1024
-# A model's sizes (hidden, feed-forward, heads, head) from the metadata are at most this: the
-# rotary tables are made of the head's size before a tensor is checked against it.
-MAX_DIMENSION = 1 << 20  # PROTOCOL.md §13 states it
-_DIMENSIONS = {"hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"}
-# The real values of the configuration, with the open range each must be in.
-_REALS = {"rope_theta": (0.0, math.inf), "rms_norm_eps": (0.0, 1.0)}
+# The bounds gguf_config checks the metadata against (PROTOCOL.md §13 states them).
+MAX_LAYERS, MAX_DIMENSION = gguf_config.MAX_LAYERS, gguf_config.MAX_DIMENSION
 
 
 def architecture(file: GgufFile) -> str | None:
@@ -62,39 +52,17 @@ def architecture(file: GgufFile) -> str | None:
 
 
 def config_of(file: GgufFile) -> PretrainedConfig:
-    """The model's configuration from the file's metadata, checked against its tensors."""
+    """The model's configuration from the file's metadata, checked against its tensors
+    (gguf_config.metadata_values) and by transformers' configuration class."""
     from worker.backends.transformers import shell_model
 
     arch = file.architecture
     model_type = ARCHITECTURES[arch]
-    values: dict[str, Any] = {}
-    for suffix, name in hf_compat.gguf_config_keys(arch).items():
-        value = file.get(f"{arch}.{suffix}", (int, float))
-        if value is not None and name is not None:
-            values[name] = _checked(file, f"{arch}.{suffix}", name, value)
-    layers = values.get("num_hidden_layers")
-    if not isinstance(layers, int) or not 1 <= layers <= MAX_LAYERS:
-        raise GgufError(f"{file.path}: {arch}.block_count is {layers!r}, not a layer count from 1 to {MAX_LAYERS}")
-    present = sum(1 for name in file.tensors if name.startswith(f"blk.{layers - 1}."))
-    beyond = sum(1 for name in file.tensors if name.startswith(f"blk.{layers}."))
-    if not present or beyond:
-        raise GgufError(f"{file.path}: {arch}.block_count says {layers} layers, and the file's tensors "
-                        f"{'have none for layer ' + str(layers - 1) if not present else 'go past them'}")
-    for name in ("hidden_size", "num_attention_heads", "intermediate_size"):
-        if not isinstance(values.get(name), int) or values[name] <= 0:
-            raise GgufError(f"{file.path}: the metadata has no positive {name} ({arch}.*)")
-    heads, kv_heads = values["num_attention_heads"], values.get("num_key_value_heads")
-    if kv_heads is not None and heads % kv_heads:
-        raise GgufError(f"{file.path}: {arch}.attention.head_count_kv is {kv_heads}, which does not divide "
-                        f"{arch}.attention.head_count ({heads})")
-    values["tie_word_embeddings"] = "output.weight" not in file.tensors
-    embedding = file.tensors.get("token_embd.weight")
-    if embedding is None or len(embedding.shape) != 2:
-        raise GgufError(f"{file.path}: no token_embd.weight matrix")
-    values["vocab_size"] = embedding.shape[1]
+    values: dict[str, Any] = gguf_config.metadata_values(file, hf_compat.gguf_config_keys(arch))
+    vocab = values["vocab_size"]
     for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id")):
         token = file.get(f"tokenizer.ggml.{key}", int)  # the file's, not the architecture's defaults (Phi-3's 32000)
-        values[name] = token if token is not None and 0 <= token < embedding.shape[1] else None
+        values[name] = token if token is not None and 0 <= token < vocab else None
     if model_type == "llama" and "mistral" in str(file.get("general.name", str, "")).lower():
         model_type = "mistral"
     if model_type == "gemma3_text":
@@ -105,26 +73,6 @@ def config_of(file: GgufFile) -> PretrainedConfig:
         return shell_model.configuration(model_type, {k: v for k, v in values.items() if v is not None or k.endswith("token_id")})
     except (ValueError, TypeError, StrictDataclassError) as exc:  # transformers' own checks of the values (a hidden size its heads do not divide)
         raise GgufError(f"{file.path}: the metadata does not make a {arch} configuration: {exc}") from exc
-
-
-def _checked(file: GgufFile, key: str, name: str, value: int | float) -> int | float:
-    """A configuration value from the metadata, of the kind and range the model can be built of:
-    a finite positive rope base, a finite epsilon from 0 to 1, a count of at most MAX_DIMENSION
-    (a model's sizes, which the rotary tables are made of before any tensor is checked), else a
-    GgufError naming the key and the value."""
-    if name in _REALS:
-        low, high = _REALS[name]
-        if not (math.isfinite(value) and low < value < high) and not (name == "rms_norm_eps" and value == 0):
-            raise GgufError(f"{file.path}: the metadata's {key} is {value!r}, not a finite number "
-                            f"{'above 0' if high == math.inf else 'from 0 to 1'}")
-        return float(value)
-    if not isinstance(value, int):
-        raise GgufError(f"{file.path}: the metadata's {key} is {value!r}, not an integer")
-    if name in _DIMENSIONS and not 1 <= value <= MAX_DIMENSION:
-        raise GgufError(f"{file.path}: the metadata's {key} is {value}, not a size from 1 to {MAX_DIMENSION}")
-    if name == "sliding_window" and not 1 <= value < 1 << 31:
-        raise GgufError(f"{file.path}: the metadata's {key} is {value}, not a window from 1 to {(1 << 31) - 1} tokens")
-    return value
 
 
 def tokenizer_of(file: GgufFile, kept: Path):
@@ -254,10 +202,7 @@ def build(file: GgufFile, config: PretrainedConfig, attention: str) -> PreTraine
         _set_parameter(model, parameter_name, vector.reshape(parameter.shape))
         used.add(source)
     _rotary_on_cpu(model, config, file, used)
-    left = sorted(set(file.tensors) - used)
-    if left:
-        raise GgufError(f"{file.path}: the file holds tensors a {arch} model of this configuration does not use: "
-                        + ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else ""))
+    gguf_pass.check_all_used(file, arch, used)
     return model.eval()
 
 
@@ -283,54 +228,32 @@ def _gguf_name(names, module_name: str, suffix: str) -> str:
     return found
 
 
-def _tensor(file: GgufFile, name: str) -> TensorInfo:
-    tensor = file.tensors.get(name)
-    if tensor is None:
-        raise GgufError(f"{file.path}: the tensor {name} is missing")
-    return tensor
-
-
-def _rows(file: GgufFile, tensor: TensorInfo, outputs: int, inputs: int) -> torch.Tensor:
-    """The tensor's rows as (outputs, row bytes) uint8, a view of the mapping; GgufError where
-    its shape is not (inputs, outputs) as gguf lists it."""
-    if tensor.shape != ((inputs, outputs) if outputs > 1 else (inputs,)) and tensor.shape != (inputs, outputs):
-        raise GgufError(f"{file.path}: the tensor {tensor.name} has the shape {list(tensor.shape)}, "
-                        f"where the model needs {[inputs, outputs]}")
-    view = file.view(tensor)
-    import warnings
-
-    with warnings.catch_warnings():  # the mapping is read-only, and nothing writes to it
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(view, dtype=torch.uint8)
-    return flat.view(outputs, -1)
-
-
 def _linear(file: GgufFile, name: str, module: torch.nn.Linear, config, arch: str, bias: torch.Tensor | None) -> torch.nn.Module:
-    tensor = _tensor(file, name)
-    rows = _rows(file, tensor, module.out_features, module.in_features)
-    if tensor.type not in gguf_weights.LAYOUTS:
-        raise GgufError(f"{file.path}: the tensor {name} is {type_name(tensor.type)}, {_TAKEN}")
+    rows = gguf_pass.rows_of(file, name, module.out_features, module.in_features)
     if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
         heads = config.num_attention_heads if name.endswith("attn_q.weight") else config.num_key_value_heads
         # numpy's gather (a copy of each row) where torch's indexing of bytes took milliseconds a matrix
-        rows = torch.from_numpy(rows.numpy()[gguf_weights._unpermuted_rows(module.out_features, heads)])
-    return gguf_weights.GgufLinear(tensor.type, rows, module.in_features, bias)
+        rows = rows[gguf_pass.unpermuted_rows(module.out_features, heads)]
+    return gguf_weights.GgufLinear(file.tensors[name].type, _tensor(rows), module.in_features, bias)
 
 
 def _embedding(file: GgufFile, name: str, module: torch.nn.Embedding, scale: float | None) -> GgufEmbedding:
-    tensor = _tensor(file, name)
-    if tensor.type not in gguf_weights.LAYOUTS:
-        raise GgufError(f"{file.path}: the embedding {name} is {type_name(tensor.type)}, {_TAKEN}")
-    return GgufEmbedding(tensor.type, _rows(file, tensor, module.num_embeddings, module.embedding_dim), module.embedding_dim, scale)
+    rows = gguf_pass.rows_of(file, name, module.num_embeddings, module.embedding_dim, embedding=True)
+    return GgufEmbedding(file.tensors[name].type, _tensor(rows), module.embedding_dim, scale)
 
 
 def _vector(file: GgufFile, name: str, count: int) -> torch.Tensor:
     """A norm's scales or a bias as float32 (a copy: they are small)."""
-    tensor = _tensor(file, name)
-    if tensor.type not in _FLOAT_TYPES or tensor.count != count:
-        raise GgufError(f"{file.path}: the tensor {name} is {type_name(tensor.type)} of shape {list(tensor.shape)}, "
-                        f"where the model needs {count} floats")
-    return gguf_weights.dequantized(tensor.type, _rows(file, tensor, 1, count)).reshape(count)
+    return torch.from_numpy(gguf_pass.vector_of(file, name, count))
+
+
+def _tensor(rows: np.ndarray) -> torch.Tensor:
+    """A tensor of the same memory as ``rows`` (a view of the mapping, or a copy of its rows)."""
+    import warnings
+
+    with warnings.catch_warnings():  # the mapping is read-only, and nothing writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(rows)
 
 
 def _set_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
@@ -349,11 +272,11 @@ def _rotary_on_cpu(model: torch.nn.Module, config, file: GgufFile, used: set[str
     for name, module in list(model.named_modules()):
         if type(module).__name__.endswith("RotaryEmbedding"):
             rebuilt: Any = type(module)(config=config)
-            if _ROPE_FREQUENCIES in file.tensors:
-                factors = _vector(file, _ROPE_FREQUENCIES, rebuilt.inv_freq.numel())
+            if gguf_pass.ROPE_FREQUENCIES in file.tensors:
+                factors = _vector(file, gguf_pass.ROPE_FREQUENCIES, rebuilt.inv_freq.numel())
                 rebuilt.inv_freq = rebuilt.inv_freq / factors
                 rebuilt.original_inv_freq = rebuilt.inv_freq
-                used.add(_ROPE_FREQUENCIES)
+                used.add(gguf_pass.ROPE_FREQUENCIES)
             _set_module(model, name, rebuilt)
     for name, buffer in model.named_buffers():
         if buffer.is_meta:

@@ -11,7 +11,8 @@ and kv_buffers' caches. So its logits are NativeForward's bit for bit; importing
 and gguf-py, where torch and transformers cost about a second and 200 MB.
 
 Every tensor the model needs must be in the file with its shape and a type the gguf kernel
-multiplies, and the file must hold no other: gguf_model's checks and messages (GgufError).
+multiplies, and the file must hold no other (GgufError): the checks and messages of both paths,
+gguf_model taking them from here (``rows_of``, ``vector_of``, ``check_all_used``).
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from worker.backends.transformers.torch_threads import SHARE_FROM
 from worker.gguf.reader import GgufError, GgufFile, TensorInfo
 from worker.gguf.types import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, type_name
 
-# The types gguf_kernel.c multiplies (gguf_weights.LAYOUTS), and those a vector may be.
+# The types gguf_kernel.c multiplies (gguf_weights.LAYOUTS gives their blocks), and those a vector may be.
 KERNEL_TYPES = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
 _FLOAT_TYPES = (F32, F16, BF16)
 _TAKEN = "which lm-worker does not multiply; it takes " + ", ".join(type_name(t) for t in sorted(KERNEL_TYPES))
-_ROPE_FREQUENCIES = "rope_freqs.weight"  # Llama 3.1's scaled frequencies: divide the rotary ones
+ROPE_FREQUENCIES = "rope_freqs.weight"  # Llama 3.1's scaled frequencies: divide the rotary ones
 
 
 class GgufPass:
@@ -64,7 +65,7 @@ class GgufPass:
         head = self._product("token_embd.weight" if config.tied else "output.weight", config.vocab, config.hidden)
         final = self._norm("output_norm.weight", config.hidden)
         self._ropes = self._rope_tables()
-        self._check_all_used()
+        check_all_used(file, config.architecture, self._used)
         model = Model(
             config.layers, config.hidden, config.heads, config.kv_heads, config.dim, config.intermediate, config.vocab,
             native_pass.ACTIVATIONS[config.activation], config.epsilon, config.scaling, SHARE_FROM, final, head,
@@ -129,26 +130,9 @@ class GgufPass:
             list(config.rope_bases).index(kind), (Product * 3)(*qkv), out, (Product * 2)(*gate_up), down,
         )
 
-    def _tensor(self, name: str) -> TensorInfo:
-        tensor = self.file.tensors.get(name)
-        if tensor is None:
-            raise GgufError(f"{self.file.path}: the tensor {name} is missing")
-        self._used.add(name)
-        return tensor
-
     def _rows(self, name: str, outputs: int, inputs: int, embedding: bool = False) -> np.ndarray:
-        """The tensor's rows as (outputs, row bytes) uint8, a view of the mapping; GgufError where
-        its shape is not (inputs, outputs) as gguf lists it, or its type is not one the kernel
-        multiplies."""
-        tensor = self._tensor(name)
-        if embedding and tensor.type not in KERNEL_TYPES:
-            raise GgufError(f"{self.file.path}: the embedding {name} is {type_name(tensor.type)}, {_TAKEN}")
-        if tensor.shape != ((inputs, outputs) if outputs > 1 else (inputs,)) and tensor.shape != (inputs, outputs):
-            raise GgufError(f"{self.file.path}: the tensor {tensor.name} has the shape {list(tensor.shape)}, "
-                            f"where the model needs {[inputs, outputs]}")
-        if tensor.type not in KERNEL_TYPES:
-            raise GgufError(f"{self.file.path}: the tensor {name} is {type_name(tensor.type)}, {_TAKEN}")
-        return np.frombuffer(self.file.view(tensor), np.uint8).reshape(outputs, -1)
+        self._used.add(name)
+        return rows_of(self.file, name, outputs, inputs, embedding)
 
     def _product(self, name: str, outputs: int, inputs: int, unpermute: int = 0) -> Product:
         """The product of a linear's blocks; a Llama q or k (``unpermute``: its heads) has its rows
@@ -161,12 +145,8 @@ class GgufPass:
         return Product(self._matmul, self.file.tensors[name].type, rows.ctypes.data, None, outputs, inputs)
 
     def _vector(self, name: str, count: int) -> np.ndarray:
-        """A norm's scales or a bias as float32 (a copy: they are small)."""
-        tensor = self._tensor(name)
-        if tensor.type not in _FLOAT_TYPES or tensor.count != count:
-            raise GgufError(f"{self.file.path}: the tensor {name} is {type_name(tensor.type)} of shape "
-                            f"{list(tensor.shape)}, where the model needs {count} floats")
-        return _dequantized(tensor.type, np.frombuffer(self.file.view(tensor), np.uint8).reshape(1, -1)).reshape(count)
+        self._used.add(name)
+        return vector_of(self.file, name, count)
 
     def _norm(self, name: str, count: int) -> int:
         """Where an RMSNorm's scale is: Llama's weight; Gemma's one plus its weight, as the torch
@@ -184,20 +164,13 @@ class GgufPass:
 
     def _rope_tables(self) -> rope_tables.Tables:
         config = self.config
-        factors = self._vector(_ROPE_FREQUENCIES, config.dim // 2) if _ROPE_FREQUENCIES in self.file.tensors else None
+        factors = self._vector(ROPE_FREQUENCIES, config.dim // 2) if ROPE_FREQUENCIES in self.file.tensors else None
         frequencies = {}
         for kind, base in config.rope_bases.items():
             made = rope_tables.inverse_frequencies({"rope_type": "default", "rope_theta": base}, config.dim, factors)
             assert made is not None, "a default RoPE of an even head size"
             frequencies[kind] = made
         return rope_tables.Tables(frequencies, config.layer_kinds)
-
-    def _check_all_used(self) -> None:
-        left = sorted(set(self.file.tensors) - self._used)
-        if left:
-            raise GgufError(f"{self.file.path}: the file holds tensors a {self.config.architecture} model of this "
-                            "configuration does not use: " + ", ".join(left[:5])
-                            + (f" and {len(left) - 5} more" if len(left) > 5 else ""))
 
     def _embedded(self, ids: list[int]) -> tuple[int, object]:
         """Where the tokens' embeddings are, (total, hidden) float32 (the call overwrites them),
@@ -212,9 +185,59 @@ class GgufPass:
         return hidden.ctypes.data, hidden
 
 
+def rows_of(file: GgufFile, name: str, outputs: int, inputs: int, embedding: bool = False) -> np.ndarray:
+    """A linear's (or the ``embedding``'s) blocks as (outputs, row bytes) uint8, a view of the
+    mapping; GgufError where the tensor is missing, its shape is not (inputs, outputs) as gguf
+    lists it, or its type is not one the kernel multiplies (both paths' checks: gguf_model's too)."""
+    tensor = _tensor(file, name)
+    if embedding and tensor.type not in KERNEL_TYPES:
+        raise GgufError(f"{file.path}: the embedding {name} is {type_name(tensor.type)}, {_TAKEN}")
+    _check_shape(file, tensor, outputs, inputs)
+    if tensor.type not in KERNEL_TYPES:
+        raise GgufError(f"{file.path}: the tensor {name} is {type_name(tensor.type)}, {_TAKEN}")
+    return _view(file, tensor, outputs)
+
+
+def vector_of(file: GgufFile, name: str, count: int) -> np.ndarray:
+    """A norm's scales or a bias as float32 (a copy: they are small); GgufError where the tensor
+    is missing or is not ``count`` floats."""
+    tensor = _tensor(file, name)
+    if tensor.type not in _FLOAT_TYPES or tensor.count != count:
+        raise GgufError(f"{file.path}: the tensor {name} is {type_name(tensor.type)} of shape "
+                        f"{list(tensor.shape)}, where the model needs {count} floats")
+    _check_shape(file, tensor, 1, count)
+    return np.array(_dequantized(tensor.type, _view(file, tensor, 1)).reshape(count), np.float32)
+
+
+def check_all_used(file: GgufFile, architecture: str, used: set[str]) -> None:
+    """GgufError naming the file's tensors not in ``used``: no tensor is left out of the model."""
+    left = sorted(set(file.tensors) - used)
+    if left:
+        raise GgufError(f"{file.path}: the file holds tensors a {architecture} model of this configuration does not "
+                        "use: " + ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else ""))
+
+
+def _tensor(file: GgufFile, name: str) -> TensorInfo:
+    tensor = file.tensors.get(name)
+    if tensor is None:
+        raise GgufError(f"{file.path}: the tensor {name} is missing")
+    return tensor
+
+
+def _check_shape(file: GgufFile, tensor: TensorInfo, outputs: int, inputs: int) -> None:
+    if tensor.shape != ((inputs, outputs) if outputs > 1 else (inputs,)) and tensor.shape != (inputs, outputs):
+        raise GgufError(f"{file.path}: the tensor {tensor.name} has the shape {list(tensor.shape)}, "
+                        f"where the model needs {[inputs, outputs]}")
+
+
+def _view(file: GgufFile, tensor: TensorInfo, outputs: int) -> np.ndarray:
+    return np.frombuffer(file.view(tensor), np.uint8).reshape(outputs, -1)
+
+
 def unpermuted_rows(rows: int, heads: int) -> np.ndarray:
     """Which gguf row each of transformers' q (or k) rows is: llama.cpp's converter
-    interleaved each head's two rotary halves; this undoes it (gguf_weights' order)."""
+    interleaved each head's two rotary halves; this undoes it (transformers'
+    LlamaTensorProcessor._reverse_permute_weights, on row indices)."""
     half = rows // heads // 2
     return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
 

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from worker.backends.transformers.gguf_pass import KERNEL_TYPES, unpermuted_rows
 from worker.backends.transformers.torch_threads import threads_for
-from worker.gguf.types import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, TYPES
+from worker.gguf.types import Q4_1, Q8_0, TYPES
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -36,9 +37,9 @@ if TYPE_CHECKING:
 
 KERNEL_SOURCE = Path(__file__).with_name("gguf_kernel.c")
 ARCHITECTURES = {"llama": "LLAMA"}  # transformers' model_type: gguf's MODEL_ARCH
-# Every type gguf_kernel.c multiplies, by ggml's type number: (weights per block, bytes per
-# block). A row of n weights is n / weights blocks.
-LAYOUTS = {number: (TYPES[number].weights, TYPES[number].bytes) for number in (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)}
+# Every type gguf_kernel.c multiplies (gguf_pass.KERNEL_TYPES), by ggml's type number: (weights
+# per block, bytes per block). A row of n weights is n / weights blocks.
+LAYOUTS = {number: (TYPES[number].weights, TYPES[number].bytes) for number in KERNEL_TYPES}
 
 
 def bytes_per_row(kind: int, in_features: int) -> int | None:
@@ -142,20 +143,10 @@ def blocks_of(model: PreTrainedModel, gguf_file: Path) -> dict[str, tuple[int, t
         rows = np.frombuffer(file.view(tensor), np.uint8).reshape(module.out_features, -1)
         if name.endswith(("self_attn.q_proj", "self_attn.k_proj")):
             heads = config.num_attention_heads if name.endswith("q_proj") else config.num_key_value_heads
-            rows = rows[_unpermuted_rows(module.out_features, heads)]
+            rows = rows[unpermuted_rows(module.out_features, heads)]
         found[name] = (tensor.type, torch.from_numpy(rows.copy()))
     file.close()
     return found
-
-
-def _unpermuted_rows(rows: int, heads: int):
-    """Which gguf row each of transformers' q (or k) rows is: llama.cpp's converter
-    interleaved each head's two rotary halves; this undoes it (transformers'
-    LlamaTensorProcessor._reverse_permute_weights, on row indices)."""
-    import numpy as np
-
-    half = rows // heads // 2
-    return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
 
 
 def dequantized(kind: int, blocks: torch.Tensor) -> torch.Tensor:

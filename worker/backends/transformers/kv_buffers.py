@@ -27,6 +27,13 @@ def growth_capacity(positions: int) -> int:
     return max(positions * 3 // 2, positions + 256)
 
 
+def growth_room(positions: int, max_positions: int) -> int:
+    """How many positions of room to leave past a stored buffer's ``positions`` when reading it,
+    for a cache that will hold at most ``max_positions``: what a buffer grown to hold it gets,
+    but no more than the request can use (the room is resident memory from the start)."""
+    return max(0, min(growth_capacity(positions), max_positions) - positions)
+
+
 class TransposedKeys:
     """A layer's keys as exact_attention.c's decode step reads them (tiles of keys, dimension-
     major), kept from one step to the next (cache_layers.TransposedKeys says why): made for the

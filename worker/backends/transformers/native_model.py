@@ -29,7 +29,7 @@ import numpy as np
 
 from protocol.errors import ErrorKind, RpcError
 from protocol.methods import LoadParams
-from worker.backends.transformers.kv_buffers import Cache, growth_capacity
+from worker.backends.transformers.kv_buffers import Cache, growth_room
 from worker.backends.transformers.local_model import LocalModel, context_length, eos_ids
 from worker.backends.transformers.torch_threads import CoreShare, PassThreads
 
@@ -257,8 +257,7 @@ class NativeModel(LocalModel[NativeCache]):
         return NativeCache(config.layers, config.kv_heads, config.dim, self._windows)
 
     def cache_room(self, entry: TensorEntry, max_positions: int) -> int:
-        positions = entry.shape[2]
-        return max(0, min(growth_capacity(positions), max_positions) - positions)
+        return growth_room(entry.shape[2], max_positions)
 
     def load_cache(self, loaded: LoadedCache) -> NativeCache:
         cache = self.new_cache()

@@ -24,6 +24,7 @@ import torch
 
 from worker.backends.transformers import cache_layers, hf_compat
 from worker.backends.transformers.cache_layers import KeysAndValues, LayerState, LinearStates
+from worker.backends.transformers.kv_buffers import growth_room
 from worker.kvcache.container import (
     LayerEntry, LoadedCache, StateEntry, TensorEntry, TensorKind, TensorSpec, UnsupportedCache, cut_point,
 )
@@ -213,8 +214,7 @@ def room_to_grow(kinds: Sequence[str], device: str, entry: TensorEntry, max_posi
     larger buffers then, as a computed one does."""
     if device != "cpu" or kinds[entry.layer] not in ("full", "sliding"):
         return 0
-    positions = entry.shape[2]
-    return max(0, min(cache_layers.growth_capacity(positions), max_positions) - positions)
+    return growth_room(entry.shape[2], max_positions)
 
 
 def _spec(
