@@ -22,9 +22,12 @@ Its surface is what lm-worker uses of a transformers tokenizer: calling it for `
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
+
+from worker.files import open_regular
 
 if TYPE_CHECKING:
     from tokenizers import AddedToken
@@ -329,11 +332,14 @@ def _made(backend: Backend, config: dict[str, Any], added_token: type[AddedToken
 
 
 def _json(path: Path) -> dict[str, Any] | None:
-    """The file's JSON object, None where there is no such file."""
+    """The file's JSON object, None where there is no such file (NotRegularFile for a FIFO or the
+    like, which a plain open would wait on forever)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        fd = open_regular(path)
     except FileNotFoundError:
         return None
+    with os.fdopen(fd, encoding="utf-8") as file:
+        text = file.read()
     value = json.loads(text)
     if not isinstance(value, dict):
         raise ValueError(f"{path} holds no JSON object")

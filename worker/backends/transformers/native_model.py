@@ -22,6 +22,7 @@ import ctypes
 import hashlib
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -93,9 +94,13 @@ def _tokenizer(file: GgufFile, kept: Path) -> Any:
     try:
         tokenizer = Tokenizer.read(kept)
         problem = settings_problem(tokenizer)
+        if problem is None and tokenizer.chat_template != file.get("tokenizer.chat_template", str):
+            problem = "another chat template than the file's"  # a copy that lost its chat_template.jinja
         if problem is None:
             return tokenizer
         log.warning("the kept tokenizer in %s gives %s: built again", kept, problem)
+        # transformers would read the same copy: it goes (the build puts the new one in its place)
+        shutil.rmtree(kept, ignore_errors=True)
     except TokenizerUnsupported as exc:
         log.info("the tokenizer kept in %s is read by transformers: %s", kept, exc)
     except (OSError, ValueError, Exception) as exc:  # absent, or a damaged copy the converter makes again
@@ -241,9 +246,8 @@ class NativeModel(LocalModel[NativeCache]):
         self._windows = [config.window if kind == "sliding" else None for kind in config.layer_kinds]
         vocab_size = max(len(tokenizer), config.vocab)
         file = passes.file
-        eos = file.get("tokenizer.ggml.eos_token_id", int)  # as the torch path's configuration takes it
-        sources = [(_Named(eos if eos is not None and 0 <= eos < config.vocab else None), "config.json"),
-                   (tokenizer, "the tokenizer")]
+        # one out of range is a load error naming it (eos_ids), not a model that never stops
+        sources = [(_Named(file.get("tokenizer.ggml.eos_token_id", int)), "config.json"), (tokenizer, "the tokenizer")]
         super().__init__(
             params, path, tokenizer, identity, device="cpu", dtype="float32", quantization="gguf", started=started,
             vocab_size=vocab_size, eos_token_ids=frozenset(eos_ids(sources, path, vocab_size)),
