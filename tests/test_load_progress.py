@@ -66,8 +66,9 @@ async def test_a_load_from_a_gguf_reports_each_stage_up_to_its_total_in_order_be
     assert loaded["quantization"] == "gguf"
     progress, _ = _progress(host, first)
     assert _check_stages(progress) == ["building_kernel", "hashing"]
-    # four kernels (attention, int8 products, native pass, gguf products), a first and last report each
-    assert [p["stage"] for p in progress].count("building_kernel") == 8
+    # three kernels (the native pass, attention, gguf products: a load without torch needs no int8
+    # products), a first and last report each
+    assert [p["stage"] for p in progress].count("building_kernel") == 6
     by_stage = {p["stage"]: p["total"] for p in progress}
     assert by_stage["hashing"] == tiny_gguf.stat().st_size
     again, _ = _progress(host, second)
