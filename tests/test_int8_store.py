@@ -116,7 +116,7 @@ def overlapping(header: dict) -> None:
         (lambda path: path.write_bytes(path.read_bytes() + bytes(64)), "truncated or added to"),
         (lambda path: path.write_bytes(b"LMW8" + struct.pack("<IQ", 1, 1 << 40)), "header says 1099511627776 bytes"),
         (lambda path: path.write_bytes(b"GGUF" + bytes(60)), "not a file of int8 weights"),
-        (lambda path: rewrite_header(path, misshapen), "where the model needs float32"),
+        (lambda path: rewrite_header(path, misshapen), "misshapen"),
         (lambda path: rewrite_header(path, other_key), "not of"),
         (lambda path: rewrite_header(path, overlapping), "overlaps the tensor before it"),
         (lambda path: rewrite_header(path, lambda header: header.pop("crc32c")), "not one this worker writes"),

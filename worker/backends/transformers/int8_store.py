@@ -29,35 +29,24 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
-import os
-import struct
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from worker.backends.transformers import fast_weights, shell_model
-from worker.files import open_regular
+# the file's format, read without torch (path_of and StoreError are this module's callers' too)
+from worker.backends.transformers.int8_file import ALIGN, FORMAT, MAGIC, PREFIX, SUFFIX, StoreError, path_of
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"LMW8"
-FORMAT = 1
-ALIGN = 64
-MAX_HEADER = 16 << 20  # bytes of the header: a few hundred bytes a tensor
-SUFFIX = ".lmw8"
 _DTYPES = {"uint8": torch.uint8, "float16": torch.float16, "float32": torch.float32}
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
-_PREFIX = struct.Struct("<4sIQ")
-
-
-class StoreError(Exception):
-    """A kept file that cannot serve (the message says why)."""
 
 
 def key_of(weights_sha256: str, config_sha256: str) -> str:
@@ -67,10 +56,6 @@ def key_of(weights_sha256: str, config_sha256: str) -> str:
 
     described = f"{weights_sha256}\0{config_sha256}\0{fast_weights.int8_products()}\0{FORMAT}"
     return hashlib.sha256(described.encode()).hexdigest()
-
-
-def path_of(data_dir: Path, key: str) -> Path:
-    return data_dir / "int8" / f"{key}{SUFFIX}"
 
 
 def applies(config: PretrainedConfig) -> bool:
@@ -102,7 +87,7 @@ def write(path: Path, key: str, model: torch.nn.Module) -> None:
     for piece in pieces:
         checksum = crc32c(piece, checksum)
     header = json.dumps({"key": key, "crc32c": checksum, "tensors": table}).encode()
-    prefix = _PREFIX.pack(MAGIC, FORMAT, len(header)) + header
+    prefix = PREFIX.pack(MAGIC, FORMAT, len(header)) + header
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path.parent, SUFFIX)  # what writers killed mid-write left
     with atomic_file(path) as out:
@@ -112,66 +97,24 @@ def write(path: Path, key: str, model: torch.nn.Module) -> None:
 
 
 def read(path: Path, key: str, config: PretrainedConfig) -> Any:
-    """The model kept in ``path``: shell_model's modules over the mapped file. Raises
-    FileNotFoundError where there is none, StoreError for one that cannot serve."""
-    try:
-        fd = open_regular(path)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise StoreError(f"{path} cannot be read: {exc.strerror or exc}") from exc
-    try:
-        size = os.fstat(fd).st_size
-        if size < _PREFIX.size:
-            raise StoreError(f"{path} is {size} bytes long, shorter than its header")
-        data = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-    finally:
-        os.close(fd)
-    return _model(path, data, key, config)  # a mapping refused is closed when nothing holds it
+    """The model kept in ``path``: shell_model's modules over the mapped file (int8_file.read, its
+    tensors then held to the shell's). Raises FileNotFoundError where there is none, StoreError
+    for one that cannot serve."""
+    from worker.backends.transformers import int8_file
 
-
-def _model(path: Path, data: mmap.mmap, key: str, config: PretrainedConfig) -> shell_model.ShellModel:
-    magic, version, length = _PREFIX.unpack_from(data, 0)
-    if magic != MAGIC or version != FORMAT:
-        raise StoreError(f"{path} is not a file of int8 weights of format {FORMAT} ({magic!r}, format {version})")
-    if length > MAX_HEADER or _PREFIX.size + length > len(data):
-        raise StoreError(f"{path}'s header says {length} bytes, more than the file or {MAX_HEADER} holds")
-    try:
-        header = json.loads(bytes(data[_PREFIX.size:_PREFIX.size + length]))
-        if header["key"] != key:
-            raise StoreError(f"{path} holds the weights of {header['key']!r}, not of {key!r}")
-        checksum, table = int(header["crc32c"]), dict(header["tensors"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise StoreError(f"{path}'s header is not one this worker writes ({type(exc).__name__}: {exc})") from exc
-    start = -(-(_PREFIX.size + length) // ALIGN) * ALIGN
+    data, arrays = int8_file.read(path, key)
     model = shell_model.ShellModel(config)
     expected = _expected(model)
-    if set(table) != set(expected):
-        missing, extra = sorted(set(expected) - set(table)), sorted(set(table) - set(expected))
+    if set(arrays) != set(expected):
+        missing, extra = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected))
         raise StoreError(f"{path} does not hold this model's tensors (missing {missing[:3]}, extra {extra[:3]})")
     views: dict[str, torch.Tensor] = {}
-    places: list[tuple[int, int, str]] = []
     for name, (dtype, shape) in expected.items():
-        entry = table[name]
-        if not (isinstance(entry, list) and len(entry) == 4 and entry[:2] == [_NAMES[dtype], list(shape)]):
-            raise StoreError(f"{path}'s tensor {name} is {entry!r}, where the model needs {_NAMES[dtype]} {list(shape)}")
-        offset, count = entry[2], entry[3]
-        if not (type(offset) is int and offset >= 0 and offset % ALIGN == 0
-                and count == torch.Size(shape).numel() * dtype.itemsize and start + offset + count <= len(data)):
-            raise StoreError(f"{path}'s tensor {name} lies at {offset!r} ({count!r} bytes), out of its place")
-        places.append((offset, count, name))
-        views[name] = _view(data, start + offset, count, dtype, shape)
-    end = 0
-    for offset, count, name in sorted(places):
-        if offset < end:
-            raise StoreError(f"{path}'s tensor {name} overlaps the tensor before it")
-        end = offset + count
-    if start + end != len(data):
-        raise StoreError(f"{path} is {len(data)} bytes long, where its tensors end at {start + end}: truncated or added to")
-    from worker.kvcache.checksum import crc32c
-
-    if crc32c(memoryview(data)[start:]) != checksum:
-        raise StoreError(f"{path}'s checksum does not match its bytes: damaged")
+        array = arrays[name]
+        if (array.dtype.name, array.shape) != (_NAMES[dtype], shape):
+            raise StoreError(f"{path}'s tensor {name} is {array.dtype.name} {list(array.shape)}, "
+                             f"where the model needs {_NAMES[dtype]} {list(shape)}")
+        views[name] = _tensor(array)
     _fill(model, views)
     model.mapping = data
     return model.eval()
@@ -222,11 +165,10 @@ def _fill(model: torch.nn.Module, views: dict[str, torch.Tensor]) -> None:
             setattr(model.get_submodule(parent), child, torch.nn.Parameter(views[name], requires_grad=False))
 
 
-def _view(data: mmap.mmap, at: int, count: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def _tensor(array: np.ndarray) -> torch.Tensor:
     with warnings.catch_warnings():  # the mapping is read-only, and nothing writes to it
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(data, dtype=torch.uint8, count=count, offset=at)
-    return flat.view(dtype).view(shape)
+        return torch.from_numpy(array)
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:

@@ -1,0 +1,97 @@
+"""A kept file of a model directory's int8 weights (int8_store.py says what it is and why), read
+without torch: the file mapped, its header, every tensor's place and the checksum checked, and
+each tensor a numpy view of the mapping. int8_store maps the views into torch's modules (after
+holding each tensor to the shell model's); a load without torch reads them as they are.
+
+    b"LMW8", format (u32), header length (u64), the header (UTF-8 JSON), zeros to a multiple
+    of 64, the tensors' bytes (each at a multiple of 64 from the data's start)
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from worker.files import open_regular
+
+MAGIC = b"LMW8"
+FORMAT = 1
+ALIGN = 64
+MAX_HEADER = 16 << 20  # bytes of the header: a few hundred bytes a tensor
+SUFFIX = ".lmw8"
+DTYPES = ("uint8", "float16", "float32")  # the tensors' dtypes, numpy's (and torch's) names
+PREFIX = struct.Struct("<4sIQ")
+
+
+class StoreError(Exception):
+    """A kept file that cannot serve (the message says why)."""
+
+
+def path_of(data_dir: Path, key: str) -> Path:
+    return data_dir / "int8" / f"{key}{SUFFIX}"
+
+
+def read(path: Path, key: str) -> tuple[mmap.mmap, dict[str, np.ndarray]]:
+    """The mapping of ``path`` and its tensors (read-only views of it, by name, in the file's
+    order), checked whole: the key, each tensor's dtype, shape and place, and the checksum.
+    Raises FileNotFoundError where there is none, StoreError for one that cannot serve."""
+    try:
+        fd = open_regular(path)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise StoreError(f"{path} cannot be read: {exc.strerror or exc}") from exc
+    try:
+        size = os.fstat(fd).st_size
+        if size < PREFIX.size:
+            raise StoreError(f"{path} is {size} bytes long, shorter than its header")
+        data = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    return data, _tensors(path, data, key)  # a mapping refused is closed when nothing holds it
+
+
+def _tensors(path: Path, data: mmap.mmap, key: str) -> dict[str, np.ndarray]:
+    magic, version, length = PREFIX.unpack_from(data, 0)
+    if magic != MAGIC or version != FORMAT:
+        raise StoreError(f"{path} is not a file of int8 weights of format {FORMAT} ({magic!r}, format {version})")
+    if length > MAX_HEADER or PREFIX.size + length > len(data):
+        raise StoreError(f"{path}'s header says {length} bytes, more than the file or {MAX_HEADER} holds")
+    try:
+        header = json.loads(bytes(data[PREFIX.size:PREFIX.size + length]))
+        if header["key"] != key:
+            raise StoreError(f"{path} holds the weights of {header['key']!r}, not of {key!r}")
+        checksum, table = int(header["crc32c"]), dict(header["tensors"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StoreError(f"{path}'s header is not one this worker writes ({type(exc).__name__}: {exc})") from exc
+    start = -(-(PREFIX.size + length) // ALIGN) * ALIGN
+    views: dict[str, np.ndarray] = {}
+    places: list[tuple[int, int, str]] = []
+    for name, entry in table.items():
+        if not (isinstance(entry, list) and len(entry) == 4 and entry[0] in DTYPES and isinstance(entry[1], list)
+                and all(type(size) is int and 0 <= size < 1 << 40 for size in entry[1])):
+            raise StoreError(f"{path}'s tensor {name} is {entry!r}, not a tensor of {', '.join(DTYPES)}")
+        dtype, shape, offset, count = np.dtype(entry[0]), tuple(entry[1]), entry[2], entry[3]
+        if count != int(np.prod(shape, dtype=object)) * dtype.itemsize:
+            raise StoreError(f"{path}'s tensor {name} is {entry[0]} {list(shape)} in {count!r} bytes: misshapen")
+        if not (type(offset) is int and offset >= 0 and offset % ALIGN == 0 and start + offset + count <= len(data)):
+            raise StoreError(f"{path}'s tensor {name} lies at {offset!r} ({count!r} bytes), out of its place")
+        places.append((offset, count, name))
+        views[name] = np.frombuffer(data, np.uint8, count, start + offset).view(dtype).reshape(shape)
+    end = 0
+    for offset, count, name in sorted(places):
+        if offset < end:
+            raise StoreError(f"{path}'s tensor {name} overlaps the tensor before it")
+        end = offset + count
+    if start + end != len(data):
+        raise StoreError(f"{path} is {len(data)} bytes long, where its tensors end at {start + end}: truncated or added to")
+    from worker.kvcache.checksum import crc32c
+
+    if crc32c(memoryview(data)[start:]) != checksum:
+        raise StoreError(f"{path}'s checksum does not match its bytes: damaged")
+    return views
