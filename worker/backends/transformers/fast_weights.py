@@ -55,24 +55,26 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from worker import load_progress
+from worker.backends.transformers import native_pass
 from worker.backends.transformers.gguf_weights import GgufLinear, float_rows_product
+# the kept file's layout is the kernel's (int8_layout: the shapes of a linear's packed rows and scales)
+from worker.backends.transformers.int8_file import GROUP, int8_layout
+from worker.backends.transformers.int8_file import ITEM_ROWS as _ITEM_ROWS
+from worker.backends.transformers.int8_file import PANEL as _PANEL
 
 if TYPE_CHECKING:
     from worker.c_build import CFunction
 
-KERNEL_SOURCE = Path(__file__).with_name("int8_kernel.c")
+KERNEL_SOURCE = native_pass.INT8_SOURCE
 # What the cache identity calls the kernel's arithmetic (hf_compat.config_digest): its bits
 # are not PyTorch's int8 kernel's, so a cache computed with one must not pass for the other's.
 # The activations in 8-bit blocks of 32; "lm_worker_int8" names an earlier kernel's float
 # arithmetic, so caches computed with that one are another identity.
 KERNEL_PRODUCTS = "lm_worker_int8_blocks"
 
-GROUP = 32
 KERNEL_DTYPE = torch.bfloat16
 _INT4_ROW_BLOCK = 64  # rows of a packed int4 weight that the CPU kernel keeps together
-_PANEL = 16  # rows int8_kernel.c stores input-major together (PANEL there)
 _OFFSET = 128  # added to the stored weights, so that they are unsigned bytes (OFFSET there)
-_ITEM_ROWS = 64  # rows of one of its work items (ITEM · PANEL): the rows are padded to a multiple
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, ctypes.c_int]
 _int8_matmul: CFunction | None = None
@@ -114,13 +116,6 @@ def _int8_blocks(linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
     wide = scale.float()[..., None]
     q = torch.where(wide > 0, blocks / wide.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
     return q.round().clamp(-127, 127).to(torch.int8).reshape(weight.shape[0], -1), scale
-
-
-def int8_layout(in_features: int, out_features: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The shapes of an Int8Linear's ``packed`` and ``scale`` for a linear of this size."""
-    panels = (out_features + -out_features % _ITEM_ROWS) // _PANEL
-    inputs = in_features + -in_features % GROUP
-    return (panels, inputs // 4, _PANEL, 4), (panels, inputs // GROUP, _PANEL)
 
 
 class Int4Linear(torch.nn.Module):

@@ -18,7 +18,7 @@ gguf_model taking them from here (``rows_of``, ``vector_of``, ``check_all_used``
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -38,10 +38,49 @@ _TAKEN = "which lm-worker does not multiply; it takes " + ", ".join(type_name(t)
 ROPE_FREQUENCIES = "rope_freqs.weight"  # Llama 3.1's scaled frequencies: divide the rotary ones
 
 
-class GgufPass:
-    """The passes of a mapped gguf's model, each one call of native_forward.c: ``forward_highest``
-    as NativeForward's, on kv_buffers' caches (``new_cache``), its logits numpy float32. The file
-    stays mapped while the pass lives (its weights are views of it)."""
+class ArrayPass:
+    """A torch-free model's passes, each one call of native_forward.c: ``forward_highest`` as
+    NativeForward's, on kv_buffers' caches (``new_cache``), its logits numpy float32. A subclass
+    describes its model (``_start``) from numpy arrays, keeping what the call reads that nothing
+    else holds (``_kept_address``)."""
+
+    _kept: list[object]
+    _runner: native_pass.Runner[Cache]
+
+    def _start(self, model: Model, embedded: Callable[[list[int]], tuple[int, object]], ropes: rope_tables.Tables) -> None:
+        self._runner = native_pass.Runner(
+            model, self._kept, embed=embedded, ropes=ropes, owner_of=lambda cache: cache.layers,
+            layers_of=lambda cache: cache.layers, transposed_steps=True,
+        )
+        self._shape = (model.layers, model.kv_heads, model.dim)
+        # the threads a pass of enough work takes: the cores this process may run on
+        self.threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+    def new_cache(self) -> Cache:
+        """An empty cache for one sequence."""
+        return Cache(*self._shape)
+
+    def forward(self, sequences: Sequence[Sequence[int]], caches: Sequence[Cache], last: Sequence[int] | None = None) -> np.ndarray:
+        return self.forward_highest(sequences, caches, last)[0]
+
+    def forward_highest(
+        self, sequences: Sequence[Sequence[int]], caches: Sequence[Cache], last: Sequence[int] | None = None
+    ) -> tuple[np.ndarray, list[int]]:
+        """Each sequence's new tokens fed after its cache (a decode step's one, a prompt chunk's
+        many, a draft's few: one pass over the weights for all of them): the logits of the last
+        ``last[i]`` (default 1) new positions of each sequence, in order, (sum(last), vocab)
+        float32, and the index of each row's highest (native_pass.Runner)."""
+        return self._runner.forward_highest(sequences, caches, last, self.threads)
+
+    def _kept_address(self, array: np.ndarray) -> int:
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        self._kept.append(array)
+        return array.ctypes.data
+
+
+class GgufPass(ArrayPass):
+    """The passes of a mapped gguf's model (ArrayPass). The file stays mapped while the pass lives
+    (its weights are views of it)."""
 
     def __init__(self, file: GgufFile, data_dir: Path) -> None:
         """Raises GgufError for a file whose tensors do not make its model, NotTaken for a model
@@ -71,29 +110,8 @@ class GgufPass:
             native_pass.ACTIVATIONS[config.activation], config.epsilon, config.scaling, SHARE_FROM, final, head,
             layers, attention, step, native_pass.OWN,
         )
-        self._runner: native_pass.Runner[Cache] = native_pass.Runner(
-            model, [layers, *self._kept], embed=self._embedded, ropes=self._ropes, owner_of=lambda cache: cache.layers,
-            layers_of=lambda cache: cache.layers, transposed_steps=True,
-        )
-        # the threads a pass of enough work takes: the cores this process may run on
-        self.threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-    def new_cache(self) -> Cache:
-        """An empty cache for one sequence."""
-        config = self.config
-        return Cache(config.layers, config.kv_heads, config.dim)
-
-    def forward(self, sequences: Sequence[Sequence[int]], caches: Sequence[Cache], last: Sequence[int] | None = None) -> np.ndarray:
-        return self.forward_highest(sequences, caches, last)[0]
-
-    def forward_highest(
-        self, sequences: Sequence[Sequence[int]], caches: Sequence[Cache], last: Sequence[int] | None = None
-    ) -> tuple[np.ndarray, list[int]]:
-        """Each sequence's new tokens fed after its cache (a decode step's one, a prompt chunk's
-        many, a draft's few: one pass over the weights for all of them): the logits of the last
-        ``last[i]`` (default 1) new positions of each sequence, in order, (sum(last), vocab)
-        float32, and the index of each row's highest (native_pass.Runner)."""
-        return self._runner.forward_highest(sequences, caches, last, self.threads)
+        self._kept.append(layers)
+        self._start(model, self._embedded, self._ropes)
 
     # --- the file's tensors into the pass's structs ---------------------------------------------
 
@@ -156,11 +174,6 @@ class GgufPass:
             one = np.float32(1.0)
             scale = one + (scale - one)
         return self._kept_address(scale)
-
-    def _kept_address(self, array: np.ndarray) -> int:
-        array = np.ascontiguousarray(array, dtype=np.float32)
-        self._kept.append(array)
-        return array.ctypes.data
 
     def _rope_tables(self) -> rope_tables.Tables:
         config = self.config

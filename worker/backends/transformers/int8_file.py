@@ -26,10 +26,20 @@ MAX_HEADER = 16 << 20  # bytes of the header: a few hundred bytes a tensor
 SUFFIX = ".lmw8"
 DTYPES = ("uint8", "float16", "float32")  # the tensors' dtypes, numpy's (and torch's) names
 PREFIX = struct.Struct("<4sIQ")
+# int8_kernel.c's layout (fast_weights.Int8Linear): blocks of GROUP inputs; PANEL rows stored
+# input-major together; the rows padded to a multiple of ITEM_ROWS, one of its work items
+GROUP, PANEL, ITEM_ROWS = 32, 16, 64
 
 
 class StoreError(Exception):
     """A kept file that cannot serve (the message says why)."""
+
+
+def int8_layout(in_features: int, out_features: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of an int8 linear's ``packed`` and ``scale`` for a linear of this size."""
+    panels = (out_features + -out_features % ITEM_ROWS) // PANEL
+    inputs = in_features + -in_features % GROUP
+    return (panels, inputs // 4, PANEL, 4), (panels, inputs // GROUP, PANEL)
 
 
 def path_of(data_dir: Path, key: str) -> Path:

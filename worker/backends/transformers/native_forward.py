@@ -269,6 +269,11 @@ class NativeForward(Passes):
             transposed_steps=not llama_cpp,
         )
 
+    @property
+    def described(self) -> tuple[Model, rope_tables.Tables | _TorchRopes | _LlamaCppRopes]:
+        """What the passes compute: the struct and the RoPE tables (a kept int8 model's note: int8_store)."""
+        return self._runner.model, self._ropes
+
     def _scale(self, norm: torch.nn.Module | None) -> int | None:
         """Where an RMSNorm's scale is (Llama's weight; Gemma's one plus its weight, in float32,
         as transformers computes it): None without the norm."""

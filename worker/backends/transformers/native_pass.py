@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 SOURCE = Path(__file__).with_name("native_forward.c")
 ATTENTION_SOURCE = Path(__file__).with_name("exact_attention.c")
 GGUF_SOURCE = Path(__file__).with_name("gguf_kernel.c")
+INT8_SOURCE = Path(__file__).with_name("int8_kernel.c")
 OWN, LLAMA_CPP = 0, 1  # native_forward.c's enum arithmetic
 # What the cache identity calls this arithmetic, and llama.cpp's. Its RoPE tables are
 # rope_tables' ("lm_worker_native" named those of PyTorch's rotary embedding).
@@ -96,12 +97,22 @@ def kernel_addresses(data_dir: Path) -> tuple[int, int, int]:
     """Where exact_attention.c's lmw_attention and lmw_step_attention and gguf_kernel.c's
     lmw_gguf_matmul are (built on first use, as exact_attention and gguf_weights build them),
     for a pass made without torch; raises c_build.KernelUnavailable."""
+    return (*attention_addresses(data_dir), address(built_function(data_dir / "kernels", GGUF_SOURCE, "lmw_gguf_matmul")))
+
+
+def attention_addresses(data_dir: Path) -> tuple[int, int]:
+    """Where exact_attention.c's lmw_attention and lmw_step_attention are (kernel_addresses)."""
     kernels = data_dir / "kernels"
     return (
         address(built_function(kernels, ATTENTION_SOURCE, "lmw_attention")),
         address(built_function(kernels, ATTENTION_SOURCE, "lmw_step_attention")),
-        address(built_function(kernels, GGUF_SOURCE, "lmw_gguf_matmul")),
     )
+
+
+def int8_address(data_dir: Path) -> int:
+    """Where int8_kernel.c's lmw_int8_matmul is (built on first use, as fast_weights builds it);
+    raises c_build.KernelUnavailable."""
+    return address(built_function(data_dir / "kernels", INT8_SOURCE, "lmw_int8_matmul"))
 
 
 def takes_heads(heads: int, kv_heads: int, dim: int) -> bool:
@@ -210,7 +221,7 @@ class Runner(Generic[C]):
         layers_of: Callable[[C], Sequence[PassLayer]], transposed_steps: bool,
     ) -> None:
         assert _forward is not None, "load_kernel() first"
-        self._model = model
+        self.model = model  # what the pass computes (a kept int8 model's note reads it: int8_store)
         self._kept = kept  # what the model's addresses point into that nothing else holds
         self._embed, self._ropes = embed, ropes
         self._owner_of, self._layers_of = owner_of, layers_of
@@ -254,7 +265,7 @@ class Runner(Generic[C]):
         for n, keep in zip(rows, [1] * len(rows) if last is None else last):
             ends += n
             wanted.extend(range(ends - keep, ends))
-        logits = np.empty((len(wanted), self._model.vocab), np.float32)
+        logits = np.empty((len(wanted), self.model.vocab), np.float32)
         best = array.array("q", bytes(8 * len(wanted)))
         counts, starts = array.array("q", rows), array.array("q", lengths)
         call = Pass(
@@ -263,7 +274,7 @@ class Runner(Generic[C]):
             best.buffer_info()[0], threads,
         )
         assert _forward is not None
-        status = _forward(ctypes.byref(self._model), ctypes.byref(call))
+        status = _forward(ctypes.byref(self.model), ctypes.byref(call))
         del held_hidden  # the call is over
         if status != 0:
             for layers, _ in held:  # what the layers before the failure wrote past their positions is not theirs

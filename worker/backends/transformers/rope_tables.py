@@ -109,8 +109,8 @@ class Tables:
     def __init__(self, frequencies: Mapping[str | None, np.ndarray], of_layers: Sequence[str | None]) -> None:
         self.kinds: list[str | None] = list(frequencies)
         self.of_layers = list(of_layers)  # each layer's kind
-        self._frequencies = [frequencies[kind] for kind in self.kinds]
-        dim = 2 * len(self._frequencies[0])
+        self.frequencies = [frequencies[kind] for kind in self.kinds]  # each kind's inverse frequencies
+        dim = 2 * len(self.frequencies[0])
         self._cos = np.empty((len(self.kinds), 0, dim), np.float32)
         self._sin = np.empty((len(self.kinds), 0, dim), np.float32)
 
@@ -126,7 +126,7 @@ class Tables:
             return
         size = max(positions, 2 * have, _FIRST_ROWS)
         rows = np.arange(have, size, dtype=np.float64)
-        made = [cos_sin(rows[:, None] * frequencies[None, :]) for frequencies in self._frequencies]
+        made = [cos_sin(rows[:, None] * frequencies[None, :]) for frequencies in self.frequencies]
         cos = np.stack([np.concatenate([c, c], axis=1) for c, _ in made]).astype(np.float32)
         sin = np.stack([np.concatenate([-s, s], axis=1) for _, s in made]).astype(np.float32)
         self._cos = np.concatenate([self._cos, cos], axis=1)
