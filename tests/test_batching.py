@@ -196,10 +196,10 @@ async def test_prompts_that_start_together_are_fed_in_one_pass_and_each_stream_e
     are waiting when it ends: sent at once to an idle worker, the first may be fed before the
     others are read) go through one pass of the model together (its weights read once for all),
     and each stream's greedy tokens are those it gets alone."""
-    from worker.backends.transformers.backend import TransformersModel
+    from worker.backends.transformers.local_model import LocalModel  # the second load's: without torch
 
     passes: list[int] = []
-    step = TransformersModel.step
+    step = LocalModel.step
 
     def counted(self, decodings, chunks=()):
         passes.append(len(chunks))
@@ -211,7 +211,7 @@ async def test_prompts_that_start_together_are_fed_in_one_pass_and_each_stream_e
         requests = [{"prompt": f"{opening} the river runs to the sea and", "max_tokens": 12}
                     for opening in ("Once", "In the morning", "The dog saw that", "Why")]
         alone = [(await host.call("generate", r))["tokens"] for r in requests]
-        monkeypatch.setattr(TransformersModel, "step", counted)
+        monkeypatch.setattr(LocalModel, "step", counted)
         _, loaded = host.start("load", {"model": str(tiny_models(family))})
         started = [host.start("generate", r) for r in requests]
         assert "result" in await loaded

@@ -250,7 +250,7 @@ def test_the_cache_identity_names_the_native_pass_and_a_model_without_it_keeps_a
         raise exact_attention.KernelUnavailable("cc could not build native_forward.c: (the compiler's words)")
 
     monkeypatch.setattr(native_pass, "_forward", None)
-    monkeypatch.setattr(native_forward, "load_kernel", unbuildable)
+    monkeypatch.setattr(native_pass, "load_kernel", unbuildable)  # nor a load without torch (int8_model)
     with caplog.at_level(logging.WARNING):
         without = load(tiny_model_dir, tmp_path)
     assert type(without._passes) is DecodeStep

@@ -70,6 +70,17 @@ def digests(files: Sequence[Path], memo_dir: Path) -> dict[Path, str]:
     return found
 
 
+def remembered(files: Sequence[Path], memo_dir: Path) -> dict[Path, str] | None:
+    """Each file's SHA-256 where every one is remembered, else None: nothing is hashed."""
+    found: dict[Path, str] = {}
+    for path in files:
+        digest = _remembered(_memo(path, memo_dir))
+        if digest is None:
+            return None
+        found[path] = digest
+    return found
+
+
 def combined_sha256(files: Sequence[Path], digests: Mapping[Path, str], *, extra: str = "") -> str:
     """One digest over the files' names and ``digests`` (in the order given) and ``extra``."""
     digest = hashlib.sha256()

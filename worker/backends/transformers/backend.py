@@ -134,7 +134,10 @@ class TransformersBackend:
             quantize(model, "int8" if quantization == "gguf" else quantization, blocks)
             if kept is not None:
                 kept.write(model)
-        return TransformersModel(params, path, model, tokenizer, identity, device, dtype, quantization, started, llama_cpp)
+        loaded = TransformersModel(params, path, model, tokenizer, identity, device, dtype, quantization, started, llama_cpp)
+        if kept is not None:
+            kept.note(loaded)
+        return loaded
 
 
 class _KeptInt8:
@@ -177,6 +180,17 @@ class _KeptInt8:
         except (OSError, ValueError) as exc:
             log.warning("the int8 weights are not kept in %s (%s): they are made again at each load", self.path, exc)
 
+    def note(self, loaded: TransformersModel) -> None:
+        """Note what a later load needs to map the kept weights without torch (int8_store.keep_note)."""
+        from worker.backends.transformers import int8_store
+
+        if not self.path.is_file():
+            return  # not kept
+        try:
+            int8_store.keep_note(self.path.parent.parent, self.directory, self.key, loaded)
+        except OSError as exc:
+            log.warning("no note of the kept int8 weights in %s (%s): later loads import torch", self.path.parent, exc)
+
 
 def _kept_int8(params: LoadParams, path: Path, dtype: str, device: str, quantization: str, attention: str,
                data_dir: Path) -> _KeptInt8 | None:
@@ -214,14 +228,19 @@ def _kept_int8(params: LoadParams, path: Path, dtype: str, device: str, quantiza
 
 
 def _load_native(params: LoadParams, data_dir: Path, started: float) -> LocalModel | None:
-    """A .gguf file's model computed without torch (native_model), or None where that path does
-    not take it. The shipped models converted to directories are not files of it."""
-    from worker.backends.transformers import native_model
-    from worker.backends.transformers.shipped import QWEN_CODER, SHIPPED
+    """The model computed without torch, or None where that path does not take it: a .gguf
+    file's (native_model), a model directory's whose int8 weights are kept (int8_model). A
+    shipped model not converted yet is converted by the torch path's load, in its order of stages."""
+    from worker.backends.transformers import int8_model, native_model
+    from worker.backends.transformers.shipped import QWEN_CODER, SHIPPED, converted_directory
 
     if params.model in SHIPPED and params.model != QWEN_CODER:
-        return None
-    return native_model.load(params, _model_path(params.model, data_dir), data_dir, started)
+        path = converted_directory(data_dir, params.model)
+        return int8_model.load(params, path, data_dir, started) if (path / "config.json").is_file() else None
+    path = _model_path(params.model, data_dir)
+    if path.is_dir():
+        return int8_model.load(params, path, data_dir, started)
+    return native_model.load(params, path, data_dir, started)
 
 
 def _mappable_gguf(params: LoadParams, path: Path, dtype: str, data_dir: Path):

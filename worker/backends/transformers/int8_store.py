@@ -120,6 +120,34 @@ def read(path: Path, key: str, config: PretrainedConfig) -> Any:
     return model.eval()
 
 
+def keep_note(data_dir: Path, directory: Path, key: str, loaded: Any) -> None:
+    """Note beside the kept weights what a load without torch needs (int8_model.Note) of
+    ``loaded``, the model the torch path made of them: where its passes are the native pass's own
+    arithmetic over rope_tables' tables (else a later load keeps the torch path)."""
+    from worker.backends.transformers import int8_model, native_forward, native_pass, rope_tables
+    from worker.backends.transformers.int8_pass import Int8Config
+
+    passes = loaded._passes
+    if not isinstance(passes, native_forward.NativeForward):
+        return
+    described, ropes = passes.described
+    if not isinstance(ropes, rope_tables.Tables) or described.arithmetic != native_pass.OWN:
+        return
+    layers = [described.layer[index] for index in range(described.layers)]
+    config = Int8Config(
+        model_type=loaded._model_type, layers=described.layers, hidden=described.hidden, heads=described.heads,
+        kv_heads=described.kv_heads, dim=described.dim, intermediate=described.intermediate, vocab=described.vocab,
+        activation=described.activation, epsilon=described.epsilon, scaling=described.scaling,
+        windows=[layer.window for layer in layers], ropes=[layer.rope for layer in layers],
+        frequencies=[frequencies.tolist() for frequencies in ropes.frequencies],
+    )
+    note = int8_model.Note(
+        key=key, identity=loaded.cache_identity(), config=config, vocab_size=loaded._vocab_size,
+        eos_token_ids=sorted(loaded.eos_token_ids), context_length=loaded.info.context_length,
+    )
+    int8_model.write_note(data_dir, directory, note)
+
+
 def _expected(model: torch.nn.Module) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Each tensor the file must hold for this shell, with its dtype and shape, in the file's order."""
     expected: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}

@@ -55,15 +55,14 @@ def gguf_path() -> Path:
 
 def converted_path(data_dir: Path, name: str = "default") -> Path:
     """The dense copy of a shipped model (one of SHIPPED), converting it first if needed."""
-    converted = CONVERTED_NAME if name == "default" else GEMMA_CONVERTED_NAME
-    target = data_dir / "models" / converted
+    target = converted_directory(data_dir, name)
     if (target / "config.json").is_file():
         return target
     import shutil
     import tempfile
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{converted}.", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         _convert(gguf_path() if name == "default" else assembled_gemma(staging), staging)
         try:
@@ -74,6 +73,11 @@ def converted_path(data_dir: Path, name: str = "default") -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def converted_directory(data_dir: Path, name: str = "default") -> Path:
+    """Where the dense copy of a shipped model (one of SHIPPED but the Qwen coder) is, once converted."""
+    return data_dir / "models" / (CONVERTED_NAME if name == "default" else GEMMA_CONVERTED_NAME)
 
 
 def assembled_gemma(staging: Path) -> Path:
