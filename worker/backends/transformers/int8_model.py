@@ -43,8 +43,12 @@ log = logging.getLogger(__name__)
 
 NOTE_SUFFIX = ".note"
 _NOTE_BYTES = 4 << 20  # a note is a few kilobytes: its RoPE frequencies the most of it
-# The sources of the kernels the pass computes with: another build of any is another note.
-_SOURCES = (native_pass.SOURCE, native_pass.ATTENTION_SOURCE, native_pass.INT8_SOURCE)
+# The sources of the kernels the pass computes with, and of the rules that make the torch path's
+# key, configuration and identity: another version of any is another note.
+_SOURCES = (
+    native_pass.SOURCE, native_pass.ATTENTION_SOURCE, native_pass.INT8_SOURCE,
+    *(Path(__file__).with_name(name) for name in ("backend.py", "hf_compat.py", "int8_store.py", "shell_model.py")),
+)
 
 
 class Note(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -90,7 +94,7 @@ def load(params: LoadParams, path: Path, data_dir: Path, started: float) -> Int8
 
 def locator(directory: Path, data_dir: Path, *, hashing: bool) -> str | None:
     """The digest a note is found by: every regular file of ``directory`` (worker.fingerprint's
-    digests, remembered), its name, the installed transformers' version and the kernels' sources; None where
+    digests, remembered), its name, the installed transformers' version and _SOURCES; None where
     transformers is not installed (no torch path made a note), or, unless ``hashing``, where a
     file's digest is not remembered (the load that noted it remembered all of them: a load with no
     note hashes nothing here, and the torch path's stages keep their order)."""
