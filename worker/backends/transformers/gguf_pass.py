@@ -56,6 +56,11 @@ class ArrayPass:
         # the threads a pass of enough work takes: the cores this process may run on
         self.threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
+    @property
+    def cache_shape(self) -> tuple[int, int, int]:
+        """A sequence's cache's layers, key/value heads and head size."""
+        return self._shape
+
     def new_cache(self) -> Cache:
         """An empty cache for one sequence."""
         return Cache(*self._shape)

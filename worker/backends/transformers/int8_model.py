@@ -30,14 +30,8 @@ import msgspec
 from protocol.methods import LoadParams
 from worker.backends.transformers import int8_file, native_pass
 from worker.backends.transformers.int8_pass import Int8Config, Int8Pass
-from worker.backends.transformers.kv_buffers import growth_room
-from worker.backends.transformers.local_model import LocalModel
-from worker.backends.transformers.native_model import NativeCache
-from worker.backends.transformers.torch_threads import CoreShare, PassThreads
+from worker.backends.transformers.native_model import ArrayModel, NativeCache
 from worker.kvcache.format import Identity
-
-if TYPE_CHECKING:
-    from worker.kvcache.container import LoadedCache, TensorEntry
 
 log = logging.getLogger(__name__)
 
@@ -166,40 +160,18 @@ def _tokenizer(directory: Path) -> Any:
     return tokenizer if settings_problem(tokenizer) is None else None
 
 
-class Int8Model(LocalModel[NativeCache]):
+class Int8Model(ArrayModel):
     """A kept int8 model computed by int8_pass, torch-free (module docstring)."""
 
     def __init__(self, params: LoadParams, path: Path, passes: Int8Pass, tokenizer: Any, note: Note, started: float) -> None:
         config = passes.config
-        self._passes_of_model: Int8Pass | None = passes
         self._model_type = config.model_type
-        self._windows = [window or None for window in config.windows]
         super().__init__(
-            params, path, tokenizer, note.identity, device="cpu", dtype="float32", quantization="int8", started=started,
-            vocab_size=note.vocab_size, eos_token_ids=frozenset(note.eos_token_ids), context_length=note.context_length,
-            passes=passes, chunk_passes=passes, cores=CoreShare(count=PassThreads(passes)),
+            passes, [window or None for window in config.windows],
+            params=params, path=path, tokenizer=tokenizer, identity=note.identity, device="cpu", dtype="float32",
+            quantization="int8", started=started, vocab_size=note.vocab_size,
+            eos_token_ids=frozenset(note.eos_token_ids), context_length=note.context_length,
         )
-
-    def new_cache(self) -> NativeCache:
-        config = self._open.config
-        return NativeCache(config.layers, config.kv_heads, config.dim, self._windows)
-
-    def cache_room(self, entry: TensorEntry, max_positions: int) -> int:
-        return growth_room(entry.shape[2], max_positions)
-
-    def load_cache(self, loaded: LoadedCache) -> NativeCache:
-        cache = self.new_cache()
-        cache.restore(loaded)
-        return cache
-
-    @property
-    def _open(self) -> Int8Pass:
-        assert self._passes_of_model is not None, "the model is closed"
-        return self._passes_of_model
-
-    def close(self) -> None:
-        # the mapping goes with the last view of it (a cache being written may still hold one)
-        self._passes_of_model = self._passes = self._chunk_passes = None
 
 
 if TYPE_CHECKING:  # hold the class to the boundary

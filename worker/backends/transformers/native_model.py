@@ -36,7 +36,7 @@ from worker.backends.transformers.torch_threads import CoreShare, PassThreads
 
 if TYPE_CHECKING:
     from worker.backends.transformers.gguf_config import GgufConfig
-    from worker.backends.transformers.gguf_pass import GgufPass
+    from worker.backends.transformers.gguf_pass import ArrayPass, GgufPass
     from worker.gguf.reader import GgufFile
     from worker.kvcache.container import Identity, LayerEntry, LoadedCache, StateEntry, TensorEntry, TensorSpec
 
@@ -234,31 +234,18 @@ class NativeCache(Cache):
         self._read = loaded.tensors
 
 
-class NativeModel(LocalModel[NativeCache]):
-    """A mapped gguf's model computed by gguf_pass, torch-free (module docstring)."""
+class ArrayModel(LocalModel[NativeCache]):
+    """A model whose passes a torch-free pass computes (gguf_pass.ArrayPass: a mapped gguf's, or
+    kept int8 weights'), its caches NativeCache: what the two kinds share."""
 
-    def __init__(
-        self, params: LoadParams, path: Path, passes: GgufPass, tokenizer: Any, identity: Identity, started: float,
-    ) -> None:
-        config = passes.config
-        self._passes_of_file: GgufPass | None = passes
-        self._model_type = config.architecture
-        self._windows = [config.window if kind == "sliding" else None for kind in config.layer_kinds]
-        vocab_size = max(len(tokenizer), config.vocab)
-        file = passes.file
-        # one out of range is a load error naming it (eos_ids), not a model that never stops
-        sources = [(_Named(file.get("tokenizer.ggml.eos_token_id", int)), "config.json"), (tokenizer, "the tokenizer")]
-        super().__init__(
-            params, path, tokenizer, identity, device="cpu", dtype="float32", quantization="gguf", started=started,
-            vocab_size=vocab_size, eos_token_ids=frozenset(eos_ids(sources, path, vocab_size)),
-            context_length=context_length(file.get(f"{config.architecture}.context_length", int), tokenizer, path),
-            passes=passes, chunk_passes=passes, cores=CoreShare(count=PassThreads(passes)),
-        )
-        _release_freed_memory()
+    def __init__(self, passes: ArrayPass, windows: list[int | None], **model: Any) -> None:
+        """``windows``: each layer's sliding window, None for full attention; ``model``: LocalModel's."""
+        self._passes_of_model: ArrayPass | None = passes
+        self._windows = windows
+        super().__init__(passes=passes, chunk_passes=passes, cores=CoreShare(count=PassThreads(passes)), **model)
 
     def new_cache(self) -> NativeCache:
-        config = self._open.config
-        return NativeCache(config.layers, config.kv_heads, config.dim, self._windows)
+        return NativeCache(*self._open.cache_shape, self._windows)
 
     def cache_room(self, entry: TensorEntry, max_positions: int) -> int:
         return growth_room(entry.shape[2], max_positions)
@@ -269,13 +256,35 @@ class NativeModel(LocalModel[NativeCache]):
         return cache
 
     @property
-    def _open(self) -> GgufPass:
-        assert self._passes_of_file is not None, "the model is closed"
-        return self._passes_of_file
+    def _open(self) -> ArrayPass:
+        assert self._passes_of_model is not None, "the model is closed"
+        return self._passes_of_model
 
     def close(self) -> None:
         # the mapping goes with the last view of it (a cache being written may still hold one)
-        self._passes_of_file = self._passes = self._chunk_passes = None
+        self._passes_of_model = self._passes = self._chunk_passes = None
+
+
+class NativeModel(ArrayModel):
+    """A mapped gguf's model computed by gguf_pass, torch-free (module docstring)."""
+
+    def __init__(
+        self, params: LoadParams, path: Path, passes: GgufPass, tokenizer: Any, identity: Identity, started: float,
+    ) -> None:
+        config = passes.config
+        self._model_type = config.architecture
+        vocab_size = max(len(tokenizer), config.vocab)
+        file = passes.file
+        # one out of range is a load error naming it (eos_ids), not a model that never stops
+        sources = [(_Named(file.get("tokenizer.ggml.eos_token_id", int)), "config.json"), (tokenizer, "the tokenizer")]
+        super().__init__(
+            passes, [config.window if kind == "sliding" else None for kind in config.layer_kinds],
+            params=params, path=path, tokenizer=tokenizer, identity=identity, device="cpu", dtype="float32",
+            quantization="gguf", started=started, vocab_size=vocab_size,
+            eos_token_ids=frozenset(eos_ids(sources, path, vocab_size)),
+            context_length=context_length(file.get(f"{config.architecture}.context_length", int), tokenizer, path),
+        )
+        _release_freed_memory()
 
 
 class _Named:
