@@ -429,7 +429,7 @@ async def test_shipped_models_greedy_equals_in_process_generate_on_the_same_weig
     torch.set_num_threads(2)
     with monkeypatch.context() as patch:  # transformers' own classes, not the shell of the kept int8 weights
         patch.setattr(backend, "_kept_int8", lambda *args: None)
-        reference = TransformersBackend().load(LoadParams(model=model, **load_params), data_dir=default_data_dir())
+        reference = TransformersBackend().load_with_torch(LoadParams(model=model, **load_params), data_dir=default_data_dir())
     assert reference._passes is not None
     texts = ["def fibonacci(n):\n", "Once upon a time, in a land far away,", "1, 2, 3, 4, 5,"]
     host = await Host.start_in_process()
