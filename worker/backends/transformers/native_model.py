@@ -103,7 +103,7 @@ def _tokenizer(file: GgufFile, kept: Path) -> Any:
         shutil.rmtree(kept, ignore_errors=True)
     except TokenizerUnsupported as exc:
         log.info("the tokenizer kept in %s is read by transformers: %s", kept, exc)
-    except (OSError, ValueError, Exception) as exc:  # absent, or a damaged copy the converter makes again
+    except Exception as exc:  # absent, or a damaged copy the converter makes again
         log.debug("no kept tokenizer in %s (%s: %s)", kept, type(exc).__name__, exc)
     from worker.backends.transformers.gguf_model import tokenizer_of
 
