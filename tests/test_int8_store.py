@@ -242,3 +242,32 @@ def test_a_load_that_maps_kept_int8_weights_imports_none_of_transformers_heavy_m
     for note in (tmp_path / "int8").glob("*.note"):  # with it, the load imports neither torch nor transformers (test_int8_pass)
         note.unlink()
     assert load_in_a_fresh_process(tiny_model_dir, tmp_path) == "ShellModel []"
+
+
+def resident_bytes_of_mapping(path: Path) -> int:
+    """What of ``path``'s mapping in this process is resident (/proc/self/smaps' Rss)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's first line: range, perms, offset, dev, inode [path]
+            inside = fields[-1] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
+def test_checking_a_kept_file_leaves_the_embedding_s_pages_out_of_the_process(tiny_model_dir: Path, tmp_path: Path):
+    """The checksum reads every byte; the float32 embedding, which a decode reads a row a token,
+    must not stay resident for it (it is the largest tensor of a small model's file)."""
+    from worker.backends.transformers import int8_file
+    from worker.kvcache import checksum
+
+    load(tiny_model_dir, tmp_path)
+    path = kept_file(tmp_path)
+    key = json.loads(path.read_bytes()[16:16 + struct.unpack_from("<Q", path.read_bytes(), 8)[0]])["key"]
+    checksum.load_kernel(tmp_path / "kernels")
+    data, tensors = int8_file.read(path, key)
+    embedding = tensors["model.embed_tokens.weight"]
+    assert embedding.nbytes >= 16 * os.sysconf("SC_PAGE_SIZE")
+    resident = resident_bytes_of_mapping(path)
+    assert 0 < resident <= len(data) - embedding.nbytes + 2 * os.sysconf("SC_PAGE_SIZE"), (resident, len(data))

@@ -29,6 +29,9 @@ PREFIX = struct.Struct("<4sIQ")
 # int8_kernel.c's layout (fast_weights.Int8Linear): blocks of GROUP inputs; PANEL rows stored
 # input-major together; the rows padded to a multiple of ITEM_ROWS, one of its work items
 GROUP, PANEL, ITEM_ROWS = 32, 16, 64
+# tensors the passes read a few rows at a time: the checksum's pages of them are let go after it
+ROW_READ = ("model.embed_tokens.weight",)
+PIECE = 16 << 20  # bytes checked at a time, so that no more of ROW_READ is resident at once
 
 
 class StoreError(Exception):
@@ -102,6 +105,24 @@ def _tensors(path: Path, data: mmap.mmap, key: str) -> dict[str, np.ndarray]:
         raise StoreError(f"{path} is {len(data)} bytes long, where its tensors end at {start + end}: truncated or added to")
     from worker.kvcache.checksum import crc32c
 
-    if crc32c(memoryview(data)[start:]) != checksum:
+    row_read = [(start + offset, count) for offset, count, name in places if name in ROW_READ]
+    whole, crc = memoryview(data), 0
+    for begin in range(start, len(data), PIECE):
+        end = min(begin + PIECE, len(data))
+        crc = crc32c(whole[begin:end], crc)
+        _let_go(data, [(max(at, begin), min(at + count, end) - max(at, begin)) for at, count in row_read
+                       if at < end and at + count > begin])
+    if crc != checksum:
         raise StoreError(f"{path}'s checksum does not match its bytes: damaged")
     return views
+
+
+def _let_go(data: mmap.mmap, spans: list[tuple[int, int]]) -> None:
+    """Drop from the process the pages of ``spans`` that the checksum brought in (a float32
+    embedding is the largest tensor of a small model's file, and a decode reads a row of it a
+    token). The pages stay in the page cache; a row read again is mapped again from there."""
+    page = mmap.PAGESIZE
+    for begin, count in spans:
+        first, last = -(-begin // page) * page, (begin + count) // page * page
+        if last > first:
+            data.madvise(mmap.MADV_DONTNEED, first, last - first)
