@@ -82,8 +82,9 @@ static int block_bytes(int type, int *weights) {
 }
 
 typedef struct { /* an activation block of 32 (Q8_0, Q8_1) */
-    float d, s;     /* fp16 values, widened */
+    float d, s;       /* fp16 values, widened */
     int8_t q[BLOCK];
+    int32_t base[8];  /* −(the weights' offset) · (the sum of q's 4 inputs of each lane): see quantize_row */
 } xblock;
 
 typedef struct __attribute__((aligned(32))) { /* an activation block of 256 (Q8_K) */
@@ -101,8 +102,13 @@ static inline float half_to_float(const uint8_t *p) {
 static inline float rounded_to_half(float x) { return (float)(_Float16)x; }
 
 static inline int has_min(int type) { return type == Q4_1 || type == Q5_1; }
+/* What Q4_0's and Q5_0's stored (unsigned) weights are above the signed ones. */
+static inline int signed_offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0; }
 
-static void quantize_row(const float *x, int64_t blocks, xblock *out) {
+/* `offset`: the weights' signed_offset. The vector code multiplies their stored unsigned
+ * weights and starts each lane's integer sum from `base`, so that the lane ends at the sum of
+ * the signed weights' products, the same integer (no sign taken over into x for each row). */
+static void quantize_row(const float *x, int64_t blocks, xblock *out, int offset) {
     for (int64_t b = 0; b < blocks; b++, x += BLOCK) {
         float largest = 0.0f;
         for (int i = 0; i < BLOCK; i++) { const float a = fabsf(x[i]); largest = a > largest ? a : largest; }
@@ -116,6 +122,8 @@ static void quantize_row(const float *x, int64_t blocks, xblock *out) {
         }
         out[b].d = rounded_to_half(d);
         out[b].s = rounded_to_half(d * (float)sum);
+        for (int k = 0; k < 8; k++)
+            out[b].base[k] = -offset * (out[b].q[4 * k] + out[b].q[4 * k + 1] + out[b].q[4 * k + 2] + out[b].q[4 * k + 3]);
     }
 }
 
@@ -211,10 +219,10 @@ static inline void ask_ahead(int ahead, const uint8_t *p, int64_t bytes) {
  * instruction where the processor has it, else two (through 16-bit pair sums, which these
  * never saturate: 2 · 31 · 127 at most); the same integers. And the same for 16-bit pairs
  * times scales, added to the lanes. */
-#define LANE_SUMS(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+#define LANE_SUMS_FROM(base, u, s) _mm256_dpbusd_epi32(base, u, s)
 #define SCALED_SUMS(acc, scale, pairs) _mm256_dpwssd_epi32(acc, scale, pairs)
 #else
-#define LANE_SUMS(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+#define LANE_SUMS_FROM(base, u, s) _mm256_add_epi32(base, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
 #define SCALED_SUMS(acc, scale, pairs) _mm256_add_epi32(acc, _mm256_madd_epi16(scale, pairs))
 #endif
 
@@ -244,14 +252,14 @@ static inline __m256i fifth_bits(const uint8_t *p) {
 #endif
 }
 
-/* A 32-block's weights as bytes, in order: Q4_1's and Q5_1's unsigned, the others' signed (their
- * offsets taken off). */
+/* A 32-block's weights as bytes, in order, as stored: Q8_0's signed, the others' unsigned (Q4_0's
+ * and Q5_0's offsets are taken off through the activation's base). */
 static inline __m256i block_weights(int type, const uint8_t *w) {
     switch (type) {
     case Q8_0: return _mm256_loadu_si256((const __m256i *)(w + 2));
-    case Q4_0: return _mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8));
+    case Q4_0: return nibbles(w + 2);
     case Q4_1: return nibbles(w + 4);
-    case Q5_0: return _mm256_sub_epi8(_mm256_or_si256(nibbles(w + 6), fifth_bits(w + 2)), _mm256_set1_epi8(16));
+    case Q5_0: return _mm256_or_si256(nibbles(w + 6), fifth_bits(w + 2));
     default: return _mm256_or_si256(nibbles(w + 8), fifth_bits(w + 4)); /* Q5_1 */
     }
 }
@@ -271,21 +279,30 @@ INLINE void row_times(int type, const uint8_t *w, int64_t bytes, const xblock *x
         __m256i qx[4];
         for (int i = 0; i < X; i++) qx[i] = _mm256_loadu_si256((const __m256i *)x[i * blocks + b].q);
         const float wd = half_to_float(w);
+        const __m256 wds = _mm256_set1_ps(wd); /* times each row's d, broadcast from memory: one rounding, as wd · d */
         const __m256i qw = block_weights(type, w);
         if (has_min(type)) {
             const float wm = half_to_float(w + 2);
             for (int i = 0; i < X; i++) {
                 const xblock *xb = &x[i * blocks + b];
                 sum_m[i] += wm * xb->s;
-                const __m256 lanes = _mm256_cvtepi32_ps(LANE_SUMS(qw, qx[i]));
-                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(wd * xb->d), lanes, acc[i]);
+                const __m256 lanes = _mm256_cvtepi32_ps(LANE_SUMS_FROM(_mm256_setzero_si256(), qw, qx[i]));
+                acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(wds, _mm256_broadcast_ss(&xb->d)), lanes, acc[i]);
+            }
+        } else if (signed_offset(type)) {
+            for (int i = 0; i < X; i++) {
+                const xblock *xb = &x[i * blocks + b];
+                const __m256i base = _mm256_loadu_si256((const __m256i *)xb->base);
+                const __m256 lanes = _mm256_cvtepi32_ps(LANE_SUMS_FROM(base, qw, qx[i]));
+                acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(wds, _mm256_broadcast_ss(&xb->d)), lanes, acc[i]);
             }
         } else {
             const __m256i magnitude = _mm256_sign_epi8(qw, qw);
             for (int i = 0; i < X; i++) {
                 /* |w| times x with w's sign: unsigned by signed bytes, as ggml does */
-                const __m256 lanes = _mm256_cvtepi32_ps(LANE_SUMS(magnitude, _mm256_sign_epi8(qx[i], qw)));
-                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(wd * x[i * blocks + b].d), lanes, acc[i]);
+                const __m256 lanes =
+                    _mm256_cvtepi32_ps(LANE_SUMS_FROM(_mm256_setzero_si256(), magnitude, _mm256_sign_epi8(qx[i], qw)));
+                acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(wds, _mm256_broadcast_ss(&x[i * blocks + b].d)), lanes, acc[i]);
             }
         }
     }
@@ -351,12 +368,9 @@ INLINE void row_pair_times(int type, const uint8_t *w, const uint8_t *w1, int64_
             q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 2))),
                                    _mm256_loadu_si256((const __m256i *)(w1 + 2)), 1);
             break;
-        case Q4_0: q = _mm512_sub_epi8(pair_nibbles(w + 2, w1 + 2), _mm512_set1_epi8(8)); break;
+        case Q4_0: q = pair_nibbles(w + 2, w1 + 2); break; /* unsigned, as block_weights */
         case Q4_1: q = pair_nibbles(w + 4, w1 + 4); break;
-        case Q5_0:
-            q = _mm512_sub_epi8(_mm512_or_si512(pair_nibbles(w + 6, w1 + 6), pair_fifth_bits(w + 2, w1 + 2)),
-                                _mm512_set1_epi8(16));
-            break;
+        case Q5_0: q = _mm512_or_si512(pair_nibbles(w + 6, w1 + 6), pair_fifth_bits(w + 2, w1 + 2)); break;
         default: q = _mm512_or_si512(pair_nibbles(w + 8, w1 + 8), pair_fifth_bits(w + 4, w1 + 4)); /* Q5_1 */
         }
         __mmask64 negative = 0;
@@ -365,15 +379,18 @@ INLINE void row_pair_times(int type, const uint8_t *w, const uint8_t *w1, int64_
                                                  _mm256_set1_ps(half_to_float(w1 + 2)), 1);
             const __m512 sx = _mm512_broadcast_f32x8(_mm256_loadu_ps(s + GROUP_ROWS * b));
             sum_m = _mm512_add_ps(sum_m, _mm512_mul_ps(wm, sx));
-        } else {
+        } else if (type == Q8_0) {
             negative = _mm512_movepi8_mask(q);
             q = _mm512_abs_epi8(q); /* |w| times x with w's sign, as row_times (x is never -128) */
         }
         for (int i = 0; i < X; i++) {
             const xblock *xb = &x[i * blocks + b];
             __m512i qx = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xb->q));
-            if (!has_min(type)) qx = _mm512_mask_sub_epi8(qx, negative, _mm512_setzero_si512(), qx);
-            const __m512 lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, qx));
+            if (type == Q8_0) qx = _mm512_mask_sub_epi8(qx, negative, _mm512_setzero_si512(), qx);
+            const __m512i base = signed_offset(type)
+                                     ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xb->base))
+                                     : _mm512_setzero_si512();
+            const __m512 lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(base, q, qx));
             acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(wd, _mm512_set1_ps(xb->d)), lanes, acc[i]);
         }
     }
@@ -750,8 +767,6 @@ INLINE void float_rows_times(int type, const uint8_t *w, int64_t row_bytes, cons
 #else
 #define GROUP_ROWS 1 /* the plain code takes activation rows one at a time */
 
-static inline int signed_offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0; }
-
 /* A 32-block's weights as integers (Q4_0's and Q5_0's offsets taken off). */
 static void block_integers(int type, const uint8_t *w, int q[BLOCK]) {
     if (type == Q8_0) {
@@ -921,7 +936,7 @@ int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t i
     {
         if (per_block == BLOCK) {
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < n; i++) quantize_row(x + i * x_stride, blocks, quantized + i * blocks);
+            for (int64_t i = 0; i < n; i++) quantize_row(x + i * x_stride, blocks, quantized + i * blocks, signed_offset(type));
 #ifdef WIDE
             if (has_min(type)) {
 #pragma omp single
