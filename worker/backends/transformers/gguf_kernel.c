@@ -87,6 +87,14 @@ typedef struct { /* an activation block of 32 (Q8_0, Q8_1) */
     int32_t base[8];  /* −(the weights' offset) · (the sum of q's 4 inputs of each lane): see quantize_row */
 } xblock;
 
+/* Two activation rows' blocks b side by side (row_xpair_times): each 512-bit load holds the first
+ * row's in its low half and the second's in its high half. */
+typedef struct __attribute__((aligned(64))) {
+    int8_t q[2 * BLOCK];
+    int32_t base[16];
+    float d[16]; /* each row's d, 8 times */
+} xpair;
+
 typedef struct __attribute__((aligned(32))) { /* an activation block of 256 (Q8_K) */
     int8_t q[SUPER];
     int16_t sums[8]; /* of each 32 q */
@@ -331,85 +339,63 @@ static inline float k_result(int type, __m256 acc, __m128 acc_m, float sum_m) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
 #define WIDE 1
-#define GROUP_ROWS 8 /* activation rows taken together: a pair of weight rows is unpacked once for 8 */
-/* Two rows' 16 packed bytes (at p, p1) as 64: row r's low nibbles, its high ones, then row r + 1's. */
-static inline __m512i pair_nibbles(const uint8_t *p, const uint8_t *p1) {
-    const __m512i twice = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);   /* [a, a, c, c] from [a, c] */
-    const __m512i shifts = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0); /* then the high nibbles of each second copy */
-    const __m256i packed = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)p1), _mm_loadu_si128((const __m128i *)p));
-    return _mm512_and_si512(_mm512_srlv_epi64(_mm512_permutexvar_epi64(twice, _mm512_castsi256_si512(packed)), shifts),
-                            _mm512_set1_epi8(0x0F));
+#define GROUP_ROWS 8 /* activation rows taken together: a weight block is unpacked once for 8 */
+
+/* The activation rows [g, g + left) as pairs of rows (the last row twice where `left` is odd),
+ * for row_xpair_times: pairs[p * blocks + b]; and their Q4_1 and Q5_1 sums s per block, side by
+ * side, zeros past the last row: sums[GROUP_ROWS * b + k] is row g + k's. */
+static void xpairs_of(const xblock *x, int64_t g, int64_t left, int64_t blocks, xpair *pairs, float *sums) {
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t p = 0; 2 * p < left; p++)
+            for (int h = 0; h < 2; h++) {
+                const xblock *xb = &x[(g + (2 * p + h < left ? 2 * p + h : 2 * p)) * blocks + b];
+                xpair *out = &pairs[p * blocks + b];
+                memcpy(out->q + BLOCK * h, xb->q, BLOCK);
+                memcpy(out->base + 8 * h, xb->base, sizeof xb->base);
+                for (int k = 0; k < 8; k++) out->d[8 * h + k] = xb->d;
+            }
+        for (int64_t k = 0; k < GROUP_ROWS; k++) sums[GROUP_ROWS * b + k] = k < left ? x[(g + k) * blocks + b].s : 0.0f;
+    }
 }
 
-/* Two rows' fifth bits (the 32 bits at p, then at p1) as 0x10 bytes. */
-static inline __m512i pair_fifth_bits(const uint8_t *p, const uint8_t *p1) {
-    return _mm512_maskz_mov_epi8((uint64_t)bits32(p) | (uint64_t)bits32(p1) << 32, _mm512_set1_epi8(0x10));
-}
-
-/* Two weight rows, r and r + apart, against X activation rows (2 to 8), in 512-bit registers:
- * the low half of each holds row r's 8 lanes, the high half row r + apart's, and the activation
- * block sits in both halves. Each output's lanes, products and order are row_times's; only
- * the work around them is shared by two rows and X activation rows (a block's scales, the
- * weights' unpacking). `s` holds, per block, the X rows' sums (Q4_1's and Q5_1's s, zeros
- * past X), so that both rows' terms m_w · s_x are one multiply and one add for every row. */
-INLINE void row_pair_times(int type, const uint8_t *w, const uint8_t *w1, int64_t apart, int64_t bytes,
-                           const xblock *x, const float *s, int64_t blocks, int X, float *out, int64_t out_stride,
-                           int ahead) {
-    __m512 acc[GROUP_ROWS];
-    for (int i = 0; i < X; i++) acc[i] = _mm512_setzero_ps();
-    __m512 sum_m = _mm512_setzero_ps(); /* lane i: row r with activation row i; lane 8 + i: row r + apart */
-    for (int64_t b = 0; b < blocks; b++, w += bytes, w1 += bytes) {
+/* One weight row against X activation rows (2 to 8) as pairs (xpairs_of), in 512-bit registers:
+ * the weight block sits in both halves, each half of a pair's register holds one activation
+ * row's 8 lanes. Each output's lanes, products and order are row_times's, from one stream of
+ * weights, with half row_times's instructions for the products around the integer ones (two
+ * weight rows a register, the activation block in both halves, is as fast on weights in cache
+ * and far slower on weights from memory: bench/README.md, "Figures behind constants"). */
+INLINE void row_xpair_times(int type, const uint8_t *w, int64_t bytes, const xpair *x, const float *s, int64_t blocks,
+                            int X, float *out, int64_t out_stride, int ahead) {
+    __m512 acc[GROUP_ROWS / 2];
+    __m256 sum_m = _mm256_setzero_ps(); /* lane i: m_w · s_x of row i, summed over the blocks (row_times's sum_m) */
+    const int P = (X + 1) / 2;
+    for (int p = 0; p < P; p++) acc[p] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++, w += bytes) {
         ask_ahead(ahead, w, bytes);
-        ask_ahead(ahead, w1, bytes);
-        const __m512 wd = _mm512_insertf32x8(_mm512_set1_ps(half_to_float(w)), _mm256_set1_ps(half_to_float(w1)), 1);
-        __m512i q;
-        switch (type) {
-        case Q8_0:
-            q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 2))),
-                                   _mm256_loadu_si256((const __m256i *)(w1 + 2)), 1);
-            break;
-        case Q4_0: q = pair_nibbles(w + 2, w1 + 2); break; /* unsigned, as block_weights */
-        case Q4_1: q = pair_nibbles(w + 4, w1 + 4); break;
-        case Q5_0: q = _mm512_or_si512(pair_nibbles(w + 6, w1 + 6), pair_fifth_bits(w + 2, w1 + 2)); break;
-        default: q = _mm512_or_si512(pair_nibbles(w + 8, w1 + 8), pair_fifth_bits(w + 4, w1 + 4)); /* Q5_1 */
-        }
+        const __m512 wd = _mm512_set1_ps(half_to_float(w));
+        __m512i q = _mm512_broadcast_i64x4(block_weights(type, w));
         __mmask64 negative = 0;
-        if (has_min(type)) {
-            const __m512 wm = _mm512_insertf32x8(_mm512_set1_ps(half_to_float(w + 2)),
-                                                 _mm256_set1_ps(half_to_float(w1 + 2)), 1);
-            const __m512 sx = _mm512_broadcast_f32x8(_mm256_loadu_ps(s + GROUP_ROWS * b));
-            sum_m = _mm512_add_ps(sum_m, _mm512_mul_ps(wm, sx));
-        } else if (type == Q8_0) {
+        if (type == Q8_0) {
             negative = _mm512_movepi8_mask(q);
             q = _mm512_abs_epi8(q); /* |w| times x with w's sign, as row_times (x is never -128) */
         }
-        for (int i = 0; i < X; i++) {
-            const xblock *xb = &x[i * blocks + b];
-            __m512i qx = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xb->q));
+        if (has_min(type))
+            sum_m = _mm256_add_ps(sum_m, _mm256_mul_ps(_mm256_set1_ps(half_to_float(w + 2)), _mm256_loadu_ps(s + GROUP_ROWS * b)));
+        for (int p = 0; p < P; p++) {
+            const xpair *xb = &x[p * blocks + b];
+            __m512i qx = _mm512_load_si512(xb->q);
             if (type == Q8_0) qx = _mm512_mask_sub_epi8(qx, negative, _mm512_setzero_si512(), qx);
-            const __m512i base = signed_offset(type)
-                                     ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xb->base))
-                                     : _mm512_setzero_si512();
+            const __m512i base = signed_offset(type) ? _mm512_load_si512(xb->base) : _mm512_setzero_si512();
             const __m512 lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(base, q, qx));
-            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(wd, _mm512_set1_ps(xb->d)), lanes, acc[i]);
+            acc[p] = _mm512_fmadd_ps(_mm512_mul_ps(wd, _mm512_load_ps(xb->d)), lanes, acc[p]);
         }
     }
-    float m[16], lanes[16];
-    _mm512_storeu_ps(m, sum_m);
+    float m[GROUP_ROWS];
+    _mm256_storeu_ps(m, sum_m);
     for (int i = 0; i < X; i++) {
-        _mm512_storeu_ps(lanes, acc[i]);
-        out[i * out_stride] = has_min(type) ? lanes_sum(lanes) + m[i] : lanes_sum(lanes);
-        out[i * out_stride + apart] = has_min(type) ? lanes_sum(lanes + 8) + m[8 + i] : lanes_sum(lanes + 8);
+        const __m256 lanes = i % 2 ? _mm512_extractf32x8_ps(acc[i / 2], 1) : _mm512_castps512_ps256(acc[i / 2]);
+        out[i * out_stride] = has_min(type) ? vector_sum(lanes) + m[i] : vector_sum(lanes);
     }
-}
-/* The Q4_1 and Q5_1 sums s of each group of GROUP_ROWS activation rows (from row g), per block,
- * side by side, zeros past the last row: sums[g * blocks + GROUP_ROWS * b + k] is row g + k's.
- * Made once a call, for every work item. */
-static void group_sums(const xblock *x, int64_t n, int64_t blocks, float *sums) {
-    for (int64_t g = 0; g < n; g += GROUP_ROWS)
-        for (int64_t b = 0; b < blocks; b++)
-            for (int64_t k = 0; k < GROUP_ROWS; k++)
-                sums[g * blocks + GROUP_ROWS * b + k] = g + k < n ? x[(g + k) * blocks + b].s : 0.0f;
 }
 
 #define K_ROWS 4 /* activation rows a K weight row is unpacked for at once */
@@ -577,40 +563,33 @@ INLINE void k_row_times(int type, const uint8_t *w, int64_t bytes, const kblock 
 #endif
 
 /* Weight rows [first, last) against activation rows [0, n), GROUP_ROWS activation rows at a
- * time; `sums` holds each group's Q4_1 and Q5_1 sums as row_pair_times takes them (group_sums). */
+ * time; `pairs` and `sums` hold them as row_xpair_times takes them (xpairs_of: each group g's
+ * from pair g / 2, its sums from g · blocks). */
 INLINE void rows_times(int type, const uint8_t *w, int64_t row_bytes, int64_t bytes, const xblock *x,
-                       const float *sums, int64_t blocks, int64_t first, int64_t last, int64_t n, float *out,
-                       int64_t outputs) {
+                       const xpair *pairs, const float *sums, int64_t blocks, int64_t first, int64_t last, int64_t n,
+                       float *out, int64_t outputs) {
     for (int64_t i = 0; i < n; i += GROUP_ROWS) {
         const int64_t left = n - i < GROUP_ROWS ? n - i : GROUP_ROWS;
         const xblock *xs = x + i * blocks;
         int64_t r = first;
 #ifdef WIDE
-        /* Pairs of weight rows where there are more activation rows than row_times takes in
-         * one pass over a weight row (4): up to 4, row_times on weights from memory is the
-         * faster, and for Q8_0 it is at every count (bench/README.md, "Figures behind
-         * constants"). Row r of the item's first half goes with its row in the second half, so
-         * that each half is read as one stream from memory: pairs of neighbouring rows, two
-         * streams that jump a row at each pair, are as fast on weights in cache but far slower
-         * on weights from memory. */
-        const float *s = sums + i * blocks;
-        const int64_t half = left > 4 && type != Q8_0 ? (last - first) / 2 : 0;
-        for (; r < first + half; r++) {
-            const uint8_t *row = w + r * row_bytes, *other = row + half * row_bytes;
+        for (; left > 1 && r < last; r++) { /* the group's rows as pairs (xpairs_of), from row i / 2 */
+            const uint8_t *row = w + r * row_bytes;
+            const xpair *ps = pairs + i / 2 * blocks;
+            const float *s = sums + i * blocks;
             float *o = out + i * outputs + r;
             switch (left) { /* a constant X for each, so that the accumulators stay in registers */
-            case 8: row_pair_times(type, row, other, half, bytes, xs, s, blocks, 8, o, outputs, i == 0); break;
-            case 7: row_pair_times(type, row, other, half, bytes, xs, s, blocks, 7, o, outputs, i == 0); break;
-            case 6: row_pair_times(type, row, other, half, bytes, xs, s, blocks, 6, o, outputs, i == 0); break;
-            case 5: row_pair_times(type, row, other, half, bytes, xs, s, blocks, 5, o, outputs, i == 0); break;
-            case 4: row_pair_times(type, row, other, half, bytes, xs, s, blocks, 4, o, outputs, i == 0); break;
-            case 3: row_pair_times(type, row, other, half, bytes, xs, s, blocks, 3, o, outputs, i == 0); break;
-            default: row_pair_times(type, row, other, half, bytes, xs, s, blocks, 2, o, outputs, i == 0);
+            case 8: row_xpair_times(type, row, bytes, ps, s, blocks, 8, o, outputs, i == 0); break;
+            case 7: row_xpair_times(type, row, bytes, ps, s, blocks, 7, o, outputs, i == 0); break;
+            case 6: row_xpair_times(type, row, bytes, ps, s, blocks, 6, o, outputs, i == 0); break;
+            case 5: row_xpair_times(type, row, bytes, ps, s, blocks, 5, o, outputs, i == 0); break;
+            case 4: row_xpair_times(type, row, bytes, ps, s, blocks, 4, o, outputs, i == 0); break;
+            case 3: row_xpair_times(type, row, bytes, ps, s, blocks, 3, o, outputs, i == 0); break;
+            default: row_xpair_times(type, row, bytes, ps, s, blocks, 2, o, outputs, i == 0);
             }
         }
-        r += half; /* past the second half's rows; an odd count's last row is left */
 #else
-        (void)sums; /* row_pair_times's */
+        (void)pairs, (void)sums; /* row_xpair_times's */
 #endif
         for (; r < last; r++) {
             const uint8_t *row = w + r * row_bytes;
@@ -861,9 +840,9 @@ static float float_dot(int type, const uint8_t *w, const float *x, int64_t input
 }
 
 INLINE void rows_times(int type, const uint8_t *w, int64_t row_bytes, int64_t bytes, const xblock *x,
-                       const float *sums, int64_t blocks, int64_t first, int64_t last, int64_t n, float *out,
-                       int64_t outputs) {
-    (void)sums; /* row_pair_times's, which this plain code has no use for */
+                       const xpair *pairs, const float *sums, int64_t blocks, int64_t first, int64_t last, int64_t n,
+                       float *out, int64_t outputs) {
+    (void)pairs, (void)sums; /* row_xpair_times's, which this plain code has no use for */
     for (int64_t i = 0; i < n; i++)
         for (int64_t r = first; r < last; r++)
             out[i * outputs + r] = block_dot(type, w + r * row_bytes, bytes, x + i * blocks, blocks);
@@ -888,10 +867,10 @@ INLINE void float_rows_times(int type, const uint8_t *w, int64_t row_bytes, cons
  * so that the loops are compiled for each type alone (a type tested inside them costs time:
  * bench/README.md, "Figures behind constants"). */
 static void item_times(int type, const uint8_t *w, int64_t row_bytes, int64_t bytes, const xblock *xs,
-                       const float *sums, const kblock *ks, const float *x, int64_t x_stride, int64_t blocks,
+                       const xpair *pairs, const float *sums, const kblock *ks, const float *x, int64_t x_stride, int64_t blocks,
                        int64_t inputs, int64_t first, int64_t last, int64_t n, float *out, int64_t outputs) {
 #define SMALL_TYPE(T) \
-    case T: rows_times(T, w, row_bytes, bytes, xs, sums, blocks, first, last, n, out, outputs); break
+    case T: rows_times(T, w, row_bytes, bytes, xs, pairs, sums, blocks, first, last, n, out, outputs); break
 #define K_TYPE(T) case T: k_rows_times(T, w, row_bytes, bytes, ks, blocks, first, last, n, out, outputs); break
 #define FLOAT_TYPE(T) \
     case T: float_rows_times(T, w, row_bytes, x, x_stride, inputs, first, last, n, out, outputs); break
@@ -918,13 +897,21 @@ int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t i
     const int64_t items = (outputs + ROWS_TOGETHER - 1) / ROWS_TOGETHER;
     xblock *quantized = NULL;
     kblock *k_quantized = NULL;
+    xpair *pairs = NULL;
     float *sums = NULL;
     if (per_block == BLOCK) {
-        const int64_t grouped = (n + GROUP_ROWS - 1) / GROUP_ROWS * GROUP_ROWS;
         quantized = malloc((size_t)(n * blocks) * sizeof *quantized + 1);
-        sums = malloc((size_t)(grouped * blocks) * sizeof *sums + 1);
-        if (quantized == NULL || sums == NULL) {
+        int paired = 0; /* rows_times takes the rows as pairs (row_xpair_times) */
+#ifdef WIDE
+        paired = n > 1;
+        if (paired) {
+            pairs = aligned_alloc(64, (size_t)((n + 1) / 2 * blocks) * sizeof *pairs);
+            sums = malloc((size_t)((n + GROUP_ROWS - 1) / GROUP_ROWS * GROUP_ROWS * blocks) * sizeof *sums);
+        }
+#endif
+        if (quantized == NULL || (paired && (pairs == NULL || sums == NULL))) {
             free(quantized);
+            free(pairs);
             free(sums);
             return 1;
         }
@@ -938,10 +925,11 @@ int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t i
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < n; i++) quantize_row(x + i * x_stride, blocks, quantized + i * blocks, signed_offset(type));
 #ifdef WIDE
-            if (has_min(type)) {
-#pragma omp single
-                group_sums(quantized, n, blocks, sums);
-            }
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < n; g += GROUP_ROWS)
+                if (pairs != NULL)
+                    xpairs_of(quantized, g, n - g < GROUP_ROWS ? n - g : GROUP_ROWS, blocks, pairs + g / 2 * blocks,
+                              sums + g * blocks);
 #endif
         } else if (per_block == SUPER) {
 #pragma omp for schedule(static)
@@ -951,11 +939,12 @@ int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t i
         for (int64_t item = 0; item < items; item++) {
             const int64_t first = item * ROWS_TOGETHER;
             const int64_t last = first + ROWS_TOGETHER < outputs ? first + ROWS_TOGETHER : outputs;
-            item_times(type, weights, row_bytes, bytes, quantized, sums, k_quantized, x, x_stride, blocks, inputs,
-                       first, last, n, out, outputs);
+            item_times(type, weights, row_bytes, bytes, quantized, pairs, sums, k_quantized, x, x_stride, blocks,
+                       inputs, first, last, n, out, outputs);
         }
     }
     free(quantized);
+    free(pairs);
     free(sums);
     free(k_quantized);
     return 0;
