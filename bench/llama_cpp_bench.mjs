@@ -11,8 +11,8 @@
 //
 // bench/README.md says what each figure is. Needs `make setup` and `npm run build`;
 // node-llama-cpp is installed on first use into bench/llama-cpp (exact pins, lock file).
-import { spawn } from "node:child_process";
-import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { execFileSync, spawn } from "node:child_process";
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { availableParallelism, loadavg, tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { parseArgs } from "node:util";
@@ -224,6 +224,7 @@ const loads = [];
 const cpus = availableParallelism();
 for (const c of contestants) figures[c.name] = emptyFigures();
 const agreement = [];
+let memory; // bench/read_bandwidth.py's report
 
 try {
   for (let round = 0; round < rounds; round++) {
@@ -263,6 +264,10 @@ try {
       await c.state.worker.cacheDelete({ cache: `bench-restart-${round}` });
     }
   }
+  // This machine's read speed and the bytes a step reads (bench/read_bandwidth.py), with nothing else running.
+  const probeFile = join(scratch, "read.json");
+  execFileSync(python, [join(root, "bench", "read_bandwidth.py"), "--model", gguf, "--json", probeFile], { cwd: root });
+  memory = JSON.parse(readFileSync(probeFile, "utf8"));
 } finally {
   for (const c of contestants) await c.state.worker.close();
   await llamaContext.dispose();
@@ -319,6 +324,16 @@ if (rounds > 1) {
 const kept = (name) => figures[name].busy.map((v, i) => `${((100 * v) / figures[name].decode[i]).toFixed(0)}%`).join(", ");
 console.log(`quiet decode speed kept with one core busy, per round: llama.cpp ${kept("llama")}`);
 for (const c of contestants) console.log(`  ${c.name} ${kept(c.name)}`);
+// Each decode figure on the file's blocks as a fraction of what this machine's memory allows.
+const read = memory.models[gguf];
+const speed = memory.read_gb_per_s[String(Math.max(...Object.keys(memory.read_gb_per_s).map(Number)))];
+const readers = [["llama.cpp", "llama"], ...contestants.filter((c) => c.state.info.quantization === "gguf").map((c) => [c.name, c.name])];
+console.log(
+  `a decode step reads ${(read.bytes_per_token / 1e6).toFixed(1)} MB of the gguf; ${memory.processor} reads ${speed.toFixed(1)} GB/s ` +
+    `(bench/read_bandwidth.py), so at most ${read.tokens_per_s_at_read_speed.toFixed(1)} tokens/s; decode as a fraction of it: ` +
+    readers.map(([label, key]) => `${label} ${((100 * median(figures[key].decode)) / read.tokens_per_s_at_read_speed).toFixed(0)}%`).join(", "),
+);
+report.memory = memory;
 // Each contestant's batches against its own requests one by one, round by round (both timed from
 // the requests sent to their last tokens, prompts included).
 for (const name of ["llama", ...contestants.map((c) => c.name)]) {
