@@ -122,6 +122,8 @@ def _let_go(data: mmap.mmap, spans: list[tuple[int, int]]) -> None:
     embedding is the largest tensor of a small model's file, and a decode reads a row of it a
     token). The pages stay in the page cache; a row read again is mapped again from there."""
     page = mmap.PAGESIZE
+    if not hasattr(mmap, "MADV_DONTNEED"):  # a platform without it keeps the pages
+        return
     for begin, count in spans:
         first, last = -(-begin // page) * page, (begin + count) // page * page
         if last > first:
