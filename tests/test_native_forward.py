@@ -105,7 +105,7 @@ def test_steps_drafts_and_a_prompt_chunk_in_one_pass_give_each_sequence_what_it_
 def test_steps_read_the_keys_they_keep_transposed_and_give_one_pass_numbers_across_growth_and_cut_backs(
     tiny_models, tmp_path: Path, family
 ):
-    """A sequence's steps keep its keys transposed (cache_layers.TransposedKeys) and transpose
+    """A sequence's steps keep its keys transposed (kv_buffers.TransposedKeys) and transpose
     only the new ones: greedy steps give the logits of one pass over the same tokens, past the
     window and across the buffers' growth (a prompt of n positions has room for n + 256), and
     again after the cache is cut back and goes another way. And a step reads what is kept:

@@ -22,13 +22,12 @@ hf_compat.
 
 from __future__ import annotations
 
-import array
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from worker.backends.transformers import hf_compat
-from worker.backends.transformers.kv_buffers import TRANSPOSED_ROOM, growth_capacity
+from worker.backends.transformers.kv_buffers import TRANSPOSED_ROOM, TransposedKeys, growth_capacity
 from worker.kvcache.container import LayerKind
 
 
@@ -105,39 +104,6 @@ class WideCopy:
             self.values[..., self.valid:total, :] = values[..., self.valid:total, :]
             self.valid = total
         return self.keys[..., :total, :], self.values[..., :total, :]
-
-
-class TransposedKeys:
-    """A layer's keys as exact_attention.c's decode step reads them (tiles of keys, dimension-
-    major), kept from one step to the next: a step then transposes its new key (and the tile
-    it ends in), where transposing every key again cost as much as the attention itself at a
-    few thousand keys. Made for the buffers whose memory starts at ``source``, its first
-    ``valid`` keys written; the kernel writes them, so it holds the keys' own numbers, and
-    counts them in ``count`` (an int64 where a step's call finds it without a line of Python;
-    not a tensor, which made in inference mode could not be cut back outside it). It takes as
-    much memory as the keys: a decoding sequence's layers half as much again as their keys and
-    values (a prompt's chunks make none; compact drops it)."""
-
-    __slots__ = ("source", "count", "tiles")
-
-    def __init__(self, keys: torch.Tensor) -> None:
-        _, heads, capacity, dim = keys.shape
-        self.source = keys.data_ptr()
-        self.count = array.array("q", [0])
-        self.tiles = keys.new_empty((heads, capacity + TRANSPOSED_ROOM, dim))
-
-    @property
-    def valid(self) -> int:
-        """How many keys, from the first, are here."""
-        return self.count[0]
-
-    @valid.setter
-    def valid(self, keys: int) -> None:
-        self.count[0] = keys
-
-    def holds(self, keys: torch.Tensor) -> bool:
-        """Whether this is of the buffer ``keys``, with room for all of its positions."""
-        return self.source == keys.data_ptr() and self.tiles.shape[1] == keys.shape[-2] + TRANSPOSED_ROOM
 
 
 class GrowingKeysAndValues(KeysAndValues):
@@ -258,8 +224,10 @@ class GrowingKeysAndValues(KeysAndValues):
         """The keys of the buffers (reserve made them) as a decode step reads them, transposed
         up to ``valid``; the step's call brings them up to its own position and counts them."""
         assert self.buffers is not None
-        if self.transposed is None or not self.transposed.holds(self.buffers[0]):
-            self.transposed = TransposedKeys(self.buffers[0])
+        keys = self.buffers[0]
+        if self.transposed is None or not self.transposed.holds(keys.data_ptr(), keys.shape[-2]):
+            _, heads, capacity, dim = keys.shape
+            self.transposed = TransposedKeys(keys.data_ptr(), keys.new_empty((heads, capacity + TRANSPOSED_ROOM, dim)))
         return self.transposed
 
     def keep_first(self, keep: int) -> None:

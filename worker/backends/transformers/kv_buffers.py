@@ -1,9 +1,9 @@
 """A sequence's keys and values as native_forward.c reads and writes them, in numpy buffers:
 the cache of the torch-free pass (gguf_pass). Torch-free.
 
-The layout, growth and transposed keys are cache_layers.GrowingKeysAndValues' and
-TransposedKeys': per layer, keys and values in buffers (kv_heads, capacity, dim) of float32
-with room to grow (``growth_capacity``), the pass writing a chunk's positions past the ones
+The layout and growth are cache_layers.GrowingKeysAndValues' (TransposedKeys serves both): per
+layer, keys and values in buffers (kv_heads, capacity, dim) of float32 with room to grow
+(``growth_capacity``), the pass writing a chunk's positions past the ones
 held and the layer then holding them (``hold``); a decode step's keys also kept transposed
 in tiles (kv_heads, capacity + TRANSPOSED_ROOM, dim) with a count of the keys written there,
 which the kernel brings up to its position. A sliding-window layer keeps every position too
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import array
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -36,17 +37,21 @@ def growth_room(positions: int, max_positions: int) -> int:
 
 class TransposedKeys:
     """A layer's keys as exact_attention.c's decode step reads them (tiles of keys, dimension-
-    major), kept from one step to the next (cache_layers.TransposedKeys says why): made for the
-    buffer whose memory starts at ``source``, its first ``valid`` keys written, counted in
-    ``count`` (an int64 the kernel finds by its address)."""
+    major), kept from one step to the next: a step then transposes its new key (and the tile
+    it ends in), where transposing every key again cost as much as the attention itself at a
+    few thousand keys. Made for the key buffer whose memory starts at ``source`` (a numpy array's
+    or a torch tensor's: ``tiles`` is of the same kind), its first ``valid`` keys written; the
+    kernel writes them, so it holds the keys' own numbers, and counts them in ``count`` (an int64
+    where a step's call finds it without a line of Python; not a tensor, which made in inference
+    mode could not be cut back outside it). It takes as much memory as the keys: a decoding
+    sequence's layers half as much again as their keys and values (a prompt's chunks make none)."""
 
     __slots__ = ("source", "count", "tiles")
 
-    def __init__(self, keys: np.ndarray) -> None:
-        heads, capacity, dim = keys.shape
-        self.source = keys.ctypes.data
+    def __init__(self, source: int, tiles: Any) -> None:
+        self.source = source
         self.count = array.array("q", [0])
-        self.tiles = np.empty((heads, capacity + TRANSPOSED_ROOM, dim), np.float32)
+        self.tiles = tiles  # (kv_heads, capacity + TRANSPOSED_ROOM, dim) float32
 
     @property
     def valid(self) -> int:
@@ -57,9 +62,9 @@ class TransposedKeys:
     def valid(self, keys: int) -> None:
         self.count[0] = keys
 
-    def holds(self, keys: np.ndarray) -> bool:
-        """Whether this is of the buffer ``keys``, with room for all of its positions."""
-        return self.source == keys.ctypes.data and self.tiles.shape[1] == keys.shape[1] + TRANSPOSED_ROOM
+    def holds(self, source: int, capacity: int) -> bool:
+        """Whether this is of the key buffer at ``source``, with room for its ``capacity`` positions."""
+        return self.source == source and self.tiles.shape[1] == capacity + TRANSPOSED_ROOM
 
 
 class KeysAndValues:
@@ -123,8 +128,10 @@ class KeysAndValues:
         """The keys of the buffers (reserve made them) as a decode step reads them, transposed
         up to ``valid``; the step's call brings them up to its own position and counts them."""
         assert self.buffers is not None
-        if self.transposed is None or not self.transposed.holds(self.buffers[0]):
-            self.transposed = TransposedKeys(self.buffers[0])
+        keys = self.buffers[0]
+        if self.transposed is None or not self.transposed.holds(keys.ctypes.data, keys.shape[1]):
+            heads, capacity, dim = keys.shape
+            self.transposed = TransposedKeys(keys.ctypes.data, np.empty((heads, capacity + TRANSPOSED_ROOM, dim), np.float32))
         return self.transposed
 
     def place(self, total: int, transposed: bool) -> tuple[int, ...]:
