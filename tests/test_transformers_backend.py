@@ -296,7 +296,9 @@ async def test_cancel_mid_generation_stops_within_one_step_and_the_next_request_
     )
     assert result["finish_reason"] == "cancelled" and result["stop_reason"]["kind"] == "cancelled"
     completion = result["usage"]["completion_tokens"]
-    assert seen <= completion <= seen + 2
+    # The host reads behind the worker (by a hundred tokens and more on a crowded machine), so what
+    # it had seen bounds the count from below only; the bound above is the worker's own order.
+    assert seen <= completion
     assert completion <= before_answer + 1  # at most the one decode step in flight when the cancel was set
     assert "".join(c["text"] for c in host.chunks[msg_id]) == result["text"]
     after, _ = await generate(host, {"prompt": "ok", "max_tokens": 3})
