@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import pytest
 
 from tests.test_gguf_model import TEXT
+from tests.test_gguf_pass import assert_chunks_then_steps_agree, assert_same
 
 torch = pytest.importorskip("torch")
 
@@ -62,31 +63,9 @@ def test_the_load_is_the_torch_path_s_model_its_identity_and_its_settings(tiny_m
     assert ours.tokenize(TEXT, add_special_tokens=True) == theirs.tokenize(TEXT, add_special_tokens=True)
 
 
-def assert_same(theirs, ours) -> None:
-    (logits, best), (our_logits, our_best) = theirs, ours
-    assert isinstance(our_logits, np.ndarray) and our_logits.dtype == np.float32
-    assert np.array_equal(logits.numpy(), our_logits) and best == our_best
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_prompt_in_chunks_then_steps_give_the_torch_path_s_logits_bit_for_bit(tiny_models, tmp_path: Path, family: str):
-    loaded, native, ours = both(tiny_models(family), tmp_path)
-    ids = loaded.tokenize(TEXT, add_special_tokens=True)
-    assert len(ids) > 40  # past the tiny Gemma 3's window of 16
-    theirs_cache, our_cache = loaded.new_cache(), ours.new_cache()
-    with torch.inference_mode():
-        for start, end in ((0, 1), (1, 8), (8, 29), (29, len(ids))):
-            chunk = ids[start:end]
-            assert_same(native.forward_highest([chunk], [theirs_cache], [len(chunk)]),
-                        ours.forward_highest([chunk], [our_cache], [len(chunk)]))
-        token = 7
-        for _ in range(6):
-            theirs = native.forward_highest([[token]], [theirs_cache])
-            assert_same(theirs, ours.forward_highest([[token]], [our_cache]))
-            token = theirs[1][0]
-    for mine, theirs in zip(our_cache.layers, theirs_cache.kv.layers, strict=True):  # every position kept, windows too
-        keys, values = cast(Any, theirs).keys, cast(Any, theirs).values  # the torch cache's full or sliding layer
-        assert np.array_equal(mine.keys, keys[0].numpy()) and np.array_equal(mine.values, values[0].numpy())
+    assert_chunks_then_steps_agree(*both(tiny_models(family), tmp_path))
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -82,6 +83,37 @@ class ArrayPass:
         self._kept.append(array)
         return array.ctypes.data
 
+    def _norm(self, name: str, count: int) -> int:
+        """Where the RMSNorm scale of the tensor ``name`` is (each model's own rule)."""
+        raise NotImplementedError
+
+    def _layer_norms(self, names: LayerNorms, *, hidden: int, dim: int, head_norms: bool, gemma: bool) -> tuple[int | None, ...]:
+        """A layer's norms as Layer takes them (input, middle, q, k, attended, out), None where
+        the model has none: q and k with ``head_norms`` (Qwen3, Gemma 3), attended and out for
+        Gemma's normalized sublayer outputs. ``names``: the tensors' names in the model's file."""
+        norm_q = norm_k = norm_attended = norm_out = None
+        if head_norms:
+            norm_q, norm_k = self._norm(names.q, dim), self._norm(names.k, dim)
+        norm_in = self._norm(names.input, hidden)
+        if gemma:
+            norm_attended = self._norm(names.attended, hidden)
+        norm_mid = self._norm(names.middle, hidden)
+        if gemma:
+            norm_out = self._norm(names.out, hidden)
+        return norm_in, norm_mid, norm_q, norm_k, norm_attended, norm_out
+
+
+class LayerNorms(NamedTuple):
+    """The tensor names of a layer's norms (ArrayPass._layer_norms): before attention, before the
+    MLP, of the heads' queries and keys, and Gemma's after attention and after the MLP."""
+
+    input: str
+    middle: str
+    q: str
+    k: str
+    attended: str
+    out: str
+
 
 class GgufPass(ArrayPass):
     """The passes of a mapped gguf's model (ArrayPass). The file stays mapped while the pass lives
@@ -136,20 +168,15 @@ class GgufPass(ArrayPass):
         gate_up = [self._product(name + "ffn_gate.weight", config.intermediate, config.hidden),
                    self._product(name + "ffn_up.weight", config.intermediate, config.hidden)]
         down = self._product(name + "ffn_down.weight", config.hidden, config.intermediate)
-        norm_q = norm_k = norm_attended = norm_out = None
-        if config.head_norms:
-            norm_q, norm_k = self._norm(name + "attn_q_norm.weight", config.dim), self._norm(name + "attn_k_norm.weight", config.dim)
-        norm_in = self._norm(name + "attn_norm.weight", config.hidden)
-        if config.gemma:  # each sublayer's input and output normalized
-            norm_attended = self._norm(name + "post_attention_norm.weight", config.hidden)
-            norm_mid = self._norm(name + "ffn_norm.weight", config.hidden)
-            norm_out = self._norm(name + "post_ffw_norm.weight", config.hidden)
-        else:
-            norm_mid = self._norm(name + "ffn_norm.weight", config.hidden)
+        norms = self._layer_norms(
+            LayerNorms(*(name + part + ".weight" for part in (
+                "attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"))),
+            hidden=config.hidden, dim=config.dim, head_norms=config.head_norms, gemma=config.gemma,
+        )
         kind = config.layer_kinds[index]
         window = config.window if kind == SLIDING else 0
         return Layer(
-            norm_in, norm_mid, norm_q, norm_k, norm_attended, norm_out, biases, window,
+            *norms, biases, window,
             list(config.rope_bases).index(kind), (Product * 3)(*qkv), out, (Product * 2)(*gate_up), down,
         )
 

@@ -21,7 +21,7 @@ import msgspec
 import numpy as np
 
 from worker.backends.transformers import native_pass, rope_tables
-from worker.backends.transformers.gguf_pass import ArrayPass
+from worker.backends.transformers.gguf_pass import ArrayPass, LayerNorms
 from worker.backends.transformers.int8_file import ITEM_ROWS, StoreError, int8_layout
 from worker.backends.transformers.native_pass import Layer, Model, Product
 from worker.backends.transformers.torch_threads import SHARE_FROM
@@ -112,18 +112,15 @@ class Int8Pass(ArrayPass):
         if config.model_type == "qwen2":
             biases = self._kept_address(np.concatenate([self._take(f"{linear}.bias", "float32", (size,))
                                                         for linear, size in zip(qkv, sizes)]))
-        norm_q = norm_k = norm_attended = norm_out = None
-        if config.model_type in ("qwen3", GEMMA):
-            norm_q, norm_k = self._norm(attention + "q_norm.weight", config.dim), self._norm(attention + "k_norm.weight", config.dim)
-        if self._gemma:  # each sublayer's input and output normalized
-            norm_attended = self._norm(name + "post_attention_layernorm.weight", config.hidden)
-            norm_mid = self._norm(name + "pre_feedforward_layernorm.weight", config.hidden)
-            norm_out = self._norm(name + "post_feedforward_layernorm.weight", config.hidden)
-        else:
-            norm_mid = self._norm(name + "post_attention_layernorm.weight", config.hidden)
+        middle = "pre_feedforward_layernorm" if self._gemma else "post_attention_layernorm"  # Gemma's: after attention
+        norms = self._layer_norms(
+            LayerNorms(name + "input_layernorm.weight", name + middle + ".weight", attention + "q_norm.weight",
+                       attention + "k_norm.weight", name + "post_attention_layernorm.weight",
+                       name + "post_feedforward_layernorm.weight"),
+            hidden=config.hidden, dim=config.dim, head_norms=config.model_type in ("qwen3", GEMMA), gemma=self._gemma,
+        )
         return Layer(
-            self._norm(name + "input_layernorm.weight", config.hidden), norm_mid, norm_q, norm_k, norm_attended, norm_out,
-            biases, config.windows[index], config.ropes[index],
+            *norms, biases, config.windows[index], config.ropes[index],
             (Product * 3)(*self._products(qkv, width + 2 * kv_width, config.hidden, sizes, biases is None)),
             self._products([attention + "o_proj"], config.hidden, width, [config.hidden])[0],
             (Product * 2)(*self._products([mlp + "gate_proj", mlp + "up_proj"], 2 * config.intermediate, config.hidden,
