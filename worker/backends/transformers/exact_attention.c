@@ -104,8 +104,9 @@ static inline float hmax(vf v) {
     return best;
 }
 
-/* Keeps v in a register: GCC otherwise reads a tile's keys from memory again for each row (into
- * every multiply), and the loads, not the multiplies, then bound the scores. */
+/* Keeps v in a register: GCC otherwise reads a tile's keys (a weighted sum's values) from memory
+ * again for each row, into every multiply, and the loads, not the multiplies, then bound the
+ * scores (the sums: a prompt's took 8.5% of Qwen2.5-Coder-0.5B's prefill, then 4.8%). */
 #if defined(__x86_64__) && ((W == 8 && defined(__AVX__)) || (W == 16 && defined(__AVX512F__)))
 #define IN_REGISTER(v) __asm__("" : "+v"(v))
 #else
@@ -207,6 +208,7 @@ static float softmax_in_place(float *s, int64_t n, float scale) {
                 const float *vt = v + t * vsj;                                                                \
                 for (int c = 0; c < DV; c++) {                                                                \
                     vf values = vload(vt + c * W);                                                            \
+                    IN_REGISTER(values);                                                                      \
                     for (int r = 0; r < (R); r++) acc[r][c] = acc[r][c] + vsplat(p[r][t]) * values;           \
                 }                                                                                             \
             }                                                                                                 \
