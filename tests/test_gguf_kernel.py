@@ -19,7 +19,7 @@ SMALL = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]  # blocks of 32
 SUPER = [T.Q4_K, T.Q5_K, T.Q6_K]  # superblocks of 256
 FLOATS = [T.F32, T.F16, T.BF16]
 ALL = FLOATS + SMALL + SUPER
-ROW_COUNTS = (1, 2, 3, 4, 7, 8, 9, 11, 12, 16, 64)
+ROW_COUNTS = (1, 2, 3, 4, 7, 8, 9, 11, 12, 16, 25, 40, 64)
 
 
 @pytest.fixture(scope="module")
