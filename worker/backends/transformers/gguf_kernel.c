@@ -692,15 +692,14 @@ INLINE void rows_times(int type, const uint8_t *w, int64_t row_bytes, int64_t by
                        int64_t last, int64_t n, float *out, int64_t outputs) {
     int64_t i = 0;
 #ifdef WIDE
-    /* two weight rows at a time; an odd last weight row against the tile's rows as pairs */
+    /* two weight rows at a time; an odd last weight row against the tile's rows 4 at a time */
     for (; tiles != NULL && i + TILE_ROWS <= n; i += TILE_ROWS) {
         int64_t r = first;
         for (; r + 1 < last; r += 2)
             row_tile_times(type, w + r * row_bytes, row_bytes, bytes, tiles + i / TILE_ROWS * blocks, blocks,
                            out + i * outputs + r, outputs, i == 0);
-        for (int64_t g = i; r < last && g < i + TILE_ROWS; g += GROUP_ROWS)
-            row_xpair_times(type, w + r * row_bytes, bytes, pairs + g / 2 * blocks, sums + g * blocks, blocks,
-                            GROUP_ROWS, out + g * outputs + r, outputs, i == 0);
+        for (int64_t j = i; r < last && j < i + TILE_ROWS; j += 4)
+            row_times(type, w + r * row_bytes, bytes, x + j * blocks, blocks, 4, out + j * outputs + r, outputs, i == 0);
     }
 #else
     (void)tiles;
@@ -1067,8 +1066,8 @@ int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t i
             for (int64_t i = 0; i < n; i++) quantize_row(x + i * x_stride, blocks, quantized + i * blocks, signed_offset(type));
 #ifdef WIDE
 #pragma omp for schedule(static)
-            for (int64_t g = 0; g < n; g += GROUP_ROWS)
-                if (pairs != NULL)
+            for (int64_t g = tiles == NULL ? 0 : n / TILE_ROWS * TILE_ROWS; g < n; g += GROUP_ROWS)
+                if (pairs != NULL) /* the rows past the tiles */
                     xpairs_of(quantized, g, n - g < GROUP_ROWS ? n - g : GROUP_ROWS, blocks, pairs + g / 2 * blocks,
                               sums + g * blocks);
 #pragma omp for schedule(static)
