@@ -110,6 +110,15 @@ typedef struct __attribute__((aligned(32))) { /* an activation block of 256 (Q8_
     float d;
 } kblock;
 
+/* Sixteen activation rows' superblock b (k_row_tile_times): q[s][l] holds each row's 4 inputs
+ * 32s + 4l to 32s + 4l + 3 (row i at byte 4i), sums[t] each row's S_2t and S_2t+1 as two
+ * 16-bit numbers (row i in 32-bit lane i). */
+typedef struct __attribute__((aligned(64))) {
+    float d[TILE_ROWS];
+    int32_t sums[4][TILE_ROWS];
+    int8_t q[8][8][4 * TILE_ROWS];
+} ktile;
+
 static inline float half_to_float(const uint8_t *p) {
     _Float16 h;
     memcpy(&h, p, sizeof h);
@@ -742,9 +751,132 @@ INLINE void rows_times(int type, const uint8_t *w, int64_t row_bytes, int64_t by
     }
 }
 
+#ifdef WIDE
+/* Activation rows [g, g + TILE_ROWS) as k_row_tile_times takes them: tiles[b] for superblock b. */
+static void ktiles_of(const kblock *x, int64_t g, int64_t supers, ktile *tiles) {
+    for (int64_t b = 0; b < supers; b++) {
+        ktile *t = &tiles[b];
+        for (int i = 0; i < TILE_ROWS; i++) {
+            const kblock *xb = &x[(g + i) * supers + b];
+            t->d[i] = xb->d;
+            for (int k = 0; k < 4; k++)
+                t->sums[k][i] = (int32_t)(uint16_t)xb->sums[2 * k] | (int32_t)((uint32_t)(uint16_t)xb->sums[2 * k + 1] << 16);
+            for (int s = 0; s < 8; s++)
+                for (int l = 0; l < 8; l++) memcpy(t->q[s][l] + 4 * i, xb->q + 32 * s + 4 * l, 4);
+        }
+    }
+}
+
+/* A K superblock's weights as unsigned bytes in order (Q6_K's without its offset 32), and its
+ * scales: Q4_K's and Q5_K's one per 32 weights (sc[s]), Q6_K's one per 16 (sc[2s], sc[2s + 1]). */
+static inline void k_weights(int type, const uint8_t *w, uint8_t q[SUPER], int16_t sc[16], uint8_t mins[8]) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    if (type == Q6_K) {
+        for (int h = 0; h < 2; h++) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(w + 64 * h));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+            for (int v = 0; v < 4; v++) { /* weights 128h + 32v + l: nibble v / 2 of ql[l + 32 (v mod 2)], bits 2v of qh[l] */
+                const __m256i bits = v & 1 ? ql1 : ql0;
+                const __m256i nib = _mm256_and_si256(v & 2 ? _mm256_srli_epi16(bits, 4) : bits, low);
+                const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * v)), _mm256_set1_epi8(3));
+                _mm256_storeu_si256((__m256i *)(q + 128 * h + 32 * v), _mm256_or_si256(nib, _mm256_slli_epi16(high, 4)));
+            }
+        }
+        for (int s = 0; s < 16; s++) sc[s] = ((const int8_t *)(w + 192))[s];
+        return;
+    }
+    uint32_t u[4];
+    scales_and_mins(w + 4, u);
+    for (int s = 0; s < 8; s++) sc[s] = ((const uint8_t *)u)[s], mins[s] = ((const uint8_t *)u)[8 + s];
+    const uint8_t *qs = w + (type == Q4_K ? 16 : 48);
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
+    for (int c = 0; c < 4; c++) { /* sub-blocks 2c (low nibbles) and 2c + 1 (high) */
+        const __m256i bits = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        for (int half = 0; half < 2; half++) {
+            __m256i v = _mm256_and_si256(half ? _mm256_srli_epi16(bits, 4) : bits, low);
+            if (type == Q5_K) {
+                const __m256i fifth = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c + half)), _mm256_set1_epi8(1));
+                v = _mm256_or_si256(v, _mm256_slli_epi16(fifth, 4));
+            }
+            _mm256_storeu_si256((__m256i *)(q + 64 * c + 32 * half), v);
+        }
+    }
+}
+
+/* One K weight row against TILE_ROWS activation rows (ktiles_of), the registers turned as in
+ * row_tile_times: a register's 16 numbers are one lane l of the row's 16 outputs. A lane's 4
+ * weights of a sub-block are one broadcast number, their byte products summed in pairs and the
+ * pairs times the sub-block's scale into the lane's integer (Q6_K's offset 32 taken off through
+ * the same pairs of 32 times x); the same integers, products and order as k_row_times. */
+INLINE void k_row_tile_times(int type, const uint8_t *w, int64_t bytes, const ktile *x, int64_t supers, float *out,
+                             int64_t out_stride, int ahead) {
+    __m512 acc[8], acc_m[4], sum_m = _mm512_setzero_ps();
+    for (int l = 0; l < 8; l++) acc[l] = _mm512_setzero_ps();
+    for (int t = 0; t < 4; t++) acc_m[t] = _mm512_setzero_ps();
+    const __m512i m32 = _mm512_set1_epi8(32);
+    for (int64_t b = 0; b < supers; b++, w += bytes) {
+        ask_ahead(ahead, w, bytes);
+        const ktile *xb = &x[b];
+        uint8_t q[SUPER] __attribute__((aligned(64)));
+        int16_t sc[16];
+        uint8_t mins[8];
+        k_weights(type, w, q, sc, mins);
+        const float wd = half_to_float(type == Q6_K ? w + 208 : w);
+        __m512i lanes[8];
+        for (int l = 0; l < 8; l++) lanes[l] = _mm512_setzero_si512();
+        for (int s = 0; s < 8; s++) {
+            for (int l = 0; l < 8; l++) {
+                uint32_t four;
+                memcpy(&four, q + 32 * s + 4 * l, 4);
+                const __m512i qx = _mm512_load_si512(xb->q[s][l]);
+                __m512i pairs = _mm512_maddubs_epi16(_mm512_set1_epi32((int)four), qx);
+                if (type == Q6_K) pairs = _mm512_sub_epi16(pairs, _mm512_maddubs_epi16(m32, qx));
+                const int16_t scale = type == Q6_K ? sc[2 * s + l / 4] : sc[s];
+                lanes[l] = _mm512_dpwssd_epi32(lanes[l], _mm512_set1_epi16(scale), pairs);
+            }
+        }
+        const __m512 xd = _mm512_load_ps(xb->d), d = _mm512_mul_ps(xd, _mm512_set1_ps(wd));
+        for (int l = 0; l < 8; l++) acc[l] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(lanes[l]), acc[l]);
+        if (type != Q6_K) { /* add_mins, 16 rows at once */
+            const __m512 negated = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(xd), _mm512_set1_epi32(INT32_MIN)));
+            const __m512 dmin = _mm512_mul_ps(negated, _mm512_set1_ps(half_to_float(w + 2))); /* −d_x · dmin_w */
+            __m512i total = _mm512_setzero_si512();
+            for (int t = 0; t < 4; t++) {
+                const __m512i m = _mm512_set1_epi32((int)((uint32_t)mins[2 * t] | (uint32_t)mins[2 * t + 1] << 16));
+                const __m512i products = _mm512_madd_epi16(m, _mm512_load_si512(xb->sums[t]));
+                if (type == Q4_K) acc_m[t] = _mm512_fmadd_ps(dmin, _mm512_cvtepi32_ps(products), acc_m[t]);
+                else total = _mm512_add_epi32(total, products);
+            }
+            if (type == Q5_K) sum_m = _mm512_add_ps(sum_m, _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(total)));
+        }
+    }
+    const __m512 *a = acc; /* lanes_sum's tree, then mins_sum's, 16 outputs at once */
+    __m512 t = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[4], a[0]), _mm512_add_ps(a[6], a[2])),
+                             _mm512_add_ps(_mm512_add_ps(a[5], a[1]), _mm512_add_ps(a[7], a[3])));
+    if (type == Q4_K)
+        t = _mm512_add_ps(t, _mm512_add_ps(_mm512_add_ps(acc_m[0], acc_m[2]), _mm512_add_ps(acc_m[1], acc_m[3])));
+    else if (type == Q5_K)
+        t = _mm512_add_ps(t, sum_m);
+    float o[TILE_ROWS];
+    _mm512_storeu_ps(o, t);
+    for (int i = 0; i < TILE_ROWS; i++) out[i * out_stride] = o[i];
+}
+#endif
+
 INLINE void k_rows_times(int type, const uint8_t *w, int64_t row_bytes, int64_t bytes, const kblock *x,
-                         int64_t supers, int64_t first, int64_t last, int64_t n, float *out, int64_t outputs) {
-    for (int64_t i = 0; i < n; i += K_ROWS) {
+                         const ktile *tiles, int64_t supers, int64_t first, int64_t last, int64_t n, float *out,
+                         int64_t outputs) {
+    int64_t i = 0;
+#ifdef WIDE
+    for (; tiles != NULL && i + TILE_ROWS <= n; i += TILE_ROWS) /* a prompt's rows TILE_ROWS at a time */
+        for (int64_t r = first; r < last; r++)
+            k_row_tile_times(type, w + r * row_bytes, bytes, tiles + i / TILE_ROWS * supers, supers, out + i * outputs + r,
+                             outputs, i == 0);
+#else
+    (void)tiles;
+#endif
+    for (; i < n; i += K_ROWS) {
         const int64_t left = n - i < K_ROWS ? n - i : K_ROWS;
         for (int64_t r = first; r < last; r++) {
             const uint8_t *row = w + r * row_bytes;
@@ -985,7 +1117,9 @@ INLINE void rows_times(int type, const uint8_t *w, int64_t row_bytes, int64_t by
 }
 
 INLINE void k_rows_times(int type, const uint8_t *w, int64_t row_bytes, int64_t bytes, const kblock *x,
-                         int64_t supers, int64_t first, int64_t last, int64_t n, float *out, int64_t outputs) {
+                         const ktile *tiles, int64_t supers, int64_t first, int64_t last, int64_t n, float *out,
+                         int64_t outputs) {
+    (void)tiles; /* the AVX-512 code's */
     for (int64_t i = 0; i < n; i++)
         for (int64_t r = first; r < last; r++)
             out[i * outputs + r] = super_dot(type, w + r * row_bytes, bytes, x + i * supers, supers);
@@ -1003,11 +1137,11 @@ INLINE void float_rows_times(int type, const uint8_t *w, int64_t row_bytes, cons
  * so that the loops are compiled for each type alone (a type tested inside them costs time:
  * bench/README.md, "Figures behind constants"). */
 static void item_times(int type, const uint8_t *w, int64_t row_bytes, int64_t bytes, const xblock *xs,
-                       const xpair *pairs, const float *sums, const xtile *tiles, const kblock *ks, const float *x, int64_t x_stride, int64_t blocks,
+                       const xpair *pairs, const float *sums, const xtile *tiles, const kblock *ks, const ktile *ktiles, const float *x, int64_t x_stride, int64_t blocks,
                        int64_t inputs, int64_t first, int64_t last, int64_t n, float *out, int64_t outputs) {
 #define SMALL_TYPE(T) \
     case T: rows_times(T, w, row_bytes, bytes, xs, pairs, sums, tiles, blocks, first, last, n, out, outputs); break
-#define K_TYPE(T) case T: k_rows_times(T, w, row_bytes, bytes, ks, blocks, first, last, n, out, outputs); break
+#define K_TYPE(T) case T: k_rows_times(T, w, row_bytes, bytes, ks, ktiles, blocks, first, last, n, out, outputs); break
 #define FLOAT_TYPE(T) \
     case T: float_rows_times(T, w, row_bytes, x, x_stride, inputs, first, last, n, out, outputs); break
     switch (type) {
@@ -1033,6 +1167,7 @@ int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t i
     const int64_t items = (outputs + ROWS_TOGETHER - 1) / ROWS_TOGETHER;
     xblock *quantized = NULL;
     kblock *k_quantized = NULL;
+    ktile *ktiles = NULL;
     xpair *pairs = NULL;
     float *sums = NULL;
     xtile *tiles = NULL;
@@ -1057,6 +1192,13 @@ int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t i
         }
     } else if (per_block == SUPER) {
         k_quantized = aligned_alloc(32, (size_t)(n * blocks + 1) * sizeof *k_quantized);
+#ifdef WIDE
+        if (k_quantized != NULL && n >= TILE_ROWS &&
+            (ktiles = aligned_alloc(64, (size_t)(n / TILE_ROWS * blocks) * sizeof *ktiles)) == NULL) {
+            free(k_quantized);
+            return 1;
+        }
+#endif
         if (k_quantized == NULL) return 1;
     }
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -1076,12 +1218,16 @@ int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t i
         } else if (per_block == SUPER) {
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < n; i++) quantize_row_k(x + i * x_stride, blocks, k_quantized + i * blocks);
+#ifdef WIDE
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < n / TILE_ROWS; g++) ktiles_of(k_quantized, g * TILE_ROWS, blocks, ktiles + g * blocks);
+#endif
         }
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < items; item++) {
             const int64_t first = item * ROWS_TOGETHER;
             const int64_t last = first + ROWS_TOGETHER < outputs ? first + ROWS_TOGETHER : outputs;
-            item_times(type, weights, row_bytes, bytes, quantized, pairs, sums, tiles, k_quantized, x, x_stride, blocks,
+            item_times(type, weights, row_bytes, bytes, quantized, pairs, sums, tiles, k_quantized, ktiles, x, x_stride, blocks,
                        inputs, first, last, n, out, outputs);
         }
     }
@@ -1090,5 +1236,6 @@ int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t i
     free(sums);
     free(tiles);
     free(k_quantized);
+    free(ktiles);
     return 0;
 }
