@@ -31,8 +31,8 @@ def attention(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     if compiler is None:
         pytest.skip("no C compiler here")
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if " avx512f " not in flags:
-        pytest.skip("this processor has no AVX-512: attend_ggml is the plain C itself")
+    if " avx512f " not in flags or " avx512dq " not in flags:
+        pytest.skip("this processor has no AVX-512 (F and DQ): attend_ggml is the plain C itself")
     folder = tmp_path_factory.mktemp("ggml_attention")
     (folder / "harness.c").write_text(HARNESS.format(source=native_pass.SOURCE))
     library = folder / "harness.so"

@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 # -fno-trapping-math: nothing reads the floating-point exception flags, so GCC may compute both
 # sides of a choice in vectors (native_forward's activations); no number changes.
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-shared", "-fPIC"]
+# Linked after the source: libm by name, so that a kernel's expf is glibc's current one rather than
+# the oldest version an unnamed library's symbol binds to (a wrapper that checks errno around the
+# same function: 7% of a prompt in llama.cpp's arithmetic, bench/README "Figures behind constants").
+LIBRARIES = ["-lm"]
 # Tried in turn: -march=native for the machine's widest vectors, -fopenmp for threads
 # (linked against libgomp.so.1, the OpenMP runtime torch has loaded, so the kernel's threads
 # are torch's own). Some compilers take neither.
@@ -121,7 +125,7 @@ def _build(
     built: subprocess.CompletedProcess[str] | None = None
     for option in options:
         command_flags = [*option, *flags]
-        named = (text, compiler, command_flags, machine) if per_machine else (text, compiler, command_flags)
+        named = (text, compiler, command_flags, LIBRARIES, machine) if per_machine else (text, compiler, command_flags, LIBRARIES)
         digest = hashlib.sha256(repr(named).encode()).hexdigest()[:16]
         library = directory / f"{source.stem}-{digest}.so"
         if is_regular(library) and not again:  # a FIFO there would block the loader, holding the GIL
@@ -134,7 +138,7 @@ def _build(
         except OSError as exc:
             raise KernelUnavailable(f"cannot write the kernel into {directory}: {exc.strerror or exc}") from exc
         try:
-            built = _compile([compiler, *command_flags, "-o", partial, str(source)], bound_s)
+            built = _compile([compiler, *command_flags, "-o", partial, str(source), *LIBRARIES], bound_s)
         except OSError as exc:
             os.unlink(partial)
             raise KernelUnavailable(f"no C compiler ({compiler!r}: {exc})") from exc

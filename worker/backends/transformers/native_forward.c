@@ -32,7 +32,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 #endif
 
@@ -270,7 +270,7 @@ static void attend_ggml_plain(const float *q, const float *keys, int64_t kj, con
     for (int64_t d = 0; d < dim; d++) out[d] = acc[d] * inverse;
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
 /* dot_ggml and attend_ggml_plain, 16 numbers to an instruction, the same operations in the same
  * order: a gguf-order chunk of 16 is 8 numbers of the first half interleaved with 8 of the
  * second; each product is fmaf(k, q, lane) as there; the lanes' tree is theirs; the weighted
@@ -350,7 +350,7 @@ static inline __attribute__((always_inline)) void attend_ggml_wide(const float *
  * does (attend_ggml_plain), 16 numbers at a time where the processor has AVX-512. */
 static void attend_ggml(const float *q, const float *keys, int64_t kj, const float *values, int64_t vj, int64_t lo,
                         int64_t hi, int64_t dim, float scale, float *out) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
     switch (dim) {
     case 64: attend_ggml_wide(q, keys, kj, values, vj, lo, hi, dim, scale, out, 4); return;
     case 128: attend_ggml_wide(q, keys, kj, values, vj, lo, hi, dim, scale, out, 8); return;
