@@ -314,6 +314,8 @@ def test_a_row_gets_the_numbers_it_gets_alone_on_any_number_of_threads(kernel, k
 NARROWER = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx2-vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"],
+    # AVX-512F named without FMA and F16C (a virtual machine may hide them): the plain code
+    "avx512f-alone": ["-mavx512f"],
     "plain-c": [],
 }
 
@@ -321,8 +323,8 @@ NARROWER = {
 @pytest.mark.parametrize("flags", NARROWER.values(), ids=NARROWER.keys())
 def test_the_kernel_built_for_narrower_processors_multiplies_as_the_header_writes_it(kernel, flags, tmp_path: Path):
     """The worker builds the kernel for the machine it runs on; these are the code paths of a
-    processor with AVX2 alone, with AVX-512's 256-bit byte products but not its wide path, and
-    with neither, built here on purpose and held to the same numbers."""
+    processor with AVX2 alone, with AVX-512's 256-bit byte products but not its wide path, with
+    AVX-512F named alone, and with none, built here on purpose and held to the same numbers."""
     from tests.conftest import kernel_variant
 
     matmul = kernel_variant(kernel.KERNEL_SOURCE, tmp_path / "gguf_kernel.so", flags, "lmw_gguf_matmul")

@@ -137,7 +137,7 @@ static inline int signed_offset(int type) { return type == Q4_0 ? 8 : type == Q5
  * The AVX-512 forms below compute the same numbers 16 at a time: a largest |x| is the same
  * whatever the order it is looked for in (a NaN is passed over by both), and each q is one
  * product rounded to the nearest integer, ties to even. */
-#ifdef __AVX512F__
+#if defined(VECTOR) && defined(__AVX512F__)
 static inline __m512 magnitude16(const float *x) { return _mm512_abs_ps(_mm512_loadu_ps(x)); }
 /* round(x · inverse) as 32-bit integers (the processor's default rounding: to nearest, ties to even) */
 static inline __m512i rounded16(const float *x, float inverse) {
@@ -147,7 +147,7 @@ static inline __m512i rounded16(const float *x, float inverse) {
 
 static void quantize_row(const float *x, int64_t blocks, xblock *out, int offset) {
     for (int64_t b = 0; b < blocks; b++, x += BLOCK) {
-#ifdef __AVX512F__
+#if defined(VECTOR) && defined(__AVX512F__)
         /* max(a, b) is b where a is a NaN: as the loop below, which never takes one */
         const float largest = _mm512_reduce_max_ps(_mm512_max_ps(magnitude16(x + 16), _mm512_max_ps(magnitude16(x), _mm512_setzero_ps())));
 #else
@@ -156,7 +156,7 @@ static void quantize_row(const float *x, int64_t blocks, xblock *out, int offset
 #endif
         const float d = largest / 127.0f;
         const float inverse = largest != 0.0f ? 127.0f / largest : 0.0f;
-#ifdef __AVX512F__
+#if defined(VECTOR) && defined(__AVX512F__)
         const __m512i low = rounded16(x, inverse), high = rounded16(x + 16, inverse);
         _mm_storeu_si128((__m128i *)out[b].q, _mm512_cvtepi32_epi8(low));
         _mm_storeu_si128((__m128i *)(out[b].q + 16), _mm512_cvtepi32_epi8(high));
@@ -183,7 +183,7 @@ static void quantize_row(const float *x, int64_t blocks, xblock *out, int offset
 static void quantize_row_k(const float *x, int64_t supers, kblock *out) {
     for (int64_t b = 0; b < supers; b++, x += SUPER) {
         float largest = 0.0f, extreme = 0.0f;
-#ifdef __AVX512F__
+#if defined(VECTOR) && defined(__AVX512F__)
         __m512 most = _mm512_setzero_ps();
         for (int c = 0; c < SUPER / 16; c++) most = _mm512_max_ps(magnitude16(x + 16 * c), most);
         largest = _mm512_reduce_max_ps(most);
@@ -201,7 +201,7 @@ static void quantize_row_k(const float *x, int64_t supers, kblock *out) {
         memset(&out[b], 0, sizeof out[b]);
         if (largest == 0.0f) continue;
         const float inverse = -127.0f / extreme;
-#ifdef __AVX512F__
+#if defined(VECTOR) && defined(__AVX512F__)
         for (int c = 0; c < SUPER / 16; c++) {
             const __m512i q = _mm512_min_epi32(rounded16(x + 16 * c, inverse), _mm512_set1_epi32(127));
             _mm_storeu_si128((__m128i *)(out[b].q + 16 * c), _mm512_cvtepi32_epi8(q));
@@ -694,8 +694,9 @@ INLINE void row_tile_times(int type, const uint8_t *w, int64_t row_bytes, int64_
 
 /* Weight rows [first, last) against activation rows [0, n): a prompt's TILE_ROWS at a time as
  * `tiles` holds them (tiles_of; row_tile_times is 15% faster than pairs on Qwen2.5-Coder-0.5B's
- * Q5_0 linears), then GROUP_ROWS at a time; `pairs` and `sums` hold them as row_xpair_times
- * takes them (xpairs_of: each group g's from pair g / 2, its sums from g · blocks). */
+ * Q5_0 linears), then GROUP_ROWS at a time; `pairs` and `sums` hold those as row_xpair_times
+ * takes them (xpairs_of: group g's from pair (g − t) / 2, its sums from (g − t) · blocks, t the
+ * rows the tiles took). */
 INLINE void rows_times(int type, const uint8_t *w, int64_t row_bytes, int64_t bytes, const xblock *x,
                        const xpair *pairs, const float *sums, const xtile *tiles, int64_t blocks, int64_t first,
                        int64_t last, int64_t n, float *out, int64_t outputs) {
@@ -713,15 +714,18 @@ INLINE void rows_times(int type, const uint8_t *w, int64_t row_bytes, int64_t by
 #else
     (void)tiles;
 #endif
+#ifdef WIDE
+    const int64_t tiled = i; /* pairs and sums start at the first row past the tiles */
+#endif
     for (; i < n; i += GROUP_ROWS) {
         const int64_t left = n - i < GROUP_ROWS ? n - i : GROUP_ROWS;
         const xblock *xs = x + i * blocks;
         int64_t r = first;
 #ifdef WIDE
-        for (; left > 1 && r < last; r++) { /* the group's rows as pairs (xpairs_of), from row i / 2 */
+        for (; left > 1 && r < last; r++) { /* the group's rows as pairs (xpairs_of) */
             const uint8_t *row = w + r * row_bytes;
-            const xpair *ps = pairs + i / 2 * blocks;
-            const float *s = sums + i * blocks;
+            const xpair *ps = pairs + (i - tiled) / 2 * blocks;
+            const float *s = sums + (i - tiled) * blocks;
             float *o = out + i * outputs + r;
             switch (left) { /* a constant X for each, so that the accumulators stay in registers */
             case 8: row_xpair_times(type, row, bytes, ps, s, blocks, 8, o, outputs, i == 0); break;
@@ -1165,6 +1169,9 @@ int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t i
     if (inputs <= 0 || inputs % per_block != 0 || outputs < 0 || n < 0 || (n > 1 && x_stride < inputs)) return 3;
     const int64_t blocks = inputs / per_block, row_bytes = blocks * bytes;
     const int64_t items = (outputs + ROWS_TOGETHER - 1) / ROWS_TOGETHER;
+#ifdef WIDE
+    const int64_t tiled = n / TILE_ROWS * TILE_ROWS; /* a prompt's rows taken as tiles, the rest as pairs */
+#endif
     xblock *quantized = NULL;
     kblock *k_quantized = NULL;
     ktile *ktiles = NULL;
@@ -1173,14 +1180,15 @@ int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t i
     xtile *tiles = NULL;
     if (per_block == BLOCK) {
         quantized = malloc((size_t)(n * blocks) * sizeof *quantized + 1);
-        int paired = 0; /* rows_times takes the rows as pairs (row_xpair_times), a prompt's as tiles too */
+        int paired = 0; /* rows_times takes a prompt's rows as tiles, the rows past them as pairs (row_xpair_times) */
 #ifdef WIDE
-        paired = n > 1;
+        const int64_t rest = n - tiled;
+        paired = rest > 1;
         if (paired) {
-            pairs = aligned_alloc(64, (size_t)((n + 1) / 2 * blocks) * sizeof *pairs);
-            sums = malloc((size_t)((n + GROUP_ROWS - 1) / GROUP_ROWS * GROUP_ROWS * blocks) * sizeof *sums);
+            pairs = aligned_alloc(64, (size_t)((rest + 1) / 2 * blocks) * sizeof *pairs);
+            sums = malloc((size_t)((rest + GROUP_ROWS - 1) / GROUP_ROWS * GROUP_ROWS * blocks) * sizeof *sums);
         }
-        if (n >= TILE_ROWS && (tiles = aligned_alloc(64, (size_t)(n / TILE_ROWS * blocks) * sizeof *tiles)) == NULL)
+        if (tiled && (tiles = aligned_alloc(64, (size_t)(tiled / TILE_ROWS * blocks) * sizeof *tiles)) == NULL)
             paired = 2; /* no memory for them */
 #endif
         if (quantized == NULL || (paired && (pairs == NULL || sums == NULL)) || paired == 2) {
@@ -1193,8 +1201,8 @@ int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t i
     } else if (per_block == SUPER) {
         k_quantized = aligned_alloc(32, (size_t)(n * blocks + 1) * sizeof *k_quantized);
 #ifdef WIDE
-        if (k_quantized != NULL && n >= TILE_ROWS &&
-            (ktiles = aligned_alloc(64, (size_t)(n / TILE_ROWS * blocks) * sizeof *ktiles)) == NULL) {
+        if (k_quantized != NULL && tiled &&
+            (ktiles = aligned_alloc(64, (size_t)(tiled / TILE_ROWS * blocks) * sizeof *ktiles)) == NULL) {
             free(k_quantized);
             return 1;
         }
@@ -1208,19 +1216,19 @@ int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t i
             for (int64_t i = 0; i < n; i++) quantize_row(x + i * x_stride, blocks, quantized + i * blocks, signed_offset(type));
 #ifdef WIDE
 #pragma omp for schedule(static)
-            for (int64_t g = tiles == NULL ? 0 : n / TILE_ROWS * TILE_ROWS; g < n; g += GROUP_ROWS)
+            for (int64_t g = tiled; g < n; g += GROUP_ROWS)
                 if (pairs != NULL) /* the rows past the tiles */
-                    xpairs_of(quantized, g, n - g < GROUP_ROWS ? n - g : GROUP_ROWS, blocks, pairs + g / 2 * blocks,
-                              sums + g * blocks);
+                    xpairs_of(quantized, g, n - g < GROUP_ROWS ? n - g : GROUP_ROWS, blocks,
+                              pairs + (g - tiled) / 2 * blocks, sums + (g - tiled) * blocks);
 #pragma omp for schedule(static)
-            for (int64_t g = 0; g < n / TILE_ROWS; g++) tiles_of(quantized, g * TILE_ROWS, blocks, tiles + g * blocks);
+            for (int64_t g = 0; g < tiled / TILE_ROWS; g++) tiles_of(quantized, g * TILE_ROWS, blocks, tiles + g * blocks);
 #endif
         } else if (per_block == SUPER) {
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < n; i++) quantize_row_k(x + i * x_stride, blocks, k_quantized + i * blocks);
 #ifdef WIDE
 #pragma omp for schedule(static)
-            for (int64_t g = 0; g < n / TILE_ROWS; g++) ktiles_of(k_quantized, g * TILE_ROWS, blocks, ktiles + g * blocks);
+            for (int64_t g = 0; g < tiled / TILE_ROWS; g++) ktiles_of(k_quantized, g * TILE_ROWS, blocks, ktiles + g * blocks);
 #endif
         }
 #pragma omp for schedule(static)
