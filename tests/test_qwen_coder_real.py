@@ -73,3 +73,34 @@ async def test_greedy_from_its_cache_equals_greedy_without_and_a_stream_in_a_bat
     second = qwen.start("generate", {"prompt": other, "max_tokens": 24, "temperature": 0})
     together = [(await future)["result"] for _, future in (first, second)]
     assert [result["tokens"] for result in together] == [alone["tokens"], other_alone["tokens"]]
+
+
+async def test_a_prompt_computed_in_pieces_through_stored_caches_stores_the_uncut_prompts_cache_byte_for_byte(
+    tmp_path: Path,
+):
+    """Through spawned workers: a prompt's products take 16 rows at a time and the rows past them
+    otherwise, in chunks of 256. One worker computes a 300-token prompt whole; another in pieces,
+    each request reusing the cache the one before stored (`cache: "auto"`): 17 tokens (a tile
+    and a row), 48 (31 more: a tile and 15), 257 (13 tiles and a row), 300 (2 tiles and 11).
+    Every position's numbers are the same however it was cut, so the two stored caches of the
+    whole prompt are the same file."""
+    prompt = [100 + (7919 * i) % 29000 for i in range(300)]
+
+    async def stored(directory: Path, cuts: list[int]) -> bytes:
+        host = await Host.spawn("--cache-dir", str(directory))
+        try:
+            await host.call("load", {"model": MODEL}, timeout=600)
+            reused = []
+            for cut in cuts:
+                result = await host.call(
+                    "generate", {"tokens": prompt[:cut], "cache": "auto", "max_tokens": 1, "stream": False}, timeout=300
+                )
+                reused.append(result["cache"]["reused_tokens"])
+                assert result["cache"]["stored_tokens"] == cut, result["cache"]
+            assert reused == [0, *cuts[:-1]], reused
+            return (directory / f"{result['cache']['stored']}.kvc").read_bytes()
+        finally:
+            await reap(host)
+
+    whole = await stored(tmp_path / "whole", [300])
+    assert await stored(tmp_path / "pieces", [17, 48, 257, 300]) == whole
