@@ -254,7 +254,7 @@ def test_gguf_weights_keep_a_position_s_logits_however_its_prompt_was_cut_and_ba
 
 @contextlib.asynccontextmanager
 async def default_on_gguf_blocks():
-    host = await Host.start_in_process()  # the default data directory: the converted model is kept
+    host = await Host.spawn()  # `python -m worker`; the default data directory: the converted model is kept
     try:
         info = await host.call("load", {"model": "default", "quantization": "gguf"}, timeout=300)
         assert info["quantization"] == "gguf"
