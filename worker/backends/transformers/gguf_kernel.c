@@ -711,11 +711,9 @@ INLINE void rows_times(int type, const uint8_t *w, int64_t row_bytes, int64_t by
         for (int64_t j = i; r < last && j < i + TILE_ROWS; j += 4)
             row_times(type, w + r * row_bytes, bytes, x + j * blocks, blocks, 4, out + j * outputs + r, outputs, i == 0);
     }
+    const int64_t tiled = i; /* pairs and sums start at the first row past the tiles */
 #else
     (void)tiles;
-#endif
-#ifdef WIDE
-    const int64_t tiled = i; /* pairs and sums start at the first row past the tiles */
 #endif
     for (; i < n; i += GROUP_ROWS) {
         const int64_t left = n - i < GROUP_ROWS ? n - i : GROUP_ROWS;
@@ -1170,7 +1168,12 @@ int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t i
     const int64_t blocks = inputs / per_block, row_bytes = blocks * bytes;
     const int64_t items = (outputs + ROWS_TOGETHER - 1) / ROWS_TOGETHER;
 #ifdef WIDE
-    const int64_t tiled = n / TILE_ROWS * TILE_ROWS; /* a prompt's rows taken as tiles, the rest as pairs */
+    /* a prompt's rows of the block types taken as tiles; the 32-blocks' rows past them as pairs
+     * (row_xpair_times) */
+    const int64_t tiled = per_block == BLOCK || per_block == SUPER ? n / TILE_ROWS * TILE_ROWS : 0;
+    const int64_t paired = per_block == BLOCK && n - tiled > 1 ? n - tiled : 0;
+#else
+    const int64_t tiled = 0, paired = 0;
 #endif
     xblock *quantized = NULL;
     kblock *k_quantized = NULL;
@@ -1180,34 +1183,25 @@ int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t i
     xtile *tiles = NULL;
     if (per_block == BLOCK) {
         quantized = malloc((size_t)(n * blocks) * sizeof *quantized + 1);
-        int paired = 0; /* rows_times takes a prompt's rows as tiles, the rows past them as pairs (row_xpair_times) */
-#ifdef WIDE
-        const int64_t rest = n - tiled;
-        paired = rest > 1;
         if (paired) {
-            pairs = aligned_alloc(64, (size_t)((rest + 1) / 2 * blocks) * sizeof *pairs);
-            sums = malloc((size_t)((rest + GROUP_ROWS - 1) / GROUP_ROWS * GROUP_ROWS * blocks) * sizeof *sums);
+            pairs = aligned_alloc(64, (size_t)((paired + 1) / 2 * blocks) * sizeof *pairs);
+            sums = malloc((size_t)((paired + GROUP_ROWS - 1) / GROUP_ROWS * GROUP_ROWS * blocks) * sizeof *sums);
         }
-        if (tiled && (tiles = aligned_alloc(64, (size_t)(tiled / TILE_ROWS * blocks) * sizeof *tiles)) == NULL)
-            paired = 2; /* no memory for them */
-#endif
-        if (quantized == NULL || (paired && (pairs == NULL || sums == NULL)) || paired == 2) {
-            free(quantized);
-            free(pairs);
-            free(sums);
-            free(tiles);
-            return 1;
-        }
+        if (tiled) tiles = aligned_alloc(64, (size_t)(tiled / TILE_ROWS * blocks) * sizeof *tiles);
     } else if (per_block == SUPER) {
         k_quantized = aligned_alloc(32, (size_t)(n * blocks + 1) * sizeof *k_quantized);
-#ifdef WIDE
-        if (k_quantized != NULL && tiled &&
-            (ktiles = aligned_alloc(64, (size_t)(tiled / TILE_ROWS * blocks) * sizeof *ktiles)) == NULL) {
-            free(k_quantized);
-            return 1;
-        }
-#endif
-        if (k_quantized == NULL) return 1;
+        if (tiled) ktiles = aligned_alloc(64, (size_t)(tiled / TILE_ROWS * blocks) * sizeof *ktiles);
+    }
+    if ((per_block == BLOCK && quantized == NULL) || (per_block == SUPER && k_quantized == NULL) ||
+        (paired && (pairs == NULL || sums == NULL)) || (tiled && tiles == NULL && per_block == BLOCK) ||
+        (tiled && ktiles == NULL && per_block == SUPER)) {
+        free(quantized);
+        free(pairs);
+        free(sums);
+        free(tiles);
+        free(k_quantized);
+        free(ktiles);
+        return 1;
     }
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -1217,7 +1211,7 @@ int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t i
 #ifdef WIDE
 #pragma omp for schedule(static)
             for (int64_t g = tiled; g < n; g += GROUP_ROWS)
-                if (pairs != NULL) /* the rows past the tiles */
+                if (paired) /* the rows past the tiles */
                     xpairs_of(quantized, g, n - g < GROUP_ROWS ? n - g : GROUP_ROWS, blocks,
                               pairs + (g - tiled) / 2 * blocks, sums + (g - tiled) * blocks);
 #pragma omp for schedule(static)
