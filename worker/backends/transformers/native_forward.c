@@ -285,48 +285,40 @@ static inline void ggml_chunks(const float *x, int64_t half, int64_t c, __m512 *
     *odd = _mm512_permutex2var_ps(a, _mm512_loadu_si512(INTERLEAVED[1]), b);
 }
 
-/* q's first `whole` numbers in gguf order (chunks of 16), for dot_ggml_wide. */
-static void ggml_order(const float *q, int64_t dim, __m512 *out) {
-    for (int64_t c = 0; c < dim / 64 * 4; c += 2) ggml_chunks(q, dim / 2, c, &out[c], &out[c + 1]);
+/* A head of D · 16 numbers (D 4 or 8: 64 or 128, which dot_ggml takes whole, nothing past a
+ * multiple of 64) in gguf order, chunks of 16. */
+static inline void ggml_order(const float *x, int D, __m512 *out) {
+    for (int c = 0; c < D; c += 2) ggml_chunks(x, 8 * D, c, &out[c], &out[c + 1]);
 }
 
-static inline float dot_ggml_wide(const float *k, const __m512 *qg, const float *q, int64_t dim) {
-    const int64_t half = dim / 2, whole = dim / 64 * 64;
+/* dot_ggml of a key (worker order) with a query in gguf order (ggml_order), D · 16 numbers. */
+static inline float dot_ggml_wide(const float *k, const __m512 *qg, int D) {
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t c = 0; c < whole / 16; c += 2) {
-        __m512 even, odd;
-        ggml_chunks(k, half, c, &even, &odd);
-        acc[c % 4] = _mm512_fmadd_ps(even, qg[c], acc[c % 4]);
-        acc[(c + 1) % 4] = _mm512_fmadd_ps(odd, qg[c + 1], acc[(c + 1) % 4]);
-    }
+    __m512 kg[8];
+    ggml_order(k, D, kg);
+    for (int c = 0; c < D; c++) acc[c % 4] = _mm512_fmadd_ps(kg[c], qg[c], acc[c % 4]);
     const __m512 x = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]));
     const __m256 a = _mm256_add_ps(_mm512_extractf32x8_ps(x, 1), _mm512_castps512_ps256(x));
     const __m128 b = _mm_add_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
     float lanes[4];
     _mm_storeu_ps(lanes, b);
-    double sum = (double)((lanes[0] + lanes[2]) + (lanes[1] + lanes[3]));
-    for (int64_t e = whole; e < dim; e++) {
-        const int64_t at = e % 2 ? e / 2 + half : e / 2;
-        sum += (double)(k[at] * q[at]);
-    }
-    return (float)sum;
+    return (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]); /* through double and back: the same float */
 }
 
 static inline __m512 half_rounded16(__m512 x) {
     return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-/* attend_ggml_plain for a head of D · 16 numbers (D at most 8), its sum held in registers. */
+/* attend_ggml_plain for a head of D · 16 numbers (D 4 or 8), its sum held in registers. */
 static inline __attribute__((always_inline)) void attend_ggml_wide(const float *q, const float *keys, int64_t kj,
                                                                     const float *values, int64_t vj, int64_t lo,
-                                                                    int64_t hi, int64_t dim, float scale, float *out,
-                                                                    int D) {
+                                                                    int64_t hi, float scale, float *out, int D) {
     __m512 acc[8], qg[8];
     for (int c = 0; c < D; c++) acc[c] = _mm512_setzero_ps();
-    ggml_order(q, dim, qg);
+    ggml_order(q, D, qg);
     float top = -INFINITY, total = 0.0f;
     for (int64_t t = lo; t < hi; t++) {
-        const float s = dot_ggml_wide(keys + t * kj, qg, q, dim) * scale;
+        const float s = dot_ggml_wide(keys + t * kj, qg, D) * scale;
         float shrink = 1.0f, weight = 1.0f;
         if (s > top) {
             shrink = expf(top - s);
@@ -352,8 +344,8 @@ static void attend_ggml(const float *q, const float *keys, int64_t kj, const flo
                         int64_t hi, int64_t dim, float scale, float *out) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
     switch (dim) {
-    case 64: attend_ggml_wide(q, keys, kj, values, vj, lo, hi, dim, scale, out, 4); return;
-    case 128: attend_ggml_wide(q, keys, kj, values, vj, lo, hi, dim, scale, out, 8); return;
+    case 64: attend_ggml_wide(q, keys, kj, values, vj, lo, hi, scale, out, 4); return;
+    case 128: attend_ggml_wide(q, keys, kj, values, vj, lo, hi, scale, out, 8); return;
     }
 #endif
     attend_ggml_plain(q, keys, kj, values, vj, lo, hi, dim, scale, out);
