@@ -243,6 +243,20 @@ static float dot_ggml(const float *k, const float *q, int64_t dim) {
 
 static inline float half_rounded(float x) { return (float)(_Float16)x; }
 
+/* llama.cpp's online softmax taking a key's score s: the running sum's factor `shrink` (1 unless s
+ * is the largest yet) and the key's `weight`, the largest score and the sum of weights kept. */
+static inline void online_step(float s, float *top, float *total, float *shrink, float *weight) {
+    *shrink = 1.0f, *weight = 1.0f;
+    if (s > *top) {
+        *shrink = expf(*top - s);
+        *top = s;
+    } else {
+        *weight = expf(s - *top);
+    }
+    *total = *total * *shrink;
+    *total = *total + *weight;
+}
+
 /* One query row (float16 numbers) attending keys lo..hi-1 as llama.cpp's CPU flash attention
  * does for batches under 64 rows and up to 512 positions: an online softmax with glibc's expf,
  * the weighted sum of values a float16 vector, the sum of weights in two roundings. */
@@ -252,19 +266,12 @@ static void attend_ggml_plain(const float *q, const float *keys, int64_t kj, con
     for (int64_t d = 0; d < dim; d++) acc[d] = 0.0f;
     float top = -INFINITY, total = 0.0f;
     for (int64_t t = lo; t < hi; t++) {
-        const float s = dot_ggml(keys + t * kj, q, dim) * scale;
-        float shrink = 1.0f, weight = 1.0f;
-        if (s > top) {
-            shrink = expf(top - s);
-            top = s;
+        float shrink, weight;
+        online_step(dot_ggml(keys + t * kj, q, dim) * scale, &top, &total, &shrink, &weight);
+        if (shrink != 1.0f)
             for (int64_t d = 0; d < dim; d++) acc[d] = half_rounded(acc[d] * shrink);
-        } else {
-            weight = expf(s - top);
-        }
         const float *v = values + t * vj;
         for (int64_t d = 0; d < dim; d++) acc[d] = half_rounded(fmaf(v[d], weight, acc[d]));
-        total = total * shrink;
-        total = total + weight;
     }
     const float inverse = 1.0f / total;
     for (int64_t d = 0; d < dim; d++) out[d] = acc[d] * inverse;
@@ -318,20 +325,13 @@ static inline __attribute__((always_inline)) void attend_ggml_wide(const float *
     ggml_order(q, D, qg);
     float top = -INFINITY, total = 0.0f;
     for (int64_t t = lo; t < hi; t++) {
-        const float s = dot_ggml_wide(keys + t * kj, qg, D) * scale;
-        float shrink = 1.0f, weight = 1.0f;
-        if (s > top) {
-            shrink = expf(top - s);
-            top = s;
+        float shrink, weight;
+        online_step(dot_ggml_wide(keys + t * kj, qg, D) * scale, &top, &total, &shrink, &weight);
+        if (shrink != 1.0f)
             for (int c = 0; c < D; c++) acc[c] = half_rounded16(_mm512_mul_ps(acc[c], _mm512_set1_ps(shrink)));
-        } else {
-            weight = expf(s - top);
-        }
         const float *v = values + t * vj;
         for (int c = 0; c < D; c++)
             acc[c] = half_rounded16(_mm512_fmadd_ps(_mm512_loadu_ps(v + 16 * c), _mm512_set1_ps(weight), acc[c]));
-        total = total * shrink;
-        total = total + weight;
     }
     const float inverse = 1.0f / total;
     for (int c = 0; c < D; c++) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inverse)));
