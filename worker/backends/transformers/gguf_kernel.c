@@ -627,19 +627,21 @@ INLINE void k_row_times(int type, const uint8_t *w, int64_t bytes, const kblock 
 #endif
 
 #ifdef WIDE
+/* A tile's row i: its `lanes` groups of 4 bytes from `q`, group l to lanes[l] + 4i. */
+INLINE void spread_lanes(int8_t (*lanes)[4 * TILE_ROWS], const int8_t *q, int count, int i) {
+    for (int l = 0; l < count; l++) memcpy(lanes[l] + 4 * i, q + 4 * l, 4);
+}
+
 /* Activation rows [g, g + TILE_ROWS) as row_tile_times takes them: tiles[b] for block b. */
 static void tiles_of(const xblock *x, int64_t g, int64_t blocks, xtile *tiles) {
-    for (int64_t b = 0; b < blocks; b++) {
-        xtile *t = &tiles[b];
+    for (int64_t b = 0; b < blocks; b++)
         for (int i = 0; i < TILE_ROWS; i++) {
             const xblock *xb = &x[(g + i) * blocks + b];
+            xtile *t = &tiles[b];
             t->d[i] = xb->d, t->s[i] = xb->s;
-            for (int l = 0; l < 8; l++) {
-                memcpy(t->q[l] + 4 * i, xb->q + 4 * l, 4);
-                t->base[l][i] = xb->base[l];
-            }
+            spread_lanes(t->q, xb->q, 8, i);
+            for (int l = 0; l < 8; l++) t->base[l][i] = xb->base[l];
         }
-    }
 }
 
 /* Two weight rows (row_bytes apart) against TILE_ROWS activation rows (tiles_of), the registers
@@ -756,17 +758,15 @@ INLINE void rows_times(int type, const uint8_t *w, int64_t row_bytes, int64_t by
 #ifdef WIDE
 /* Activation rows [g, g + TILE_ROWS) as k_row_tile_times takes them: tiles[b] for superblock b. */
 static void ktiles_of(const kblock *x, int64_t g, int64_t supers, ktile *tiles) {
-    for (int64_t b = 0; b < supers; b++) {
-        ktile *t = &tiles[b];
+    for (int64_t b = 0; b < supers; b++)
         for (int i = 0; i < TILE_ROWS; i++) {
             const kblock *xb = &x[(g + i) * supers + b];
+            ktile *t = &tiles[b];
             t->d[i] = xb->d;
             for (int k = 0; k < 4; k++)
                 t->sums[k][i] = (int32_t)(uint16_t)xb->sums[2 * k] | (int32_t)((uint32_t)(uint16_t)xb->sums[2 * k + 1] << 16);
-            for (int s = 0; s < 8; s++)
-                for (int l = 0; l < 8; l++) memcpy(t->q[s][l] + 4 * i, xb->q + 32 * s + 4 * l, 4);
+            spread_lanes(t->q[0], xb->q, SUPER / 4, i); /* q[s][l] is group 8s + l */
         }
-    }
 }
 
 /* A K superblock's weights as unsigned bytes in order (Q6_K's without its offset 32), and its
@@ -1181,6 +1181,7 @@ int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t i
     xpair *pairs = NULL;
     float *sums = NULL;
     xtile *tiles = NULL;
+    int status = 0;
     if (per_block == BLOCK) {
         quantized = malloc((size_t)(n * blocks) * sizeof *quantized + 1);
         if (paired) {
@@ -1195,13 +1196,8 @@ int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t i
     if ((per_block == BLOCK && quantized == NULL) || (per_block == SUPER && k_quantized == NULL) ||
         (paired && (pairs == NULL || sums == NULL)) || (tiled && tiles == NULL && per_block == BLOCK) ||
         (tiled && ktiles == NULL && per_block == SUPER)) {
-        free(quantized);
-        free(pairs);
-        free(sums);
-        free(tiles);
-        free(k_quantized);
-        free(ktiles);
-        return 1;
+        status = 1;
+        goto done;
     }
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -1233,11 +1229,12 @@ int lmw_gguf_matmul(int type, const uint8_t *weights, int64_t outputs, int64_t i
                        inputs, first, last, n, out, outputs);
         }
     }
+done:
     free(quantized);
     free(pairs);
     free(sums);
     free(tiles);
     free(k_quantized);
     free(ktiles);
-    return 0;
+    return status;
 }
