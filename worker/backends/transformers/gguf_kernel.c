@@ -119,13 +119,28 @@ typedef struct __attribute__((aligned(64))) {
     int8_t q[8][8][4 * TILE_ROWS];
 } ktile;
 
+/* F16C's conversions where the processor has them: a processor with AVX512-FP16 otherwise gets
+ * vcvtsh2ss and vcvtss2sh, which keep the rest of their target register, so each block's scale
+ * waited on the last block's arithmetic (a Q5_0 row at one third of its speed on such a Xeon). */
 static inline float half_to_float(const uint8_t *p) {
+#ifdef VECTOR
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)));
+#else
     _Float16 h;
     memcpy(&h, p, sizeof h);
     return (float)h;
+#endif
 }
 
-static inline float rounded_to_half(float x) { return (float)(_Float16)x; }
+static inline float rounded_to_half(float x) {
+#ifdef VECTOR
+    return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph(_mm_set_ss(x), _MM_FROUND_TO_NEAREST_INT)));
+#else
+    return (float)(_Float16)x;
+#endif
+}
 
 static inline int has_min(int type) { return type == Q4_1 || type == Q5_1; }
 /* What Q4_0's and Q5_0's stored (unsigned) weights are above the signed ones. */
@@ -280,8 +295,9 @@ static inline float vector_mins_sum(__m128 acc) {
  * as it takes a block: the weights stream from memory once a call, and the processor's own
  * prefetching leaves the core waiting on them while it multiplies (as in int8_kernel.c; what it
  * saves here: bench/README.md, "Figures behind constants"). A prefetch never faults, past the
- * last row included. */
-static inline void ask_ahead(int ahead, const uint8_t *p, int64_t bytes) {
+ * last row included. Inlined always: as a plain inline function GCC 12 judged it free of effects
+ * and dropped every call (tests/test_kernel_instructions.py). */
+INLINE void ask_ahead(int ahead, const uint8_t *p, int64_t bytes) {
     if (ahead)
         for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(p + AHEAD + o), _MM_HINT_T1);
 }
