@@ -298,11 +298,9 @@ static inline void ggml_order(const float *x, int D, __m512 *out) {
     for (int c = 0; c < D; c += 2) ggml_chunks(x, 8 * D, c, &out[c], &out[c + 1]);
 }
 
-/* dot_ggml of a key (worker order) with a query in gguf order (ggml_order), D · 16 numbers. */
-static inline float dot_ggml_wide(const float *k, const __m512 *qg, int D) {
+/* dot_ggml of a key with a query, both in gguf order (ggml_order), D · 16 numbers. */
+static inline float dot_ggml_wide(const __m512 *kg, const __m512 *qg, int D) {
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    __m512 kg[8];
-    ggml_order(k, D, kg);
     for (int c = 0; c < D; c++) acc[c % 4] = _mm512_fmadd_ps(kg[c], qg[c], acc[c % 4]);
     const __m512 x = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]));
     const __m256 a = _mm256_add_ps(_mm512_extractf32x8_ps(x, 1), _mm512_castps512_ps256(x));
@@ -316,39 +314,84 @@ static inline __m512 half_rounded16(__m512 x) {
     return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-/* attend_ggml_plain for a head of D · 16 numbers (D 4 or 8), its sum held in registers. */
-static inline __attribute__((always_inline)) void attend_ggml_wide(const float *q, const float *keys, int64_t kj,
-                                                                    const float *values, int64_t vj, int64_t lo,
-                                                                    int64_t hi, float scale, float *out, int D) {
-    __m512 acc[8], qg[8];
-    for (int c = 0; c < D; c++) acc[c] = _mm512_setzero_ps();
-    ggml_order(q, D, qg);
-    float top = -INFINITY, total = 0.0f;
-    for (int64_t t = lo; t < hi; t++) {
-        float shrink, weight;
-        online_step(dot_ggml_wide(keys + t * kj, qg, D) * scale, &top, &total, &shrink, &weight);
-        if (shrink != 1.0f)
-            for (int c = 0; c < D; c++) acc[c] = half_rounded16(_mm512_mul_ps(acc[c], _mm512_set1_ps(shrink)));
-        const float *v = values + t * vj;
-        for (int c = 0; c < D; c++)
-            acc[c] = half_rounded16(_mm512_fmadd_ps(_mm512_loadu_ps(v + 16 * c), _mm512_set1_ps(weight), acc[c]));
+/* attend_ggml_plain for G rows (1 to MOST_TOGETHER; query heads of one key/value head, so the
+ * same keys and values) of D · 16 numbers (D 4 or 8), their sums held in registers. Each row's
+ * operations and order are its own alone; the rows go side by side because a row's chain of
+ * float16 roundings waits on itself (on an Intel Xeon a conversion takes 7 cycles), and a key
+ * is put in gguf order once for them all. A row's keys go KEYS_TOGETHER at a time, each phase
+ * (scores, the online softmax's steps, the sums) in key order, so every number is computed as
+ * one key at a time computes it. */
+#define MOST_TOGETHER 4
+#define KEYS_TOGETHER 16 /* keys whose scores, then softmax steps, then sums go together: glibc's expf,
+                            a call, would otherwise have the sums' registers saved and restored at every key */
+static inline __attribute__((always_inline)) void attend_ggml_wide(const float *q, int64_t qh, const float *keys,
+                                                                    int64_t kj, const float *values, int64_t vj,
+                                                                    int64_t lo, int64_t hi, float scale, float *out,
+                                                                    int64_t oh, int D, int G) {
+    __m512 acc[MOST_TOGETHER][8], qg[MOST_TOGETHER][8];
+    float top[MOST_TOGETHER], total[MOST_TOGETHER];
+    for (int g = 0; g < G; g++) {
+        for (int c = 0; c < D; c++) acc[g][c] = _mm512_setzero_ps();
+        ggml_order(q + g * qh, D, qg[g]);
+        top[g] = -INFINITY, total[g] = 0.0f;
     }
-    const float inverse = 1.0f / total;
-    for (int c = 0; c < D; c++) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inverse)));
+    for (int64_t t0 = lo; t0 < hi; t0 += KEYS_TOGETHER) {
+        const int n = hi - t0 < KEYS_TOGETHER ? (int)(hi - t0) : KEYS_TOGETHER;
+        float scores[MOST_TOGETHER][KEYS_TOGETHER], shrink[MOST_TOGETHER][KEYS_TOGETHER], weight[MOST_TOGETHER][KEYS_TOGETHER];
+        for (int j = 0; j < n; j++) {
+            __m512 kg[8];
+            ggml_order(keys + (t0 + j) * kj, D, kg);
+            for (int g = 0; g < G; g++) scores[g][j] = dot_ggml_wide(kg, qg[g], D) * scale;
+        }
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < n; j++) online_step(scores[g][j], &top[g], &total[g], &shrink[g][j], &weight[g][j]);
+        for (int j = 0; j < n; j++) {
+            const float *v = values + (t0 + j) * vj;
+            for (int g = 0; g < G; g++) {
+                if (shrink[g][j] != 1.0f)
+                    for (int c = 0; c < D; c++)
+                        acc[g][c] = half_rounded16(_mm512_mul_ps(acc[g][c], _mm512_set1_ps(shrink[g][j])));
+                for (int c = 0; c < D; c++)
+                    acc[g][c] = half_rounded16(
+                        _mm512_fmadd_ps(_mm512_loadu_ps(v + 16 * c), _mm512_set1_ps(weight[g][j]), acc[g][c]));
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const float inverse = 1.0f / total[g];
+        for (int c = 0; c < D; c++)
+            _mm512_storeu_ps(out + g * oh + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inverse)));
+    }
 }
 #endif
 
-/* One query row (float16 numbers) attending keys lo..hi-1 as llama.cpp's CPU flash attention
- * does (attend_ggml_plain), 16 numbers at a time where the processor has AVX-512. */
-static void attend_ggml(const float *q, const float *keys, int64_t kj, const float *values, int64_t vj, int64_t lo,
-                        int64_t hi, int64_t dim, float scale, float *out) {
+/* `count` query rows (float16 numbers; heads of one key/value head, `qh` floats apart, their
+ * outputs `oh` apart) attending keys lo..hi-1 as llama.cpp's CPU flash attention does
+ * (attend_ggml_plain): where the processor has AVX-512 and the heads are of 64 or 128, 16
+ * numbers at a time and up to MOST_TOGETHER rows side by side, each row's numbers as alone. */
+static void attend_ggml(const float *q, int64_t qh, int64_t count, const float *keys, int64_t kj, const float *values,
+                        int64_t vj, int64_t lo, int64_t hi, int64_t dim, float scale, float *out, int64_t oh) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
-    switch (dim) {
-    case 64: attend_ggml_wide(q, keys, kj, values, vj, lo, hi, scale, out, 4); return;
-    case 128: attend_ggml_wide(q, keys, kj, values, vj, lo, hi, scale, out, 8); return;
+    if (dim == 64 || dim == 128) {
+        const int D = (int)(dim / 16);
+        for (int64_t r = 0; r < count; r += MOST_TOGETHER) {
+            const float *rq = q + r * qh;
+            float *ro = out + r * oh;
+            switch ((count - r < MOST_TOGETHER ? count - r : MOST_TOGETHER) * 8 + D) { /* constants for the registers */
+            case 1 * 8 + 4: attend_ggml_wide(rq, qh, keys, kj, values, vj, lo, hi, scale, ro, oh, 4, 1); break;
+            case 2 * 8 + 4: attend_ggml_wide(rq, qh, keys, kj, values, vj, lo, hi, scale, ro, oh, 4, 2); break;
+            case 3 * 8 + 4: attend_ggml_wide(rq, qh, keys, kj, values, vj, lo, hi, scale, ro, oh, 4, 3); break;
+            case 4 * 8 + 4: attend_ggml_wide(rq, qh, keys, kj, values, vj, lo, hi, scale, ro, oh, 4, 4); break;
+            case 1 * 8 + 8: attend_ggml_wide(rq, qh, keys, kj, values, vj, lo, hi, scale, ro, oh, 8, 1); break;
+            case 2 * 8 + 8: attend_ggml_wide(rq, qh, keys, kj, values, vj, lo, hi, scale, ro, oh, 8, 2); break;
+            case 3 * 8 + 8: attend_ggml_wide(rq, qh, keys, kj, values, vj, lo, hi, scale, ro, oh, 8, 3); break;
+            default: attend_ggml_wide(rq, qh, keys, kj, values, vj, lo, hi, scale, ro, oh, 8, 4);
+            }
+        }
+        return;
     }
 #endif
-    attend_ggml_plain(q, keys, kj, values, vj, lo, hi, dim, scale, out);
+    for (int64_t r = 0; r < count; r++) attend_ggml_plain(q + r * qh, keys, kj, values, vj, lo, hi, dim, scale, out + r * oh);
 }
 
 /* Each head of a row rotated in place (decode_step's _rotate). */
@@ -419,14 +462,16 @@ static int attend(const struct model *m, const struct pass *p, int64_t l, const 
                     memcpy(values + h * p->vh[at] + to, v + from, (size_t)dim * sizeof(float));
                 }
             const int threads = threads_for(m, p, attention_work(heads * rows * (length + rows), dim));
-            const int64_t group = heads / kv_heads;
+            /* a prompt's rows a key/value head's query heads together; a step's a head apiece, so
+             * that its few items still share out between the threads */
+            const int64_t group = heads / kv_heads, together = rows > 1 ? group : 1, units = heads / together;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static) collapse(2)
             for (int64_t i = 0; i < rows; i++)
-                for (int64_t h = 0; h < heads; h++) {
-                    const int64_t hi = length + i + 1, kvh = h / group;
-                    attend_ggml(q + (first + i) * qkv_width + h * dim, keys + kvh * p->kh[at], dim,
+                for (int64_t u = 0; u < units; u++) {
+                    const int64_t hi = length + i + 1, h = u * together, kvh = h / group;
+                    attend_ggml(q + (first + i) * qkv_width + h * dim, dim, together, keys + kvh * p->kh[at], dim,
                                 values + kvh * p->vh[at], dim, visible(window, hi), hi, dim, m->scaling,
-                                s->attended + (first + i) * width + h * dim);
+                                s->attended + (first + i) * width + h * dim, dim);
                 }
         } else if (rows == 1) {
             float *row = s->step_rows + singles * qkv_width;
