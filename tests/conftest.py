@@ -161,6 +161,15 @@ async def echo_worker(spawn_worker: SpawnWorker) -> Host:
     return host
 
 
+def processor_flags() -> set[str]:
+    """The instruction sets /proc/cpuinfo names for this processor (none where it cannot be read)."""
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.split(":", 1)[1].split())
+
+
 def kernel_variant(source: Path, library: Path, flags: list[str], function: str):
     """The C function ``function`` of ``source`` built with the worker's flags plus ``flags``
     (another processor's code path, built here on purpose), loaded with ctypes; skips the test

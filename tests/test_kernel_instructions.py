@@ -8,18 +8,9 @@ from __future__ import annotations
 import platform
 import shutil
 import subprocess
-from pathlib import Path
-
 import pytest
 
-
-def _vector_processor() -> bool:
-    """The gguf kernel's vector code needs AVX2, FMA and F16C (its VECTOR)."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    return {"avx2", "fma", "f16c"} <= set(flags.split(":", 1)[1].split())
+from tests.conftest import processor_flags
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +20,7 @@ def disassembly(tmp_path_factory: pytest.TempPathFactory) -> str:
 
     if platform.machine() != "x86_64" or shutil.which("objdump") is None or shutil.which("cc") is None:
         pytest.skip("needs an x86-64 processor, objdump and a C compiler")
-    if not _vector_processor():
+    if not {"avx2", "fma", "f16c"} <= processor_flags():  # the kernel's VECTOR code
         pytest.skip("the gguf kernel's vector code needs AVX2, FMA and F16C")
     library = c_build.built(tmp_path_factory.mktemp("kernels"), KERNEL_SOURCE, lambda path: path)
     return subprocess.run(["objdump", "-d", str(library)], capture_output=True, text=True, check=True).stdout

@@ -15,6 +15,7 @@ import msgspec
 import pytest
 
 from tests.cache_samples import IDENTITY, TOKENS, forge, full_attention_tensors, header_edit, write_small_cache
+from tests.conftest import processor_flags
 from worker.kvcache import checksum, container, read
 from worker.kvcache.container import CacheFormatError, load
 
@@ -41,7 +42,7 @@ def test_crc32c_of_the_known_vectors_by_every_way_to_it(data: bytes, expected: i
 def test_the_kernel_is_built_here_and_uses_the_processors_crc_instructions_where_it_has_them():
     assert checksum.path() != "numpy", "a C compiler is there: the kernel builds"
     if platform.machine() in ("x86_64", "AMD64"):
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+        flags = processor_flags()
         if "avx512f" in flags and "vpclmulqdq" in flags:
             assert checksum.path() == "avx512 vpclmulqdq"
         elif "sse4_2" in flags:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.conftest import processor_flags
 from worker.c_build import FLAGS
 
 HARNESS = """
@@ -32,8 +32,7 @@ def attention(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     compiler = shutil.which("cc")
     if compiler is None:
         pytest.skip("no C compiler here")
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if " avx512f " not in flags or " avx512dq " not in flags:
+    if not {"avx512f", "avx512dq"} <= processor_flags():
         pytest.skip("this processor has no AVX-512 (F and DQ): attend_ggml is the plain C itself")
     folder = tmp_path_factory.mktemp("ggml_attention")
     (folder / "harness.c").write_text(HARNESS.format(source=native_pass.SOURCE))

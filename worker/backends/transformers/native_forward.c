@@ -373,20 +373,19 @@ static void attend_ggml(const float *q, int64_t qh, int64_t count, const float *
                         int64_t vj, int64_t lo, int64_t hi, int64_t dim, float scale, float *out, int64_t oh) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
     if (dim == 64 || dim == 128) {
-        const int D = (int)(dim / 16);
         for (int64_t r = 0; r < count; r += MOST_TOGETHER) {
             const float *rq = q + r * qh;
             float *ro = out + r * oh;
-            switch ((count - r < MOST_TOGETHER ? count - r : MOST_TOGETHER) * 8 + D) { /* constants for the registers */
-            case 1 * 8 + 4: attend_ggml_wide(rq, qh, keys, kj, values, vj, lo, hi, scale, ro, oh, 4, 1); break;
-            case 2 * 8 + 4: attend_ggml_wide(rq, qh, keys, kj, values, vj, lo, hi, scale, ro, oh, 4, 2); break;
-            case 3 * 8 + 4: attend_ggml_wide(rq, qh, keys, kj, values, vj, lo, hi, scale, ro, oh, 4, 3); break;
-            case 4 * 8 + 4: attend_ggml_wide(rq, qh, keys, kj, values, vj, lo, hi, scale, ro, oh, 4, 4); break;
-            case 1 * 8 + 8: attend_ggml_wide(rq, qh, keys, kj, values, vj, lo, hi, scale, ro, oh, 8, 1); break;
-            case 2 * 8 + 8: attend_ggml_wide(rq, qh, keys, kj, values, vj, lo, hi, scale, ro, oh, 8, 2); break;
-            case 3 * 8 + 8: attend_ggml_wide(rq, qh, keys, kj, values, vj, lo, hi, scale, ro, oh, 8, 3); break;
-            default: attend_ggml_wide(rq, qh, keys, kj, values, vj, lo, hi, scale, ro, oh, 8, 4);
+            /* D and G constants at each call, so that the sums stay in registers */
+#define WIDE(G) dim == 64 ? attend_ggml_wide(rq, qh, keys, kj, values, vj, lo, hi, scale, ro, oh, 4, G) \
+                          : attend_ggml_wide(rq, qh, keys, kj, values, vj, lo, hi, scale, ro, oh, 8, G)
+            switch (count - r < MOST_TOGETHER ? count - r : MOST_TOGETHER) {
+            case 1: WIDE(1); break;
+            case 2: WIDE(2); break;
+            case 3: WIDE(3); break;
+            default: WIDE(4);
             }
+#undef WIDE
         }
         return;
     }
